@@ -1,0 +1,1 @@
+"""hotcompile: HOT (Hadamard-based Optimized Training) as a torch.compile backend."""

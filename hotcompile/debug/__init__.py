@@ -1,0 +1,1 @@
+"""Debugging aids: reports, graph dumps."""

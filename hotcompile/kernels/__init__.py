@@ -1,0 +1,1 @@
+"""Kernels: pure-torch reference twins (reference.py), fused Triton kernels, custom-op registration (ops.py)."""

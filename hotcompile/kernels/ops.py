@@ -1,0 +1,105 @@
+"""The ``hot::`` custom ops the graph passes insert.
+
+Why plain ``torch.library.custom_op``: the ops are inserted into the joint graph after
+AOT tracing, where a ``triton_op`` would not be decomposed anyway (it runs as an extern
+call either way, see TORCH_NOTES.md), and ``custom_op`` lets one Python body choose the
+fused Triton implementation on CUDA and the reference twin elsewhere.
+
+Randomness: each call draws its Philox seed from torch's generator of the tensor's
+device (``torch.randint`` on that device), so ``torch.manual_seed`` makes a run
+reproducible and CUDA-graph replays draw fresh bits (the generator is capture-aware).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+from . import reference as ref
+from ..passes.lqs import TABLE as LQS
+
+_SEED_HIGH = 2 ** 62
+
+
+def draw_seed(device: torch.device) -> Tensor:
+    return torch.randint(0, _SEED_HIGH, (), device=device, dtype=torch.int64)
+
+
+def triton_usable(t: Tensor, kernels: str) -> bool:
+    """Whether this call should run the fused Triton kernels."""
+    if kernels == "reference":
+        return False
+    if t.is_cuda:
+        return True
+    if kernels == "triton":
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            return True
+        raise RuntimeError("HOTConfig.kernels='triton' needs a CUDA tensor "
+                           "(or TRITON_INTERPRET=1 on CPU); got a CPU tensor")
+    return False
+
+
+def _fused():
+    from . import fused  # imported lazily: triton is only needed on the fused path
+    return fused
+
+
+# ----------------------------------------------------------------------- HQ (g_x)
+@torch.library.custom_op("hot::hq_grad_input", mutates_args=())
+def hq_grad_input(g: Tensor, w: Tensor, bits: int, block: int, scale: str, site: str,
+                  kernels: str) -> Tensor:
+    """g_x ~= g W with block Hadamard + low-bit quantization along O. g: (L, O), w: (O, I)."""
+    if scale == "lqs":
+        per_token = LQS.per_token(site, g, bits, block)
+    else:
+        per_token = scale == "token"
+    seed = draw_seed(g.device)
+    if triton_usable(g, kernels):
+        return _fused().hq_grad_input(g, w, bits, per_token, seed, block)
+    return ref.hq_grad_input(g, w, bits, per_token, seed, block)
+
+
+@hq_grad_input.register_fake
+def _(g, w, bits, block, scale, site, kernels):
+    torch._check(g.shape[1] == w.shape[0], lambda: "hq_grad_input: g and w disagree on O")
+    return g.new_empty((g.shape[0], w.shape[1]))
+
+
+# ----------------------------------------------------------------------- ABC (forward)
+@torch.library.custom_op("hot::abc_compress", mutates_args=())
+def abc_compress(x: Tensor, rank: int, select: str, bits: int, block: int,
+                 kernels: str) -> tuple[Tensor, Tensor]:
+    """x (L, I) -> (HLA-projected x as int8 levels (ceil(L/block)*rank, I), fp32 scale ())."""
+    if triton_usable(x, kernels):
+        return _fused().abc_compress(x, rank, select, bits, block)
+    return ref.abc_compress(x, rank, select, bits, block)
+
+
+@abc_compress.register_fake
+def _(x, rank, select, bits, block, kernels):
+    rows = (x.shape[0] + block - 1) // block * rank
+    return (x.new_empty((rows, x.shape[1]), dtype=torch.int8),
+            x.new_empty((), dtype=torch.float32))
+
+
+# ----------------------------------------------------------------------- HLA (g_W)
+@torch.library.custom_op("hot::hla_grad_weight", mutates_args=())
+def hla_grad_weight(g: Tensor, xq: Tensor, x_scale: Tensor, rank: int, select: str, bits: int,
+                    block: int, kernels: str) -> Tensor:
+    """g_W ~= g^T x over the kept low-pass token coefficients. g: (L, O) -> (O, I)."""
+    seed = draw_seed(g.device)
+    if triton_usable(g, kernels):
+        return _fused().hla_grad_weight(g, xq, x_scale, rank, select, bits, seed, block)
+    return ref.hla_grad_weight(g, xq, x_scale, rank, select, bits, seed, block)
+
+
+@hla_grad_weight.register_fake
+def _(g, xq, x_scale, rank, select, bits, block, kernels):
+    torch._check(xq.shape[0] == (g.shape[0] + block - 1) // block * rank,
+                 lambda: "hla_grad_weight: compressed buffer rows disagree with g")
+    return g.new_empty((g.shape[1], xq.shape[1]))
+
+
+OPS = (torch.ops.hot.hq_grad_input.default, torch.ops.hot.abc_compress.default,
+       torch.ops.hot.hla_grad_weight.default)

@@ -1,0 +1,251 @@
+"""Pure-torch reference twins of every HOT kernel.
+
+Why this module exists: it is (1) the implementation used on CPU and whenever
+``kernels="reference"``, and (2) the oracle the fused Triton kernels are tested
+against. It therefore fixes the *exact* numerical contract every faster
+implementation must meet:
+
+* Block Hadamard transform: Sylvester ``H_n`` (natural order, ``H_n = H_n^T``),
+  applied to each run of ``n`` consecutive elements along the last axis, by the
+  in-place butterfly ``(a, b) -> (a + b, a - b)`` with strides 1, 2, 4, 8.
+* Random bits: Triton's Philox-4x32-10 (``tl.randint4x(seed, k)``); each call
+  yields four 32-bit words = eight 16-bit uniforms.  Element ``(r, c)`` of a
+  ``(R, C)`` tensor uses counter ``k = r * ceil(C / 8) + c // 8``, word
+  ``(c % 8) // 2`` and the low (``c`` even) or high (``c`` odd) half-word;
+  ``u = (u16 + 0.5) / 65536``. One Philox call per 8 elements keeps the RNG
+  cheap next to a memory-bound pass; the 16-bit resolution leaves a rounding
+  bias below 2**-17 of one quantization step.
+* Quantization to ``Q = 2**(bits-1) - 1`` symmetric levels (4 bits: -7..7,
+  8 bits: -127..127), absmax scale ``s = amax / Q`` per row or per tensor,
+  ``s = 1`` where ``amax == 0``; stochastic rounding ``floor(v / s + u)``,
+  nearest rounding ``floor(v / s + 0.5)``; clamp to ``[-Q, Q]``. A non-finite
+  amax makes the scale non-finite, so non-finite inputs give non-finite
+  outputs (never a silently finite gradient).
+* Integer GEMMs accumulate exactly (int32 on CUDA via ``torch._int_mm``,
+  float64 elsewhere) and are dequantized as ``acc * s_row * s_col / 16``.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+PHILOX_KEY_A = 0x9E3779B9
+PHILOX_KEY_B = 0xBB67AE85
+PHILOX_ROUND_A = 0xD2511F53
+PHILOX_ROUND_B = 0xCD9E8D57
+_M32 = 0xFFFFFFFF
+
+
+# --------------------------------------------------------------------------- Hadamard
+@functools.lru_cache(maxsize=None)
+def _hadamard_cpu(n: int) -> torch.Tensor:
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"block must be a power of two, got {n}")
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h
+
+
+def hadamard(n: int, device=None, dtype=torch.float32) -> torch.Tensor:
+    """Sylvester Hadamard matrix H_n (entries +-1, H H^T = n I, symmetric)."""
+    return _hadamard_cpu(n).to(device=device, dtype=dtype)
+
+
+def block_fwht(x: torch.Tensor, block: int = 16) -> torch.Tensor:
+    """Apply H_block to each run of ``block`` elements along the last axis (butterfly)."""
+    *lead, d = x.shape
+    if d % block:
+        raise ValueError(f"last axis {d} is not a multiple of block {block}")
+    y = x.reshape(-1, d // block, block)
+    h = 1
+    while h < block:
+        y = y.reshape(y.shape[0], y.shape[1], block // (2 * h), 2, h)
+        a, b = y[:, :, :, 0, :], y[:, :, :, 1, :]
+        y = torch.stack((a + b, a - b), dim=3)
+        h *= 2
+    return y.reshape(*lead, d)
+
+
+def sequency(row: torch.Tensor) -> int:
+    """Number of sign changes along a +-1 row."""
+    return int((row[1:] != row[:-1]).sum())
+
+
+@functools.lru_cache(maxsize=None)
+def low_pass_rows(rank: int, select: str = "1d", block: int = 16) -> tuple[int, ...]:
+    """Indices of the ``rank`` lowest-frequency rows of H_block.
+
+    ``1d``: sequency order (sign changes). ``2d``: the block is a sqrt(n) x sqrt(n)
+    grid of tokens and rows are ordered by the L1 norm of their 2-D sequency pair
+    (H_16 = H_4 (x) H_4), the official code's LP_L1 triangle for image tokens.
+    """
+    if not 1 <= rank <= block:
+        raise ValueError(f"rank must be in [1, {block}], got {rank}")
+    h = _hadamard_cpu(block)
+    if select == "1d":
+        key = [(sequency(h[i]), i) for i in range(block)]
+    elif select == "2d":
+        side = math.isqrt(block)
+        if side * side != block:
+            raise ValueError(f"select='2d' needs a square block, got {block}")
+        hs = _hadamard_cpu(side)
+        seq = [sequency(hs[i]) for i in range(side)]
+        key = [(seq[i // side] + seq[i % side], max(seq[i // side], seq[i % side]), i)
+               for i in range(block)]
+    else:
+        raise ValueError(f"select must be '1d' or '2d', got {select!r}")
+    return tuple(k[-1] for k in sorted(key)[:rank])
+
+
+def hla_matrix(rank: int, select: str = "1d", block: int = 16, device=None) -> torch.Tensor:
+    """P: the (rank, block) matrix of kept Hadamard rows."""
+    return hadamard(block, device=device)[list(low_pass_rows(rank, select, block))]
+
+
+def pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
+    extra = (-x.shape[0]) % multiple
+    return torch.nn.functional.pad(x, (0, 0, 0, extra)) if extra else x
+
+
+def pad_cols(x: torch.Tensor, multiple: int) -> torch.Tensor:
+    extra = (-x.shape[-1]) % multiple
+    return torch.nn.functional.pad(x, (0, extra)) if extra else x
+
+
+def hla_project(x: torch.Tensor, rank: int, select: str = "1d", block: int = 16) -> torch.Tensor:
+    """(L, C) -> (ceil(L/block) * rank, C) fp32: each block of tokens onto the kept rows.
+
+    L is padded with zero tokens, which contribute nothing to g_W = g^T x.
+    """
+    xp = pad_rows(x.float(), block)
+    nb, c = xp.shape[0] // block, xp.shape[1]
+    p = hla_matrix(rank, select, block, device=x.device)
+    return torch.einsum("rk,bkc->brc", p, xp.reshape(nb, block, c)).reshape(nb * rank, c)
+
+
+# --------------------------------------------------------------------------- random bits
+def _mulhilo(a: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """High and low 32 bits of a * b for uint32 values held in int64 (no overflow)."""
+    a_hi, a_lo = a >> 16, a & 0xFFFF
+    hi_p, lo_p = a_hi * b, a_lo * b
+    hi = (hi_p + (lo_p >> 16)) >> 16
+    lo = (((hi_p & 0xFFFF) << 16) + lo_p) & _M32
+    return hi, lo
+
+
+def philox4x32(seed, counter: torch.Tensor, rounds: int = 10):
+    """Triton's ``tl.randint4x(seed, counter)``: four uint32 words (as int64)."""
+    seed = torch.as_tensor(seed, dtype=torch.int64, device=counter.device)
+    k0, k1 = seed & _M32, (seed >> 32) & _M32
+    c0 = counter.to(torch.int64) & _M32
+    c1 = torch.zeros_like(c0)
+    c2 = torch.zeros_like(c0)
+    c3 = torch.zeros_like(c0)
+    for _ in range(rounds):
+        hi_b, lo_b = _mulhilo(c2, PHILOX_ROUND_B)
+        hi_a, lo_a = _mulhilo(c0, PHILOX_ROUND_A)
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        k0 = (k0 + PHILOX_KEY_A) & _M32
+        k1 = (k1 + PHILOX_KEY_B) & _M32
+    return c0, c1, c2, c3
+
+
+def uniform16(seed, rows: int, cols: int, device=None) -> torch.Tensor:
+    """(rows, cols) fp32 uniforms in (0, 1) with the element-to-bits map in the module doc."""
+    w8 = (cols + 7) // 8
+    counter = torch.arange(rows * w8, device=device, dtype=torch.int64)
+    words = torch.stack(philox4x32(seed, counter), dim=-1)            # (rows*w8, 4)
+    halves = torch.stack((words & 0xFFFF, words >> 16), dim=-1)        # (rows*w8, 4, 2)
+    u16 = halves.reshape(rows, w8 * 8)[:, :cols]
+    return (u16.to(torch.float32) + 0.5) * (1.0 / 65536.0)
+
+
+# --------------------------------------------------------------------------- quantization
+def qmax(bits: int) -> int:
+    return 2 ** (bits - 1) - 1
+
+
+def absmax_scale(v: torch.Tensor, bits: int, per_row: bool) -> torch.Tensor:
+    """fp32 scale s = amax / Q (shape (R,) per row, () per tensor); 1 where amax == 0."""
+    amax = v.abs().amax(dim=1) if per_row else v.abs().amax()
+    s = amax.float() / qmax(bits)
+    return torch.where(amax == 0, torch.ones_like(s), s)
+
+
+def quantize(v: torch.Tensor, bits: int, per_row: bool, stochastic: bool, seed=0,
+             scale: torch.Tensor | None = None):
+    """Symmetric quantization of a 2-D tensor: returns (int8 levels, fp32 scale)."""
+    v = v.float()
+    s = absmax_scale(v, bits, per_row) if scale is None else scale.float()
+    scaled = v / (s[:, None] if s.dim() == 1 else s)
+    if stochastic:
+        noise = uniform16(seed, v.shape[0], v.shape[1], device=v.device)
+    else:
+        noise = torch.full_like(scaled, 0.5)
+    q = torch.floor(scaled + noise).clamp_(-qmax(bits), qmax(bits))
+    return torch.nan_to_num(q, nan=0.0).to(torch.int8), s
+
+
+def dequantize(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    return q.float() * (s[:, None] if s.dim() == 1 else s)
+
+
+def int_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Exact product of two int8 level matrices, as fp32 (int32 on CUDA where cuBLASLt allows)."""
+    m, k = a.shape
+    n = b.shape[1]
+    if a.is_cuda and m > 16 and k % 8 == 0 and n % 8 == 0:
+        return torch._int_mm(a.contiguous(), b.t().contiguous().t()).float()
+    return (a.double() @ b.double()).float()
+
+
+# --------------------------------------------------------------------------- HOT ops
+def hq_weight(w: torch.Tensor, bits: int, block: int = 16):
+    """The W side of HQ: H along O (the reduction axis), 4-bit RTN, one scale per column.
+
+    Returns the transposed operand ``(I, O_pad)`` int8 and its (I,) scale, so the GEMM
+    reads both operands K-contiguous. Per-column absmax (a scale per in-feature) fits
+    the GEMM epilogue and is finer than the official per-tensor SAWB clip.
+    """
+    wt = pad_cols(w.float().t(), block)                                # (I, O_pad)
+    return quantize(block_fwht(wt, block), bits, per_row=True, stochastic=False)
+
+
+def hq_grad_input(g: torch.Tensor, w: torch.Tensor, bits: int, per_token: bool, seed=0,
+                  block: int = 16) -> torch.Tensor:
+    """g_x ~= g_y W via block-Hadamard 4/8-bit quantization along O. bits=0: no quantization."""
+    gh = block_fwht(pad_cols(g.float(), block), block)                 # (L, O_pad)
+    if bits == 0:
+        wh = block_fwht(pad_cols(w.float().t(), block), block)
+        return (gh.double() @ wh.double().t() / block).to(g.dtype)
+    qg, sg = quantize(gh, bits, per_row=per_token, stochastic=True, seed=seed)
+    qw, sw = hq_weight(w, bits, block)
+    acc = int_matmul(qg, qw.t())                                       # (L, I)
+    sg = sg[:, None] if sg.dim() == 1 else sg
+    return (acc * sg * (sw[None, :] / block)).to(g.dtype)
+
+
+def abc_compress(x: torch.Tensor, rank: int, select: str = "1d", bits: int = 8,
+                 block: int = 16):
+    """The saved activation: HLA-projected x, quantized per tensor with RTN."""
+    return quantize(hla_project(x, rank, select, block), bits, per_row=False, stochastic=False)
+
+
+def hla_grad_weight(g: torch.Tensor, xt: torch.Tensor, x_scale: torch.Tensor, rank: int,
+                    select: str = "1d", bits: int = 8, seed=0, block: int = 16) -> torch.Tensor:
+    """g_W ~= g_y^T x over the low-pass token coefficients.
+
+    ``xt`` is the projected x: int8 levels (with ``x_scale``) or floats (x_scale = 1).
+    bits=0 skips quantizing the gradient (with rank=block this is exact).
+    """
+    gt = hla_project(g, rank, select, block)                           # (L', O)
+    if bits == 0:
+        xf = xt.double() * x_scale.double()
+        return (gt.double().t() @ xf / block).to(g.dtype)
+    qg, sg = quantize(gt, bits, per_row=False, stochastic=True, seed=seed)
+    acc = int_matmul(qg.t(), xt) if xt.dtype == torch.int8 else \
+        (qg.double().t() @ xt.double()).float()
+    return (acc * (sg * x_scale.float() / block)).to(g.dtype)

@@ -1,0 +1,1 @@
+"""Graph passes over the AOTAutograd joint graph: find linear sites, rewrite their backward, compress what the forward saves."""

@@ -1,0 +1,167 @@
+"""Layer-wise quantizer selection (LQS): a runtime table, not a graph constant.
+
+Why a table: the HQ op in the compiled graph carries only its site key; it asks this
+table at run time whether to scale the transformed gradient per token or per tensor.
+Changing a choice (calibration finishing, re-calibration, loading a JSON file) therefore
+never recompiles anything.
+
+Rule (HOT paper): on real gradients, e_tok = ||g - Q_tok(g)||, e_ten = ||g - Q_ten(g)||
+(quantization at the path's bit width, measured on the Hadamard-transformed gradient that
+is actually quantized); choose per-token iff e_tok < ratio * e_ten. Unlike the authors'
+code (one batch before training) the errors are accumulated over the first
+``calibration_steps`` backward passes of the real compiled run, optionally re-measured
+every ``recalibrate_every`` steps, and can be saved/loaded as JSON.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import threading
+from typing import Dict, Optional
+
+import torch
+
+from ..kernels import reference as ref
+
+
+@dataclasses.dataclass
+class SiteChoice:
+    """LQS state of one linear site."""
+
+    per_token: Optional[bool] = None        # None: not decided yet
+    err_token: float = 0.0                  # accumulated squared errors of the window
+    err_tensor: float = 0.0
+    steps: int = 0                          # backward passes seen
+    window: int = 0                         # passes measured in the current window
+    calibration_steps: int = 3
+    ratio: float = 0.5
+    recalibrate_every: int = 0
+    source: str = "default"                 # "calibrated", "file", "forced"
+
+    @property
+    def choice(self) -> str:
+        return {None: "calibrating", True: "token", False: "tensor"}[self.per_token]
+
+    def errors(self) -> tuple[float, float]:
+        """RMS-normalised errors of the last measured window (token, tensor)."""
+        n = max(self.window, 1)
+        return (self.err_token / n) ** 0.5, (self.err_tensor / n) ** 0.5
+
+
+def quantization_errors(g: torch.Tensor, bits: int, block: int) -> tuple[float, float]:
+    """Squared relative errors of per-token and per-tensor RTN quantization of H-transformed g."""
+    gh = ref.block_fwht(ref.pad_cols(g.detach().float(), block), block)
+    norm = gh.square().sum().clamp_min(1e-30)
+    out = []
+    for per_row in (True, False):
+        q, s = ref.quantize(gh, bits, per_row=per_row, stochastic=False)
+        out.append(float((gh - ref.dequantize(q, s)).square().sum() / norm))
+    return out[0], out[1]
+
+
+class LQSTable:
+    """Process-wide map site key -> SiteChoice, consulted by hot::hq_grad_input."""
+
+    def __init__(self):
+        self.sites: Dict[str, SiteChoice] = {}
+        self.files: Dict[str, str] = {}        # site -> JSON file to save into
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ setup
+    def register(self, site: str, calibration_steps=3, ratio=0.5, recalibrate_every=0,
+                 lqs_file: Optional[str] = None, forced: Optional[str] = None) -> SiteChoice:
+        with self._lock:
+            c = self.sites.get(site)
+            if c is None:
+                c = self.sites[site] = SiteChoice()
+            c.calibration_steps, c.ratio = calibration_steps, ratio
+            c.recalibrate_every = recalibrate_every
+            if forced is not None:
+                c.per_token, c.source = forced == "token", "forced"
+            if lqs_file:
+                self.files[site] = lqs_file
+        if lqs_file and forced is None and os.path.exists(lqs_file):
+            self.load(lqs_file, only=[site])
+        return c
+
+    def set(self, site: str, per_token: bool) -> None:
+        """Force a site's choice by hand (takes effect at the next backward, no recompile)."""
+        c = self.sites.setdefault(site, SiteChoice())
+        c.per_token, c.source = per_token, "forced"
+
+    def recalibrate(self, site: Optional[str] = None) -> None:
+        """Start a new calibration window now (one site, or all)."""
+        for key, c in self.sites.items():
+            if site is None or key == site:
+                if c.source != "forced":
+                    c.per_token, c.window, c.err_token, c.err_tensor = None, 0, 0.0, 0.0
+
+    # ------------------------------------------------------------------ runtime
+    def per_token(self, site: str, g: torch.Tensor, bits: int, block: int) -> bool:
+        """Decide (and while calibrating, measure) the scaling of this backward's g."""
+        c = self.sites.get(site)
+        if c is None:
+            c = self.register(site)
+        c.steps += 1
+        if (c.recalibrate_every and c.source != "forced" and c.steps > 1
+                and (c.steps - 1) % c.recalibrate_every == 0):
+            c.per_token, c.window, c.err_token, c.err_tensor = None, 0, 0.0, 0.0
+        if c.per_token is not None:
+            return c.per_token
+        e_tok, e_ten = quantization_errors(g, bits, block)
+        c.err_token += e_tok
+        c.err_tensor += e_ten
+        c.window += 1
+        if c.window >= c.calibration_steps:
+            c.per_token = c.err_token < c.ratio * c.err_tensor
+            c.source = "calibrated"
+            if site in self.files:
+                self.save(self.files[site])
+        return True   # per-token while calibrating: never worse than per-tensor at 4 bits
+
+    # ------------------------------------------------------------------ persistence
+    def to_json(self) -> dict:
+        out = {}
+        for k, c in self.sites.items():
+            if c.per_token is None:
+                continue
+            e_tok, e_ten = c.errors()
+            out[k] = {"choice": c.choice, "err_token": e_tok, "err_tensor": e_ten,
+                      "source": c.source}
+        return out
+
+    def save(self, path: str) -> None:
+        existing = {}
+        if os.path.exists(path):
+            with open(path) as f:
+                existing = json.load(f)
+        existing.update(self.to_json())
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(existing, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+
+    def load(self, path: str, only=None) -> int:
+        with open(path) as f:
+            data = json.load(f)
+        n = 0
+        for k, rec in data.items():
+            if only is not None and k not in only:
+                continue
+            if rec.get("choice") not in ("token", "tensor"):
+                raise ValueError(f"{path}: site {k!r} has invalid choice {rec.get('choice')!r}")
+            c = self.sites.setdefault(k, SiteChoice())
+            c.per_token, c.source = rec["choice"] == "token", "file"
+            c.window = 1
+            c.err_token = float(rec.get("err_token", 0.0)) ** 2
+            c.err_tensor = float(rec.get("err_tensor", 0.0)) ** 2
+            n += 1
+        return n
+
+    def clear(self) -> None:
+        self.sites.clear()
+        self.files.clear()
+
+
+TABLE = LQSTable()
