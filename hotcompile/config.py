@@ -25,7 +25,8 @@ class HOTConfig:
     gx_scale: ``lqs`` (per layer, calibrated on real gradients), or force ``token``/``tensor``.
     hla_select: ``1d`` sequency order, or ``2d`` LP_L1 for tokens laid out on a grid.
     kernels: ``auto`` = fused Triton on CUDA, reference torch elsewhere.
-    include / exclude: substrings of module names (``fnmatch`` patterns allowed) to force in/out.
+    include / exclude: module-name components (``head``) or ``fnmatch`` globs of the full
+    name (``blocks.*.fc2``) to restrict / skip.
     min_features: a linear with in- or out-features below this stays exact (too small to win).
     abc: save the compressed activation instead of x (False: compress in backward).
     lqs_*: calibration steps, per-token threshold ratio, re-calibration period (0 = never),
@@ -41,7 +42,7 @@ class HOTConfig:
     hla_select: str = "1d"
     kernels: str = "auto"
     include: Optional[Tuple[str, ...]] = None
-    exclude: Tuple[str, ...] = ("head",)
+    exclude: Tuple[str, ...] = ("head", "lm_head")
     min_features: int = 256
     abc: bool = True
     lqs_calibration_steps: int = 3

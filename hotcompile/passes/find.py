@@ -1,0 +1,226 @@
+"""Locate every linear layer in the AOTAutograd joint graph.
+
+Why by node identity rather than op-sequence patterns: the forward GEMM of a linear is
+``mm``/``addmm(b, X, Wt)`` where ``Wt`` is a transpose (possibly around a dtype cast) of a
+weight placeholder; in the joint graph the g_W GEMM is ``mm(permute(G), X)`` on *the same*
+``X`` node, and the g_x GEMM is ``mm(G, permute(Wt))`` on *the same* ``Wt`` node. Matching
+those identities is immune to how views, casts and transposes are spelled on a given
+torch version (checked on 2.11 and 2.13), where a sequence pattern would break.
+
+Each find yields a :class:`LinearSite`; a site that cannot be proven safe carries the
+``reason`` it stays exact, and the rewrite leaves it alone.
+"""
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import re
+from typing import List, Optional
+
+import torch
+from torch.fx import Graph, Node
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+FWD_GEMMS = (aten.mm.default, aten.addmm.default)
+CASTS = (prims.convert_element_type.default, aten._to_copy.default)
+FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclasses.dataclass
+class LinearSite:
+    """One linear layer of the joint graph and what the passes decided for it."""
+
+    index: int
+    name: str
+    fwd: Node
+    x: Node                       # 2-D input of the forward GEMM (L, I)
+    wt: Node                      # the forward GEMM's (I, O) operand
+    weight: Optional[Node]        # the weight placeholder (O, I)
+    gx: Optional[Node] = None     # backward mm computing g_x (L, I)
+    gw: Optional[Node] = None     # backward mm computing g_W (O, I)
+    grad: Optional[Node] = None   # G, the (L, O) output gradient
+    L: object = None
+    I: object = None
+    O: object = None
+    dtype: Optional[torch.dtype] = None
+    reason: Optional[str] = None  # why the site stays exact (None: rewritable)
+    key: str = ""                 # stable runtime key (LQS table)
+    abc: str = "-"                # "forward" | "backward" | "-"
+    rewritten_gx: Optional[Node] = None
+    rewritten_gw: Optional[Node] = None
+
+    @property
+    def eligible(self) -> bool:
+        return self.reason is None
+
+
+def is_transpose(n: Node) -> bool:
+    if n.op != "call_function":
+        return False
+    if n.target == aten.t.default:
+        return True
+    return n.target == aten.permute.default and list(n.args[1]) in ([1, 0], [-1, -2], [1, -2])
+
+
+def strip(n: Node) -> tuple[Node, int]:
+    """Follow casts and 2-D transposes upwards; return the source node and #transposes."""
+    flips = 0
+    while n.op == "call_function":
+        if n.target in CASTS:
+            n = n.args[0]
+        elif is_transpose(n):
+            flips += 1
+            n = n.args[0]
+        else:
+            break
+    return n, flips
+
+
+def is_backward(n: Node) -> bool:
+    return n.meta.get("partitioner_tag") == "is_backward"
+
+
+def is_forward(n: Node) -> bool:
+    return not is_backward(n)
+
+
+_PREFIX = re.compile(r"^L\[['\"](?:self|fn|model|mod|m)['\"]\]\.?")
+
+
+def clean_fqn(raw: str) -> str:
+    """Dynamo's ``L['self'].blocks._modules['0'].fc1`` -> ``blocks.0.fc1``."""
+    s = _PREFIX.sub("", raw)
+    s = re.sub(r"\._modules\[['\"]([^'\"]+)['\"]\]", r".\1", s)
+    s = re.sub(r"\[['\"]([^'\"]+)['\"]\]", r".\1", s)
+    s = re.sub(r"\[(\d+)\]", r".\1", s)
+    return s.strip(".") or raw
+
+
+def module_name(fwd: Node, gx: Optional[Node], gw: Optional[Node]) -> str:
+    for n, key in ((fwd, "nn_module_stack"), (gw, "fwd_nn_module_stack"),
+                   (gx, "fwd_nn_module_stack")):
+        stack = n.meta.get(key) if n is not None else None
+        if stack:
+            fqn = list(stack.values())[-1][0]
+            return clean_fqn(str(fqn))
+    return "linear"
+
+
+def hint(v) -> object:
+    """A concrete int for a size without installing a guard (a SymInt's hint)."""
+    if isinstance(v, int):
+        return v
+    h = getattr(getattr(v, "node", None), "hint", None)
+    return int(h) if h is not None else str(v)
+
+
+def _val(n) -> Optional[torch.Tensor]:
+    v = n.meta.get("val") if isinstance(n, Node) else None
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def _same_grad(a: Node, b: Node) -> bool:
+    if a is b:
+        return True
+    sa, _ = strip(a)
+    sb, _ = strip(b)
+    return sa is sb
+
+
+def find_linear_sites(graph: Graph, config) -> List[LinearSite]:
+    """All forward linear GEMMs of ``graph`` with their backward GEMMs and an eligibility verdict."""
+    sites: List[LinearSite] = []
+    bwd_mms = [n for n in graph.nodes
+               if n.op == "call_function" and n.target == aten.mm.default and is_backward(n)]
+    for fwd in graph.nodes:
+        if fwd.op != "call_function" or fwd.target not in FWD_GEMMS or not is_forward(fwd):
+            continue
+        x, wt = (fwd.args[1], fwd.args[2]) if fwd.target == aten.addmm.default else fwd.args[:2]
+        src, flips = strip(wt)
+        site = LinearSite(index=len(sites), name="linear", fwd=fwd, x=x, wt=wt,
+                          weight=src if src.op == "placeholder" else None)
+        # g_x: mm(G, transpose(wt));  g_W: mm(transpose(G), x)
+        gx = [mm for mm in bwd_mms if is_transpose(mm.args[1]) and mm.args[1].args[0] is wt]
+        gw = [mm for mm in bwd_mms if mm.args[1] is x and is_transpose(mm.args[0])]
+        site.gx, why_x = _pick(gx, fwd, "g_x")
+        site.gw, why_w = _pick(gw, fwd, "g_W")
+        site.reason = why_x or why_w
+        if site.gw is not None:
+            site.grad = site.gw.args[0].args[0]
+        elif site.gx is not None:
+            site.grad = site.gx.args[0]
+        site.name = module_name(fwd, site.gx, site.gw)
+        xv, wv = _val(x), _val(src)
+        if xv is not None and xv.dim() == 2:
+            site.L, site.I = hint(xv.shape[0]), hint(xv.shape[1])
+            site.dtype = xv.dtype
+        if wv is not None and wv.dim() == 2:
+            site.O = hint(wv.shape[0])
+        if site.reason is None:
+            site.reason = _verdict(site, flips, config)
+        sites.append(site)
+    _assign_keys(sites)
+    return sites
+
+
+def _pick(cands: List[Node], fwd: Node, what: str):
+    """The one backward GEMM of this forward GEMM among candidates sharing an operand.
+
+    Several linears reading the same X (or one weight transpose used twice) give several
+    candidates; autograd stamps a forward op and its gradient nodes with the same seq_nr.
+    """
+    if len(cands) > 1:
+        seq = fwd.meta.get("seq_nr")
+        cands = [c for c in cands if seq is not None and c.meta.get("seq_nr") == seq]
+        if len(cands) != 1:
+            return None, f"cannot tell which of several {what} GEMMs belongs to this layer"
+    return (cands[0] if cands else None), None
+
+
+def _verdict(site: LinearSite, flips: int, config) -> Optional[str]:
+    """Why this site must stay exact, or None when it is safe to rewrite."""
+    if site.weight is None:
+        return "weight operand is not a parameter/input (activation x activation GEMM)"
+    if flips % 2 != 1:
+        return "weight is used untransposed (x @ W, not a linear layer's x @ W^T)"
+    xv, gv = _val(site.x), _val(site.grad) if site.grad is not None else None
+    if site.gw is None:
+        return "weight has no gradient (frozen) or its g_W GEMM was not found"
+    if site.gx is not None and not _same_grad(site.gx.args[0], site.gw.args[0].args[0]):
+        return "g_x and g_W consume different output gradients"
+    if xv is None or gv is None or xv.dim() != 2 or gv.dim() != 2:
+        return "operands are not 2-D tensors with known metadata"
+    if xv.dtype not in FLOATS or gv.dtype != xv.dtype:
+        return f"unsupported dtypes (x {xv.dtype}, grad {gv.dtype})"
+    if site.gx is not None and _val(site.gx.args[1]).dtype != gv.dtype:
+        return "weight and gradient dtypes differ in the g_x GEMM"
+    if xv.device.type not in ("cpu", "cuda"):
+        return f"device {xv.device.type} is not supported"
+    if not _selected(site.name, config):
+        return f"excluded by name (include={config.include}, exclude={config.exclude})"
+    dims = [d for d in (site.I, site.O) if isinstance(d, int)]
+    if dims and min(dims) < config.min_features:
+        return f"features {min(dims)} < min_features={config.min_features}"
+    return None
+
+
+def _selected(name: str, config) -> bool:
+    parts = name.split(".")
+
+    def match(pats):
+        # a pattern names a dotted component ("head"), or globs the full name ("blocks.*.fc2")
+        return any(p in parts or fnmatch.fnmatch(name, p) for p in pats)
+    if config.include is not None and not match(config.include):
+        return False
+    return not match(config.exclude)
+
+
+def _assign_keys(sites: List[LinearSite]) -> None:
+    """Runtime keys: the module name, suffixed with #k when a module is applied twice."""
+    seen: dict = {}
+    for s in sites:
+        k = seen.get(s.name, 0)
+        seen[s.name] = k + 1
+        s.key = s.name if k == 0 else f"{s.name}#{k}"

@@ -1,0 +1,18 @@
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "0")
+os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "0")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_state():
+    """Each test starts with empty Dynamo caches and an empty LQS table."""
+    from hotcompile.passes.lqs import TABLE
+    torch._dynamo.reset()
+    TABLE.clear()
+    yield
+    torch._dynamo.reset()
+    TABLE.clear()

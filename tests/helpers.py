@@ -1,0 +1,58 @@
+"""Shared test models and graph-capture helpers."""
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+HOT_OPS = {"hq": torch.ops.hot.hq_grad_input.default, "hla": torch.ops.hot.hla_grad_weight.default,
+           "abc": torch.ops.hot.abc_compress.default}
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, d_in=64, hidden=96, d_out=48, bias=True):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(d_in, hidden, bias=bias)
+        self.fc2 = torch.nn.Linear(hidden, d_out, bias=bias)
+
+    def forward(self, x):
+        return self.fc2(self.fc1(x).relu())
+
+
+class Block(torch.nn.Module):
+    """Pre-norm transformer block: attention + MLP, 3-D input, biases, LayerNorm."""
+
+    def __init__(self, d=64, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+        self.qkv = torch.nn.Linear(d, 3 * d)
+        self.proj = torch.nn.Linear(d, d)
+        self.fc1 = torch.nn.Linear(d, 4 * d)
+        self.fc2 = torch.nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
+        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+@contextlib.contextmanager
+def capture_graphs():
+    """Collect the post-grad forward and backward graphs Inductor compiles (fx.Graph list)."""
+    graphs = []
+    with torch._inductor.config.patch(post_grad_custom_post_pass=graphs.append):
+        yield graphs
+
+
+def count_ops(graph, op) -> int:
+    return sum(1 for n in graph.nodes if n.op == "call_function" and n.target == op)
+
+
+def is_bw(graph) -> bool:
+    return any(n.op == "placeholder" and "tangents" in n.name for n in graph.nodes)
+
+
+def rel(a, b) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
