@@ -1,0 +1,33 @@
+"""HOTConfig validation: bad values fail at construction with the field's name."""
+import pytest
+
+from hotcompile import HOTConfig
+
+
+@pytest.mark.parametrize("kw,field", [
+    ({"block": 12}, "block"), ({"block": 1}, "block"), ({"rank": 0}, "rank"),
+    ({"rank": 17}, "rank"), ({"gx_bits": 2}, "gx_bits"), ({"gw_bits": 16}, "gw_bits"),
+    ({"gx_scale": "row"}, "gx_scale"), ({"hla_select": "3d"}, "hla_select"),
+    ({"kernels": "cuda"}, "kernels"), ({"exclude": "head"}, "exclude"),
+    ({"include": [1]}, "include"), ({"min_features": -1}, "min_features"),
+    ({"lqs_ratio": 0}, "lqs_ratio"), ({"lqs_calibration_steps": 0}, "lqs_calibration_steps"),
+    ({"rank": 4.0}, "rank"), ({"abc": 1}, "abc"), ({"block": 32, "hla_select": "2d"}, "hla_select"),
+])
+def test_bad_values_name_the_field(kw, field):
+    with pytest.raises(ValueError, match=rf"HOTConfig\.{field}\b"):
+        HOTConfig(**kw)
+
+
+def test_defaults_and_frozen():
+    c = HOTConfig()
+    assert (c.rank, c.block, c.gx_bits, c.gw_bits, c.kernels) == (8, 16, 4, 8, "auto")
+    with pytest.raises(Exception):
+        c.rank = 4
+    assert HOTConfig(exclude=["a", "b"]).exclude == ("a", "b")
+    assert c.digest() == HOTConfig().digest() != HOTConfig(rank=4).digest()
+
+
+def test_hot_dump_env(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOT_DUMP", str(tmp_path))
+    assert HOTConfig().dump_dir == str(tmp_path)
+    assert HOTConfig(dump_dir="x").dump_dir == "x"
