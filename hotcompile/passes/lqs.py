@@ -114,7 +114,8 @@ class LQSTable:
         c.err_tensor += e_ten
         c.window += 1
         if c.window >= c.calibration_steps:
-            c.per_token = c.err_token < c.ratio * c.err_tensor
+            e_tok, e_ten = c.errors()
+            c.per_token = e_tok < c.ratio * e_ten
             c.source = "calibrated"
             if site in self.files:
                 self.save(self.files[site])
