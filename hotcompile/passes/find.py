@@ -86,13 +86,13 @@ def is_forward(n: Node) -> bool:
     return not is_backward(n)
 
 
-_PREFIX = re.compile(r"^L\[['\"](?:self|fn|model|mod|m)['\"]\]\.?")
+_PREFIX = re.compile(r"^L\[['\"][^'\"]+['\"]\]\.?")   # the root module's local name
 
 
 def clean_fqn(raw: str) -> str:
     """Dynamo's ``L['self'].blocks._modules['0'].fc1`` -> ``blocks.0.fc1``."""
     s = _PREFIX.sub("", raw)
-    s = re.sub(r"\._modules\[['\"]([^'\"]+)['\"]\]", r".\1", s)
+    s = re.sub(r"(^|\.)_modules\[['\"]([^'\"]+)['\"]\]", r"\1\2", s)
     s = re.sub(r"\[['\"]([^'\"]+)['\"]\]", r".\1", s)
     s = re.sub(r"\[(\d+)\]", r".\1", s)
     return s.strip(".") or raw
