@@ -43,6 +43,9 @@ class JointPass:
                         self.graph_index, e)
             log.debug("%s", traceback.format_exc())
             self.sink.errors.append(f"graph {self.graph_index}: {type(e).__name__}: {e}")
+            if self.config.dump_dir:   # the failed graph still gets its joint dump
+                from .debug.dump import dump_joint
+                dump_joint(self.config, self.graph_index, before, graph, [], [])
             return
         records = [record_site(s, self.graph_index, self.config) for s in sites]
         self.sink.layers.extend(records)

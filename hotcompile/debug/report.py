@@ -55,7 +55,8 @@ def _ints(*vals) -> bool:
 def record_site(site: LinearSite, graph_index: int, config) -> SiteRecord:
     dtype = str(site.dtype) if site.dtype is not None else "?"
     before = after = None
-    if _ints(site.L, site.I) and dtype in _ITEMSIZE:
+    if _ints(site.L, site.I) and dtype in _ITEMSIZE and site.gw is not None:
+        # x is saved for backward only for g_W (a frozen layer saves nothing)
         before = site.L * site.I * _ITEMSIZE[dtype]
         after = before
         if site.eligible and site.abc == "forward":

@@ -26,6 +26,12 @@ prims = torch.ops.prims
 FWD_GEMMS = (aten.mm.default, aten.addmm.default)
 CASTS = (prims.convert_element_type.default, aten._to_copy.default)
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+# parameters gathered *inside* the graph (SimpleFSDP-style, functional collectives):
+# W = wait_tensor(all_gather_into_tensor(shard)), the shard a placeholder up to casts/views
+_C10D = getattr(torch.ops, "_c10d_functional", None)
+GATHERS = tuple(getattr(getattr(_C10D, n, None), "default", None)
+                for n in ("wait_tensor", "all_gather_into_tensor")) if _C10D else ()
+_SHARD_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.slice.Tensor)
 
 
 @dataclasses.dataclass
@@ -78,6 +84,18 @@ def strip(n: Node) -> tuple[Node, int]:
     return n, flips
 
 
+def _is_param(n: Node) -> bool:
+    """A weight placeholder, or one gathered in the graph from a placeholder shard (FSDP)."""
+    if n.op == "placeholder":
+        return True
+    if n.op != "call_function" or not GATHERS or n.target != GATHERS[0]:
+        return False
+    while n.op == "call_function" and (n.target in GATHERS or n.target in CASTS
+                                       or n.target in _SHARD_VIEWS):
+        n = n.args[0]
+    return n.op == "placeholder"
+
+
 def is_backward(n: Node) -> bool:
     return n.meta.get("partitioner_tag") == "is_backward"
 
@@ -95,7 +113,7 @@ def clean_fqn(raw: str) -> str:
     s = re.sub(r"(^|\.)_modules\[['\"]([^'\"]+)['\"]\]", r"\1\2", s)
     s = re.sub(r"\[['\"]([^'\"]+)['\"]\]", r".\1", s)
     s = re.sub(r"\[(\d+)\]", r".\1", s)
-    return s.strip(".") or raw
+    return s.strip(".")
 
 
 def module_name(fwd: Node, gx: Optional[Node], gw: Optional[Node]) -> str:
@@ -103,8 +121,9 @@ def module_name(fwd: Node, gx: Optional[Node], gw: Optional[Node]) -> str:
                    (gx, "fwd_nn_module_stack")):
         stack = n.meta.get(key) if n is not None else None
         if stack:
-            fqn = list(stack.values())[-1][0]
-            return clean_fqn(str(fqn))
+            fqn, mod_type = list(stack.values())[-1][:2]
+            # the compiled module itself (torch.compile(nn.Linear(...))): its class name
+            return clean_fqn(str(fqn)) or getattr(mod_type, "__name__", "linear")
     return "linear"
 
 
@@ -140,7 +159,7 @@ def find_linear_sites(graph: Graph, config) -> List[LinearSite]:
         x, wt = (fwd.args[1], fwd.args[2]) if fwd.target == aten.addmm.default else fwd.args[:2]
         src, flips = strip(wt)
         site = LinearSite(index=len(sites), name="linear", fwd=fwd, x=x, wt=wt,
-                          weight=src if src.op == "placeholder" else None)
+                          weight=src if _is_param(src) else None)
         # g_x: mm(G, transpose(wt));  g_W: mm(transpose(G), x)
         gx = [mm for mm in bwd_mms if is_transpose(mm.args[1]) and mm.args[1].args[0] is wt]
         gw = [mm for mm in bwd_mms if mm.args[1] is x and is_transpose(mm.args[0])]
