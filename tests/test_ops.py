@@ -33,3 +33,15 @@ def test_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
     with pytest.raises(RuntimeError, match="kernels='triton'"):
         torch.ops.hot.hq_grad_input(torch.randn(32, 32), torch.randn(32, 16), 4, 16, "token",
                                     "s", "triton")
+
+
+def test_seeds_differ_per_rank_under_the_same_manual_seed(monkeypatch):
+    draws = {}
+    for rank in (0, 1, 2):
+        monkeypatch.setattr(ops, "_rank", lambda r=rank: r)
+        torch.manual_seed(0)
+        draws[rank] = [int(ops.draw_seed(torch.device("cpu"))) for _ in range(4)]
+    assert len({s for d in draws.values() for s in d}) == 12
+    torch.manual_seed(0)
+    monkeypatch.setattr(ops, "_rank", lambda: 1)
+    assert [int(ops.draw_seed(torch.device("cpu"))) for _ in range(4)] == draws[1]

@@ -20,10 +20,25 @@ from . import reference as ref
 from ..passes.lqs import TABLE as LQS
 
 _SEED_HIGH = 2 ** 62
+_RANK_STRIDE = 0x2545F4914F6CDD1D % _SEED_HIGH   # odd, so distinct ranks get distinct offsets
+
+
+def _rank() -> int:
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def draw_seed(device: torch.device) -> Tensor:
-    return torch.randint(0, _SEED_HIGH, (), device=device, dtype=torch.int64)
+    """A Philox seed from torch's generator of ``device``, offset by the distributed rank.
+
+    Why the rank: with the same ``torch.manual_seed`` on every rank (the usual recipe, so the
+    initial weights agree) the ranks would otherwise draw identical rounding bits, whose
+    errors are correlated and do not average out in the gradient all-reduce
+    (docs/DISTRIBUTED.md). The offset keeps runs reproducible for a given world size.
+    """
+    seed = torch.randint(0, _SEED_HIGH, (), device=device, dtype=torch.int64)
+    rank = _rank()
+    return seed + (rank * _RANK_STRIDE) % _SEED_HIGH if rank else seed
 
 
 def triton_usable(t: Tensor, kernels: str) -> bool:
