@@ -1,0 +1,71 @@
+"""The three HOT ops on fused Triton kernels: same signatures, semantics, dtypes and shapes
+as the reference functions of the same name (``reference.py``).
+
+Each op is a short pipeline of single-pass kernels (``hadamard``, ``hla``, ``gemm``):
+
+* ``hq_grad_input``: W (O, I) -> H along O + RTN levels (I, O_pad) in one kernel;
+  g (L, O) -> H along O + stochastic levels (L, O_pad), per-token (one read of g) or
+  per-tensor (two reads: a global amax first); then one GEMM over O_pad with
+  acc * s_g * s_W / 16 in its epilogue. Levels are INT8 or e4m3, whichever GEMM is
+  faster for the shape on this device (``gemm.choose_format``).
+* ``abc_compress``: x (L, I) -> projected, RTN int8 levels (L', I) and a per-tensor scale.
+* ``hla_grad_weight``: g (L, O) -> projected stochastic int8 levels written transposed
+  (O, L'); the saved (L', I) levels transposed once to (I, L') (the GEMM reads both
+  operands along L'); one GEMM with acc * s_g * s_x / 16 in its epilogue.
+
+``seed`` is a 0-d int64 tensor on the device (kernels load it: CUDA-graph replays read
+the current value) or a Python int. Only ``block=16`` has fused kernels; other blocks,
+``bits=0`` (no quantization), bits outside 2..8 and float ``xt`` fall back to the
+reference implementation, as do empty tensors.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import gemm, hadamard, hla
+from . import reference as ref
+
+_FUSED_BLOCK = 16
+
+
+def _fused_bits(bits: int) -> bool:
+    return 2 <= bits <= 8
+
+
+def hq_grad_input(g: torch.Tensor, w: torch.Tensor, bits: int, per_token: bool, seed=0,
+                  block: int = 16) -> torch.Tensor:
+    """g_x ~= g_y W via block-Hadamard 4/8-bit quantization along O. g: (L, O), w: (O, I)."""
+    L, O = g.shape
+    I = w.shape[1]
+    if block != _FUSED_BLOCK or not _fused_bits(bits) or g.numel() == 0 or w.numel() == 0:
+        return ref.hq_grad_input(g, w, bits, per_token, seed, block)
+    o_pad = -(-O // 16) * 16
+    fp8 = gemm.choose_format(L, I, o_pad, bits, g.device) == "fp8"
+    qw, sw = hadamard.hq_weight_quant(w, bits, fp8=fp8)
+    qg, sg = hadamard.hq_act_quant(g, bits, per_token, seed, fp8=fp8)
+    return gemm.scaled_mm(qg, qw, sg, sw, 1.0 / 16, g.dtype)
+
+
+def abc_compress(x: torch.Tensor, rank: int, select: str = "1d", bits: int = 8,
+                 block: int = 16):
+    """The saved activation: HLA-projected x as int8 levels (ceil(L/16)*rank, I), fp32 scale ()."""
+    if block != _FUSED_BLOCK or not _fused_bits(bits) or x.numel() == 0:
+        return ref.abc_compress(x, rank, select, bits, block)
+    return hla.hla_quant(x, rank, select, bits, stochastic=False)
+
+
+def hla_grad_weight(g: torch.Tensor, xt: torch.Tensor, x_scale: torch.Tensor, rank: int,
+                    select: str = "1d", bits: int = 8, seed=0, block: int = 16) -> torch.Tensor:
+    """g_W ~= g_y^T x over the kept low-pass token coefficients. g: (L, O) -> (O, I)."""
+    if (block != _FUSED_BLOCK or not _fused_bits(bits) or xt.dtype != torch.int8
+            or g.numel() == 0 or xt.numel() == 0):
+        return ref.hla_grad_weight(g, xt, x_scale, rank, select, bits, seed, block)
+    k = xt.shape[0]                                      # L' = ceil(L / 16) * rank
+    if k != -(-g.shape[0] // block) * rank:
+        raise ValueError(f"hla_grad_weight: xt has {k} rows, expected ceil({g.shape[0]}/{block})"
+                         f" * {rank}")
+    qg_t, sg = hla.hla_quant(g, rank, select, bits, stochastic=True, seed=seed,
+                             transposed=True, pad_to=16)  # (O, L'_pad)
+    xs = x_scale if isinstance(x_scale, torch.Tensor) else torch.tensor(float(x_scale))
+    xs = xs.to(device=g.device, dtype=torch.float32)
+    return gemm.scaled_mm(qg_t, gemm.transpose_padded(xt, 16), sg, xs, 1.0 / 16, g.dtype, k=k)

@@ -1,0 +1,238 @@
+"""Low-precision GEMM with the dequantization fused into the epilogue.
+
+    out[m, n] = acc[m, n] * row_scale[m] * (col_scale[n] * alpha)        (vectors or scalars)
+    acc = A @ B over integer levels, exact
+
+Why fused: the accumulator is a (M, N) tile in registers; scaling it there costs two
+multiplies per output element instead of a second pass over an fp32 (M, N) tensor.
+
+Both operands are given K-major: A as (M, K) and B *transposed*, as Bt (N, K), each with
+unit stride along K. Hopper's 8-bit tensor-core instructions (wgmma with s8 or e4m3
+inputs) read shared-memory operands only in K-major order; an MN-major operand makes
+Triton transpose it through registers and shared memory on every K step (measured in
+the compiled code: byte-wise shared stores, no async copies), so callers transpose once.
+
+Two operand formats, same levels:
+* INT8 x INT8 -> int32 accumulate: exact for any K with |acc| < 2**31.
+* FP8 e4m3 x e4m3 -> fp32 accumulate, for levels |q| <= 15 (4-bit HQ), all exact in e4m3.
+  Hopper's FP8 tensor cores add products into the accumulator with reduced precision
+  (about 14 bits kept), so ``EXACT_ACC`` moves each BLOCK_K partial product into a
+  separate fp32 accumulator (``max_num_imprecise_acc``): every partial is an integer
+  below 2**14 and the fp32 sum stays exact while it is below 2**24 (K * 49 for 4-bit).
+``choose_format`` times both once per shape on the device and keeps the faster.
+
+Tails: M and N tails are handled by clamping the row indices of the loads (rows past
+the end re-read row 0; their results are masked on store) and K tails by masked loads.
+The epilogue's multiplication order matches the reference:
+acc * row_scale, then * (col_scale * alpha); two scalars: acc * (row_scale * (col_scale * alpha)).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .hadamard import interpreting
+
+
+@triton.jit
+def _grouped_tile(pid, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+    """Program id -> (tile row, tile col), GROUP_M tile rows at a time so that the B tiles
+    a group reuses stay in L2."""
+    n_m = tl.cdiv(M, BM)
+    n_n = tl.cdiv(N, BN)
+    per_group = GROUP_M * n_n
+    first_m = (pid // per_group) * GROUP_M
+    rows = tl.minimum(n_m - first_m, GROUP_M)
+    return first_m + (pid % per_group) % rows, (pid % per_group) // rows
+
+
+@triton.jit
+def _dequant_epilogue(acc, rs_ptr, cs_ptr, alpha, offs_m, offs_n, M, N,
+                      ROW_VEC: tl.constexpr, COL_VEC: tl.constexpr):
+    accf = acc.to(tl.float32)
+    if COL_VEC:
+        cs = (tl.load(cs_ptr + offs_n, mask=offs_n < N, other=0.0) * alpha)[None, :]
+    else:
+        cs = tl.load(cs_ptr) * alpha
+    if ROW_VEC:
+        out = (accf * tl.load(rs_ptr + offs_m, mask=offs_m < M, other=0.0)[:, None]) * cs
+    elif COL_VEC:
+        out = (accf * tl.load(rs_ptr)) * cs
+    else:
+        out = accf * (tl.load(rs_ptr) * cs)
+    return out
+
+
+@triton.jit
+def _scaled_mm_kernel(a_ptr, bt_ptr, out_ptr, rs_ptr, cs_ptr, alpha, M, N, K, lda, ldb, ldo,
+                      ROW_VEC: tl.constexpr, COL_VEC: tl.constexpr, FP8: tl.constexpr,
+                      EXACT_ACC: tl.constexpr, EVEN_K: tl.constexpr,
+                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
+    pid_m, pid_n = _grouped_tile(tl.program_id(0), M, N, BM, BN, GROUP_M)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_k = tl.arange(0, BK)
+    rows_a = tl.where(offs_m < M, offs_m, 0)
+    rows_b = tl.where(offs_n < N, offs_n, 0)
+    a_ptrs = a_ptr + rows_a.to(tl.int64)[:, None] * lda + offs_k[None, :]
+    b_ptrs = bt_ptr + rows_b.to(tl.int64)[None, :] * ldb + offs_k[:, None]
+    if FP8:
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BM, BN), dtype=tl.int32)
+    for k in range(0, tl.cdiv(K, BK)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_left = K - k * BK
+            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0)
+            b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0)
+        if FP8:
+            a = a.to(tl.float8e4nv, bitcast=True)
+            b = b.to(tl.float8e4nv, bitcast=True)
+            if EXACT_ACC:
+                acc = tl.dot(a, b, acc, max_num_imprecise_acc=BK)
+            else:
+                acc = tl.dot(a, b, acc)
+        else:
+            acc = tl.dot(a, b, acc, out_dtype=tl.int32)
+        a_ptrs += BK
+        b_ptrs += BK
+    out = _dequant_epilogue(acc, rs_ptr, cs_ptr, alpha, offs_m, offs_n, M, N, ROW_VEC, COL_VEC)
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * ldo + offs_n[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _configs():
+    shapes = [  # BM, BN, BK, warps, stages
+        (128, 256, 128, 8, 3),
+        (128, 128, 128, 8, 4),
+        (128, 128, 128, 4, 4),
+        (64, 128, 128, 4, 4),
+    ]
+    return [triton.Config(dict(BM=bm, BN=bn, BK=bk, GROUP_M=8), num_warps=w, num_stages=s)
+            for bm, bn, bk, w, s in shapes]
+
+
+def _quick_bench(kernel_call, quantiles):
+    """Autotuning benchmark: short runs (the configs differ by far more than the noise)."""
+    from triton.testing import do_bench
+    return do_bench(kernel_call, warmup=5, rep=25, quantiles=quantiles)
+
+
+_tuned_kernel = triton.autotune(configs=_configs(), do_bench=_quick_bench,
+                                key=["M", "N", "K", "ROW_VEC", "COL_VEC", "FP8", "EXACT_ACC"])(
+    triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BK"] == 0})(_scaled_mm_kernel))
+
+# FP8 accumulation mode: exact (promote every BLOCK_K) unless HOT_FP8_FAST_ACC=1.
+EXACT_FP8_ACC = os.environ.get("HOT_FP8_FAST_ACC") != "1"
+
+
+def _as_operand(t: torch.Tensor) -> torch.Tensor:
+    """Levels as the kernel reads them: int8 as is, e4m3 as its raw bytes."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def scaled_mm(a: torch.Tensor, bt: torch.Tensor, row_scale: torch.Tensor,
+              col_scale: torch.Tensor, alpha: float, out_dtype: torch.dtype,
+              k: int | None = None, exact_acc: bool | None = None) -> torch.Tensor:
+    """(a @ bt[:, :k].T) * row_scale[:, None] * (col_scale[None, :] * alpha) -> out_dtype.
+
+    a (M, >=K) and bt (N, >=K): int8 or float8_e4m3fn levels, unit stride along K (only the
+    first ``k`` columns are read, default a.shape[1]). Scales are fp32 vectors or 0-d.
+    """
+    assert a.dtype == bt.dtype and a.stride(1) == 1 and bt.stride(1) == 1
+    M, N = a.shape[0], bt.shape[0]
+    K = a.shape[1] if k is None else k
+    out = torch.empty((M, N), dtype=out_dtype, device=a.device)
+    if M == 0 or N == 0:
+        return out
+    fp8 = a.dtype == torch.float8_e4m3fn
+    exact = EXACT_FP8_ACC if exact_acc is None else exact_acc
+    row_vec, col_vec = row_scale.dim() == 1, col_scale.dim() == 1
+    args = (_as_operand(a), _as_operand(bt), out, row_scale, col_scale, float(alpha), M, N, K,
+            a.stride(0), bt.stride(0), out.stride(0))
+    flags = dict(ROW_VEC=row_vec, COL_VEC=col_vec, FP8=fp8, EXACT_ACC=exact and fp8)
+    if interpreting():
+        # the interpreter truncates fp32 -> bf16 (the GPU rounds to nearest even): store
+        # fp32 and let torch round
+        out32 = out if out_dtype != torch.bfloat16 else torch.empty_like(out, dtype=torch.float32)
+        args = (args[0], args[1], out32) + args[3:]
+        _scaled_mm_kernel[(triton.cdiv(M, 32) * triton.cdiv(N, 32),)](
+            *args, **flags, EVEN_K=K % 32 == 0, BM=32, BN=32, BK=32, GROUP_M=4)
+        if out32 is not out:
+            out.copy_(out32)
+    else:
+        grid = lambda meta: (triton.cdiv(M, meta["BM"]) * triton.cdiv(N, meta["BN"]),)
+        _tuned_kernel[grid](*args, **flags)
+    return out
+
+
+# =========================================================================== operand helpers
+
+
+@triton.jit
+def _transpose_kernel(src_ptr, dst_ptr, R, C, lds, ldd, BR: tl.constexpr, BC: tl.constexpr):
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    x = tl.load(src_ptr + r.to(tl.int64)[:, None] * lds + c[None, :],
+                mask=(r < R)[:, None] & (c < C)[None, :])
+    tl.store(dst_ptr + c.to(tl.int64)[:, None] * ldd + r[None, :], tl.trans(x),
+             mask=(c < C)[:, None] & (r < R)[None, :])
+
+
+def transpose_padded(x: torch.Tensor, pad_to: int = 16) -> torch.Tensor:
+    """x (R, C) -> a (C, R_pad) buffer holding x.T in its first R columns (R_pad = R rounded
+    up to ``pad_to``, so rows stay 16-byte aligned for vector loads; the pad is unwritten)."""
+    R, C = x.shape
+    r_pad = -(-R // pad_to) * pad_to
+    dst = torch.empty((C, r_pad), dtype=x.dtype, device=x.device)
+    if R and C:
+        b = 32 if interpreting() else 64
+        _transpose_kernel[(triton.cdiv(R, b), triton.cdiv(C, b))](x, dst, R, C, x.stride(0),
+                                                                   r_pad, BR=b, BC=b)
+    return dst
+
+
+# =========================================================================== format choice
+
+_FORMAT: dict[tuple, str] = {}
+
+
+def choose_format(M: int, N: int, K: int, bits: int, device: torch.device) -> str:
+    """"int8" or "fp8" for a GEMM of this shape (fp8 only where levels are exact in e4m3).
+
+    Measured once per (shape, device) on random levels and cached; HOT_GEMM_FORMAT=int8|fp8
+    forces one. Under CUDA-graph capture (no timing possible) an unmeasured shape uses int8.
+    """
+    forced = os.environ.get("HOT_GEMM_FORMAT")
+    if bits > 5 or device.type != "cuda" or interpreting():
+        return "int8"
+    if forced in ("int8", "fp8"):
+        return forced
+    key = (M, N, K, device.index)
+    if key not in _FORMAT:
+        if torch.cuda.is_current_stream_capturing():
+            return "int8"
+        _FORMAT[key] = _measure_formats(M, N, K, device)
+    return _FORMAT[key]
+
+
+def _measure_formats(M: int, N: int, K: int, device: torch.device) -> str:
+    from triton.testing import do_bench
+    times = {}
+    for fmt in ("int8", "fp8"):
+        a = torch.randint(-7, 8, (M, K), device=device, dtype=torch.int8)
+        b = torch.randint(-7, 8, (N, K), device=device, dtype=torch.int8)
+        if fmt == "fp8":
+            a, b = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+        rs = torch.rand(M, device=device) + 0.5
+        cs = torch.rand(N, device=device) + 0.5
+        times[fmt] = do_bench(lambda: scaled_mm(a, b, rs, cs, 1 / 16, torch.bfloat16),
+                              warmup=5, rep=20, return_mode="median")
+    return min(times, key=times.get)

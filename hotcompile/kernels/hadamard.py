@@ -1,0 +1,460 @@
+"""Block Hadamard transform (n = 16) along the contiguous axis, fused with quantization.
+
+Why one kernel: the transform is four add/sub stages per element and the quantizer a
+handful more, so the pass is bound by memory traffic, not arithmetic. Running them as
+separate torch ops would read and write the tensor once per op; fused, the bf16 input
+is read and the int8 levels are written once (per-token scales), or the input is read
+twice (per-tensor scales, which need a global max before the first level is known).
+
+Numerics are the contract of ``reference.py``, bit for bit:
+
+* ``fwht16``: Sylvester ``H_16`` by the butterfly ``(a, b) -> (a + b, a - b)`` on index
+  bits 0, 1, 2, 3 in that order, in fp32, exactly the additions ``reference.block_fwht``
+  performs (so the transformed values are identical, not merely close).
+* ``philox_uniform16``: one ``tl.randint4x`` call per 8 elements with the counter and
+  half-word map of ``reference.uniform16``.
+* ``quantize``: ``clamp(floor(v / s + u), -Q, Q)`` with an IEEE-rounded quotient and NaN
+  mapped to level 0, as ``reference.quantize`` does.
+
+The building blocks (``fwht16_lastdim``, ``philox_uniform16``, ``quantize``, ...) are
+shared with ``hla.py``, which applies the same transform along the token axis.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import libdevice
+
+# =========================================================================== building blocks
+
+
+@triton.jit
+def _butterfly_rotate(x):
+    """One FWHT stage on a (M, 16) tile, then a rotation of the four index bits.
+
+    ``split`` only separates the last axis, so every stage butterflies the *lowest*
+    index bit: element pairs (2i, 2i+1) become (a + b, a - b). Writing the sums to
+    the first half and the differences to the second half (join, then transpose the
+    (8, 2) view to (2, 8)) rotates the index bits right by one. After four stages each
+    original bit has been butterflied once, in the order 0, 1, 2, 3 like the reference,
+    and the bits are back in their natural positions: the output is in Sylvester order.
+    All of it is register renaming when a thread owns its 16-element runs.
+    """
+    M: tl.constexpr = x.shape[0]
+    a, b = tl.split(tl.reshape(x, (M, 8, 2)))
+    return tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), (M, 16))
+
+
+@triton.jit
+def fwht16(x):
+    """H_16 on each row of a (M, 16) fp32 tile."""
+    return _butterfly_rotate(_butterfly_rotate(_butterfly_rotate(_butterfly_rotate(x))))
+
+
+@triton.jit
+def fwht16_lastdim(x):
+    """H_16 on each run of 16 consecutive elements along the last axis of a (R, C) tile."""
+    R: tl.constexpr = x.shape[0]
+    C: tl.constexpr = x.shape[1]
+    return tl.reshape(fwht16(tl.reshape(x, (R * C // 16, 16))), (R, C))
+
+
+@triton.jit
+def abs_bits(x):
+    """|x| as int32 bits: integer order equals float order for |x|, and NaN ranks above +inf,
+    so an integer max propagates NaN (a float max would silently drop it)."""
+    return x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+
+
+@triton.jit
+def scale_from_amax_bits(amax_bits, Q: tl.constexpr):
+    """s = amax / Q (IEEE division, like the reference), 1 where amax == 0; NaN/inf stay."""
+    amax = amax_bits.to(tl.float32, bitcast=True)
+    return tl.where(amax == 0.0, 1.0, tl.math.div_rn(amax, Q * 1.0))
+
+
+@triton.jit
+def _halfwords_as_floats(w):
+    """The low and high 16-bit halves of a Philox word, each placed at the top of a float
+    mantissa: the float is 1 + h / 65536 exactly (no int->float conversion needed)."""
+    lo = ((w << 7) & 0x7FFF80) | 0x3F800000
+    hi = ((w >> 9) & 0x7FFF80) | 0x3F800000
+    return lo, hi
+
+
+@triton.jit
+def philox_uniform16(seed, rows, col0, groups_per_row, BC: tl.constexpr):
+    """Uniforms u = (u16 + 0.5) / 65536 for elements (rows[i], col0 + j), j < BC, of a tensor
+    whose rows hold ``groups_per_row`` = ceil(C / 8) Philox counters (reference.uniform16).
+
+    Element (r, c) uses counter r * groups_per_row + c // 8, word (c % 8) // 2, low half
+    for even c: build the (BR, BC/8, word_hi, word_lo, half) tensor by joins and flatten it.
+    col0 must be a multiple of 8. ``1 + h/65536 - (1 - 2**-17)`` is exact (Sterbenz) and
+    equals (h + 0.5) / 65536.
+
+    (A Philox round written with 64-bit products saves two IMADs per round, but 64-bit
+    values stop Triton from moving the join layouts back onto the counter, and the
+    shared-memory layout conversions that result cost more than the IMADs saved.)
+    """
+    BR: tl.constexpr = rows.shape[0]
+    groups = col0 // 8 + tl.arange(0, BC // 8)
+    counter = (rows.to(tl.int64)[:, None] * groups_per_row + groups[None, :]).to(tl.uint32)
+    w0, w1, w2, w3 = tl.randint4x(seed, counter)   # 32-bit counter: high state word 0
+    lo0, hi0 = _halfwords_as_floats(w0)
+    lo1, hi1 = _halfwords_as_floats(w1)
+    lo2, hi2 = _halfwords_as_floats(w2)
+    lo3, hi3 = _halfwords_as_floats(w3)
+    lo = tl.join(tl.join(lo0, lo2), tl.join(lo1, lo3))      # [..., word // 2, word % 2]
+    hi = tl.join(tl.join(hi0, hi2), tl.join(hi1, hi3))
+    bits = tl.reshape(tl.join(lo, hi), (BR, BC))            # [..., 2 * word + half]
+    return bits.to(tl.float32, bitcast=True) - 0.99999237060546875
+
+
+@triton.jit
+def quantize(v, s, inv_s, u, Q: tl.constexpr, IEEE_DIV: tl.constexpr, AS_INT: tl.constexpr):
+    """Levels clamp(floor(v / s + u), -Q, Q) with NaN -> 0, as int32 (AS_INT) or fp32.
+
+    ``v / s`` must be the IEEE-rounded quotient or a level can flip at a rounding boundary.
+    A per-element ``div.rn`` costs a MUFU op and a slow-path check, so on the GPU the
+    quotient comes from the row's reciprocal with one Markstein correction,
+    t = v * (1/s); t += (v - t * s) * (1/s), both steps FMAs: correctly rounded whenever
+    1/s is correctly rounded and finite (callers take IEEE_DIV when it is not, and under
+    the interpreter, which has no fused FMA). ``cvt.rmi`` (floor and convert in one
+    instruction) maps NaN to 0 like the reference's ``nan_to_num``.
+
+    The clamp is a no-op for Q < 64: |v| <= amax = Q * s up to two roundings of 2**-24,
+    so |v / s| <= Q (1 + 2**-23), and u lies in [2**-17, 1 - 2**-17] (or is 0.5), hence
+    -Q <= floor(v / s + u) <= Q whenever Q * 2**-23 < 2**-17. The integer path skips it
+    there (two instructions per element); 8-bit levels (Q = 127) keep it.
+    """
+    if IEEE_DIV:
+        t = tl.math.div_rn(v, s)
+    else:
+        t0 = v * inv_s
+        t = tl.math.fma(tl.math.fma(t0, -s, v), inv_s, t0)
+    t = t + u
+    if Q >= 64 or not AS_INT:
+        t = tl.clamp(t, -Q * 1.0, Q * 1.0, propagate_nan=tl.PropagateNan.ALL)
+    if AS_INT:
+        q = libdevice.float2int_rd(t)
+    else:
+        q = tl.floor(t)
+        q = tl.where(q == q, q, 0.0)
+    return q
+
+
+@triton.jit
+def reciprocal_is_finite(inv_s):
+    """Whether every reciprocal of a program's scales is finite (a scalar condition):
+    Markstein's correction needs it, and a scale under ~1.2e-38 (amax of denormals)
+    has an infinite one."""
+    return tl.max(inv_s) < float("inf")
+
+
+@triton.jit
+def store_levels(ptrs, q, mask, FP8: tl.constexpr):
+    """Store integer levels as int8, or as e4m3 (every |level| <= 15 is exact in e4m3)."""
+    if FP8:
+        tl.store(ptrs, q.to(tl.float8e4nv), mask=mask)
+    else:
+        tl.store(ptrs, q.to(tl.int8), mask=mask)
+
+
+# =========================================================================== activation side
+
+
+@triton.jit
+def _load_fwht_rows(g_ptr, rows, col0, L, O, stride_g, BC: tl.constexpr):
+    """Load g[rows, col0:col0+BC] (zeros outside L x O: the reference's zero padding of O)
+    as fp32 and transform each run of 16 columns."""
+    cols = col0 + tl.arange(0, BC)
+    mask = (rows < L)[:, None] & (cols < O)[None, :]
+    x = tl.load(g_ptr + rows.to(tl.int64)[:, None] * stride_g + cols[None, :], mask=mask, other=0.0)
+    return fwht16_lastdim(x.to(tl.float32))
+
+
+@triton.jit
+def _quantize_store_rows(q_ptr, v, s, inv_s, seed, rows, col0, L, O_pad, ldq, groups_per_row,
+                         BC: tl.constexpr, Q: tl.constexpr, STOCHASTIC: tl.constexpr,
+                         FP8: tl.constexpr, INTERPRET: tl.constexpr, IEEE_DIV: tl.constexpr):
+    """Quantize a transformed (BR, BC) tile at (rows, col0) and store its levels."""
+    if STOCHASTIC:
+        u = philox_uniform16(seed, rows, col0, groups_per_row, BC)
+    else:
+        u = 0.5
+    q = quantize(v, s, inv_s, u, Q, IEEE_DIV or INTERPRET, not (INTERPRET or FP8))
+    cols = col0 + tl.arange(0, BC)
+    mask = (rows < L)[:, None] & (cols < O_pad)[None, :]
+    store_levels(q_ptr + rows.to(tl.int64)[:, None] * ldq + cols[None, :], q, mask, FP8)
+
+
+@triton.jit
+def _quantize_row_chunks(g_ptr, q_ptr, s, inv_s, seed, rows, L, O, O_pad, stride_g, ldq,
+                         groups_per_row, BC: tl.constexpr, Q: tl.constexpr, FP8: tl.constexpr,
+                         INTERPRET: tl.constexpr, IEEE_DIV: tl.constexpr):
+    """Second sweep of a row set: re-read, re-transform and quantize each column chunk."""
+    for col0 in range(0, O_pad, BC):
+        v = _load_fwht_rows(g_ptr, rows, col0, L, O, stride_g, BC)
+        _quantize_store_rows(q_ptr, v, s, inv_s, seed, rows, col0, L, O_pad, ldq, groups_per_row,
+                             BC, Q, True, FP8, INTERPRET, IEEE_DIV)
+
+
+@triton.jit
+def _hq_token_kernel(g_ptr, q_ptr, s_ptr, seed_ptr, L, O, O_pad, stride_g, ldq, groups_per_row,
+                     BR: tl.constexpr, BC: tl.constexpr, ONE_TILE: tl.constexpr, Q: tl.constexpr,
+                     FP8: tl.constexpr, INTERPRET: tl.constexpr):
+    """Per-token (per-row) scales: one program owns BR whole rows.
+
+    If a row fits one tile (ONE_TILE) it is loaded and transformed once and quantized from
+    registers: one read, one write. Otherwise a first sweep over the row's column chunks
+    keeps an elementwise running max (reduced across lanes once, at the end) and a second
+    sweep, which re-reads the chunks while they are still in L1/L2, quantizes them.
+    """
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    seed = tl.load(seed_ptr)
+    if ONE_TILE:
+        v = _load_fwht_rows(g_ptr, rows, 0, L, O, stride_g, BC)
+        s = scale_from_amax_bits(tl.max(abs_bits(v), axis=1), Q)
+        inv_s = tl.math.div_rn(1.0, s)
+        if reciprocal_is_finite(inv_s):
+            _quantize_store_rows(q_ptr, v, s[:, None], inv_s[:, None], seed, rows, 0, L, O_pad,
+                                 ldq, groups_per_row, BC, Q, True, FP8, INTERPRET, False)
+        else:
+            _quantize_store_rows(q_ptr, v, s[:, None], inv_s[:, None], seed, rows, 0, L, O_pad,
+                                 ldq, groups_per_row, BC, Q, True, FP8, INTERPRET, True)
+    else:
+        amax = tl.zeros((BR, BC), dtype=tl.int32)
+        for col0 in range(0, O_pad, BC):
+            amax = tl.maximum(amax, abs_bits(_load_fwht_rows(g_ptr, rows, col0, L, O, stride_g, BC)))
+        s = scale_from_amax_bits(tl.max(amax, axis=1), Q)
+        inv_s = tl.math.div_rn(1.0, s)
+        if reciprocal_is_finite(inv_s):
+            _quantize_row_chunks(g_ptr, q_ptr, s[:, None], inv_s[:, None], seed, rows, L, O, O_pad,
+                                 stride_g, ldq, groups_per_row, BC, Q, FP8, INTERPRET, False)
+        else:
+            _quantize_row_chunks(g_ptr, q_ptr, s[:, None], inv_s[:, None], seed, rows, L, O, O_pad,
+                                 stride_g, ldq, groups_per_row, BC, Q, FP8, INTERPRET, True)
+    tl.store(s_ptr + rows, s, mask=rows < L)
+
+
+@triton.jit
+def _tile_rows_col0(t, n_ct, BR: tl.constexpr, BC: tl.constexpr):
+    """Rows and first column of tile t in a row-major grid of (BR, BC) tiles, n_ct per row."""
+    return (t // n_ct) * BR + tl.arange(0, BR), (t % n_ct) * BC
+
+
+@triton.jit
+def _hq_tensor_kernel(g_ptr, q_ptr, s_ptr, amax_ptr, seed_ptr, L, O, O_pad, stride_g, ldq,
+                      groups_per_row, PHASE: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+                      Q: tl.constexpr, FP8: tl.constexpr, INTERPRET: tl.constexpr):
+    """Per-tensor scale in two launches, one (BR, BC) tile per program.
+
+    Phase 1 transforms its tile and atomically maxes the tile's amax (int bits) into
+    ``amax_ptr`` (zeroed by the caller). Phase 2 turns the global amax into the scale,
+    re-reads and re-transforms its tile and quantizes it. Phase 2 walks the tiles in
+    *reverse* order: blocks are scheduled roughly by program id, so the tiles phase 1 read
+    last (still in L2) are read first. One tile per program, not a persistent loop: the
+    block scheduler then overlaps the memory latency of many small programs (a persistent
+    grid of 4 programs per SM reached only ~40% of copy bandwidth, measured).
+    """
+    pid = tl.program_id(0)
+    n_ct = tl.cdiv(O_pad, BC)
+    if PHASE == 1:
+        rows, col0 = _tile_rows_col0(pid, n_ct, BR, BC)
+        v = _load_fwht_rows(g_ptr, rows, col0, L, O, stride_g, BC)
+        tl.atomic_max(amax_ptr, tl.max(abs_bits(v)))
+    else:
+        rows, col0 = _tile_rows_col0(tl.num_programs(0) - 1 - pid, n_ct, BR, BC)
+        seed = tl.load(seed_ptr)
+        s = scale_from_amax_bits(tl.load(amax_ptr), Q)
+        inv_s = tl.math.div_rn(1.0, s)
+        if pid == 0:
+            tl.store(s_ptr, s)
+        v = _load_fwht_rows(g_ptr, rows, col0, L, O, stride_g, BC)
+        if inv_s < float("inf"):
+            _quantize_store_rows(q_ptr, v, s, inv_s, seed, rows, col0, L, O_pad, ldq,
+                                 groups_per_row, BC, Q, True, FP8, INTERPRET, False)
+        else:
+            _quantize_store_rows(q_ptr, v, s, inv_s, seed, rows, col0, L, O_pad, ldq,
+                                 groups_per_row, BC, Q, True, FP8, INTERPRET, True)
+
+
+# =========================================================================== weight side
+
+
+@triton.jit
+def _load_fwht_weight(w_ptr, ins, o0, O, I, stride_wo, stride_wi, BO: tl.constexpr):
+    """W[o0:o0+BO, ins] read as the transposed (BI, BO) tile, transformed along O."""
+    o = o0 + tl.arange(0, BO)
+    mask = (o < O)[:, None] & (ins < I)[None, :]
+    x = tl.load(w_ptr + o.to(tl.int64)[:, None] * stride_wo + ins.to(tl.int64)[None, :] * stride_wi,
+                mask=mask, other=0.0)        # (BO, BI): rows of W, vector loads along I
+    return fwht16_lastdim(tl.trans(x.to(tl.float32)))
+
+
+@triton.jit
+def _hq_weight_kernel(w_ptr, q_ptr, s_ptr, amax_ptr, O, I, O_pad, stride_wo, stride_wi, ldq,
+                      PHASE: tl.constexpr, BI: tl.constexpr, BO: tl.constexpr,
+                      Q: tl.constexpr, FP8: tl.constexpr, INTERPRET: tl.constexpr):
+    """The W side of HQ (reference.hq_weight): q[i, :] = RTN(H along O of W[:, i] / s_i).
+
+    Output row i (in-feature i) needs the amax over all of O, and W is small next to g,
+    so this uses the two-phase scheme of ``_hq_tensor_kernel`` on a 2-D grid of
+    (BI in-features, BO outputs) tiles: phase 1 atomically maxes each row's tile amax into
+    ``amax_ptr[i]`` (zeroed), phase 2 quantizes (tiles in reverse order, W mostly from L2).
+    """
+    pid = tl.program_id(0)
+    if PHASE == 2:
+        pid = tl.num_programs(0) - 1 - pid
+    n_ot = tl.cdiv(O_pad, BO)
+    ins = (pid // n_ot) * BI + tl.arange(0, BI)
+    o0 = (pid % n_ot) * BO
+    v = _load_fwht_weight(w_ptr, ins, o0, O, I, stride_wo, stride_wi, BO)
+    if PHASE == 1:
+        tl.atomic_max(amax_ptr + ins, tl.max(abs_bits(v), axis=1), mask=ins < I)
+    else:
+        s = scale_from_amax_bits(tl.load(amax_ptr + ins, mask=ins < I, other=0), Q)
+        inv_s = tl.math.div_rn(1.0, s)
+        if reciprocal_is_finite(inv_s):
+            _quantize_store_rows(q_ptr, v, s[:, None], inv_s[:, None], 0, ins, o0, I, O_pad, ldq,
+                                 0, BO, Q, False, FP8, INTERPRET, False)
+        else:
+            _quantize_store_rows(q_ptr, v, s[:, None], inv_s[:, None], 0, ins, o0, I, O_pad, ldq,
+                                 0, BO, Q, False, FP8, INTERPRET, True)
+        if o0 == 0:
+            tl.store(s_ptr + ins, s, mask=ins < I)
+
+
+# =========================================================================== launchers
+
+
+def interpreting() -> bool:
+    """Whether kernels run under Triton's CPU interpreter (TRITON_INTERPRET=1)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    _patch_interpreter_loop_bounds()
+    return True
+
+
+def _patch_interpreter_loop_bounds() -> None:
+    """Let ``range(n)`` take a runtime scalar under the interpreter with NumPy >= 2.3.
+
+    Triton 3.6's interpreter holds every scalar argument as a 1-element array and turns
+    it into a loop bound with ``int(array)``, which NumPy 2.3+ rejects ("only
+    0-dimensional arrays can be converted to Python scalars"). Compiled kernels are not
+    affected; this only re-points the interpreter's ``__index__`` at the array's element.
+    """
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "_hot_loop_bounds", False):
+        return
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._hot_loop_bounds = True
+    interpreter._patch_lang_tensor = patched
+
+
+def qmax(bits: int) -> int:
+    return 2 ** (bits - 1) - 1
+
+
+def level_dtype(fp8: bool) -> torch.dtype:
+    return torch.float8_e4m3fn if fp8 else torch.int8
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def column_tile(width: int, max_tile: int = 4096) -> tuple[int, bool]:
+    """(BC, ONE_TILE) for the per-token kernel on rows of ``width`` (a multiple of 16).
+
+    A whole row in one power-of-two tile saves the second read and transform, but lanes
+    past ``width`` idle (their Philox words too). Measured on H100: one tile wins when
+    nothing is wasted (width a power of two, up to 4096) and for short rows (<= 1024) with
+    up to a third wasted; otherwise two sweeps over the widest power-of-two chunk that
+    pads the row least (3072 -> 3 x 1024: 0.066 ms vs 0.073 ms as one 4096 tile).
+    """
+    full = _pow2_at_least(width)
+    if (full == width and full <= max_tile) or (full <= min(1024, max_tile) and 3 * full <= 4 * width):
+        return full, True
+    best = None
+    bc = 16
+    while bc <= max_tile:
+        padded = -(-width // bc) * bc
+        key = (padded, -bc)
+        if best is None or key < best[0]:
+            best = (key, bc)
+        bc *= 2
+    return best[1], False
+
+
+def seed_pointer(seed, device) -> torch.Tensor:
+    """The seed as a 1-element int64 device tensor (kernels load it, so a CUDA graph that
+    captures the launch keeps reading whatever value the seed tensor holds at replay)."""
+    if isinstance(seed, torch.Tensor):
+        return seed.to(device=device, dtype=torch.int64).reshape(1)
+    return torch.tensor([int(seed)], dtype=torch.int64, device=device)
+
+
+def hq_act_quant(g: torch.Tensor, bits: int, per_token: bool, seed, fp8: bool = False):
+    """Transform g (L, O) along O (zero-padded to O_pad), quantize with stochastic rounding.
+
+    Returns (levels (L, O_pad) int8 or e4m3, fp32 scale (L,) if per_token else ()).
+    """
+    if g.stride(-1) != 1:
+        g = g.contiguous()
+    L, O = g.shape
+    O_pad = -(-O // 16) * 16
+    dev = g.device
+    q = torch.empty((L, O_pad), dtype=level_dtype(fp8), device=dev)
+    seed_t = seed_pointer(seed, dev)
+    Q = qmax(bits)
+    interp = interpreting()
+    groups = O_pad // 8
+    if per_token:
+        s = torch.empty((L,), dtype=torch.float32, device=dev)
+        max_tile = int(os.environ.get("HOT_HQ_TOKEN_TILE", "4096")) if not interp else 1024
+        bc, one = column_tile(O_pad, max_tile=max_tile)
+        br = max(1, min(8, 2048 // bc)) if not interp else max(1, min(8, 256 // bc))
+        warps = 8 if bc * br >= 4096 else 4
+        _hq_token_kernel[(triton.cdiv(L, br),)](
+            g, q, s, seed_t, L, O, O_pad, g.stride(0), O_pad, groups,
+            BR=br, BC=bc, ONE_TILE=one, Q=Q, FP8=fp8, INTERPRET=interp, num_warps=warps)
+        return q, s
+    s = torch.empty((), dtype=torch.float32, device=dev)
+    amax = torch.zeros((1,), dtype=torch.int32, device=dev)
+    bc, _ = column_tile(O_pad, max_tile=512 if not interp else 64)
+    br = max(1, (4096 if not interp else 128) // bc)
+    grid = (triton.cdiv(L, br) * triton.cdiv(O_pad, bc),)
+    args = (g, q, s, amax, seed_t, L, O, O_pad, g.stride(0), O_pad, groups)
+    meta = dict(BR=br, BC=bc, Q=Q, FP8=fp8, INTERPRET=interp, num_warps=4 if interp else 8)
+    _hq_tensor_kernel[grid](*args, PHASE=1, **meta)
+    _hq_tensor_kernel[grid](*args, PHASE=2, **meta)
+    return q, s
+
+
+def hq_weight_quant(w: torch.Tensor, bits: int, fp8: bool = False):
+    """reference.hq_weight: W (O, I) -> (levels (I, O_pad), per-in-feature fp32 scale (I,))."""
+    O, I = w.shape
+    O_pad = -(-O // 16) * 16
+    dev = w.device
+    q = torch.empty((I, O_pad), dtype=level_dtype(fp8), device=dev)
+    s = torch.empty((I,), dtype=torch.float32, device=dev)
+    amax = torch.zeros((I,), dtype=torch.int32, device=dev)
+    interp = interpreting()
+    bi = 32 if not interp else 8                     # 64 contiguous bytes of each W row
+    bo = min(256 if not interp else 64, _pow2_at_least(O_pad))
+    grid = (triton.cdiv(I, bi) * triton.cdiv(O_pad, bo),)
+    args = (w, q, s, amax, O, I, O_pad, w.stride(0), w.stride(1), O_pad)
+    meta = dict(BI=bi, BO=bo, Q=qmax(bits), FP8=fp8, INTERPRET=interp, num_warps=8 if not interp else 4)
+    _hq_weight_kernel[grid](*args, PHASE=1, **meta)
+    _hq_weight_kernel[grid](*args, PHASE=2, **meta)
+    return q, s

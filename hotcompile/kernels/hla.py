@@ -1,0 +1,249 @@
+"""HLA: project each block of 16 tokens onto r low-pass Hadamard rows, then quantize to INT8.
+
+Why a kernel of its own: the transform runs along the *token* axis (rows), so a tile of
+16 tokens x BC channels is loaded (contiguous along channels), turned so every thread
+owns a 16-token column, transformed with the same register butterfly as ``hadamard.py``
+(``fwht16``), and only the r kept coefficients are gathered, quantized and stored.
+Used twice per linear layer:
+
+* ``abc_compress`` (forward, the saved activation): x (L, I) -> levels (L', I), nearest
+  rounding, one per-tensor scale; L' = ceil(L / 16) * r.
+* the g side of ``hla_grad_weight`` (backward): g (L, O) -> levels with stochastic
+  rounding (Philox map of ``reference.uniform16`` over the (L', O) tensor), written
+  transposed as (O, L') so the g_W GEMM reads both operands along its reduction axis.
+
+Per-tensor scales need the global amax first: phase 1 projects every tile and atomically
+maxes its amax into one word, phase 2 re-projects (tiles in reverse order, for L2 hits)
+and quantizes. L is padded with zero tokens to a multiple of 16, like the reference.
+
+Numerics: the reference projects with a dense fp32 ``einsum`` whose summation order is the
+BLAS library's; this kernel sums by the butterfly. Values can differ in the last bit, so
+a level sitting exactly on a rounding boundary can differ by one (measured in the tests:
+a few per million); the scale and every other level are equal.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from . import reference as ref
+from .hadamard import (abs_bits, fwht16, interpreting, philox_uniform16, quantize,
+                       scale_from_amax_bits, seed_pointer)
+
+
+@triton.jit
+def _pick(y, k: tl.constexpr):
+    """Column k (a compile-time constant) of a (M, 16) tile: four splits along its index
+    bits, each keeping the half that k's bit names. Register renaming, no data movement."""
+    M: tl.constexpr = y.shape[0]
+    t = tl.reshape(y, (M, 2, 2, 2, 2))       # (.., bit3, bit2, bit1, bit0)
+    a, b = tl.split(t)
+    if (k & 1) == 0:
+        t = a
+    else:
+        t = b
+    a, b = tl.split(t)
+    if (k & 2) == 0:
+        t = a
+    else:
+        t = b
+    a, b = tl.split(t)
+    if (k & 4) == 0:
+        t = a
+    else:
+        t = b
+    a, b = tl.split(t)
+    if (k & 8) == 0:
+        t = a
+    else:
+        t = b
+    return t
+
+
+@triton.jit
+def _kept(y, j: tl.constexpr, RANK: tl.constexpr, KEPT: tl.constexpr):
+    """Coefficient j of the kept list (row ``(KEPT >> 4j) & 15`` of H_16); padding past rank."""
+    if j < RANK:
+        return _pick(y, (KEPT >> (4 * j)) & 15)
+    else:
+        return _pick(y, 0)
+
+
+@triton.jit
+def _join_kept(y, base: tl.constexpr, stride: tl.constexpr, LEVELS: tl.constexpr,
+               RANK: tl.constexpr, KEPT: tl.constexpr):
+    """Kept coefficients base, base + stride, ... (2**LEVELS of them) joined so that the
+    flattened trailing axes list them in order (join adds the *last* axis, so the first
+    split is on the lowest bit of the position)."""
+    if LEVELS == 0:
+        return _kept(y, base, RANK, KEPT)
+    elif LEVELS == 1:
+        return tl.join(_kept(y, base, RANK, KEPT), _kept(y, base + stride, RANK, KEPT))
+    elif LEVELS == 2:
+        return tl.join(_join_kept(y, base, 2 * stride, 1, RANK, KEPT),
+                       _join_kept(y, base + stride, 2 * stride, 1, RANK, KEPT))
+    elif LEVELS == 3:
+        return tl.join(_join_kept(y, base, 2 * stride, 2, RANK, KEPT),
+                       _join_kept(y, base + stride, 2 * stride, 2, RANK, KEPT))
+    else:
+        return tl.join(_join_kept(y, base, 2 * stride, 3, RANK, KEPT),
+                       _join_kept(y, base + stride, 2 * stride, 3, RANK, KEPT))
+
+
+@triton.jit
+def gather_kept(y, RP: tl.constexpr, RANK: tl.constexpr, KEPT: tl.constexpr):
+    """(M, 16) coefficients -> (M, RP): the kept rows in the reference's order, entries
+    past ``RANK`` padding. ``KEPT`` packs the kept row indices, 4 bits each. Selection is
+    resolved at compile time: only splits and joins, so it stays in registers."""
+    M: tl.constexpr = y.shape[0]
+    LEVELS: tl.constexpr = (RP >= 2) + (RP >= 4) + (RP >= 8) + (RP >= 16)
+    return tl.reshape(_join_kept(y, 0, 1, LEVELS, RANK, KEPT), (M, RP))
+
+
+@triton.jit
+def _load_project(x_ptr, blk0, col0, L, C, stride_x, BT: tl.constexpr, BC: tl.constexpr,
+                  RP: tl.constexpr, RANK: tl.constexpr, KEPT: tl.constexpr):
+    """Blocks blk0 .. blk0+BT-1 of 16 tokens, channels col0 .. col0+BC-1, projected onto
+    the kept rows: a (BT, BC, RP) fp32 tile, coefficients last (entries >= rank: padding)."""
+    tok = blk0 * 16 + tl.arange(0, BT * 16)
+    cols = col0 + tl.arange(0, BC)
+    mask = (tok < L)[:, None] & (cols < C)[None, :]
+    x = tl.load(x_ptr + tok.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    x = tl.permute(tl.reshape(x.to(tl.float32), (BT, 16, BC)), (0, 2, 1))   # token axis last
+    y = gather_kept(fwht16(tl.reshape(x, (BT * BC, 16))), RP, RANK, KEPT)
+    return tl.reshape(y, (BT, BC, RP))
+
+
+@triton.jit
+def _quantize_store_tile(q_ptr, v, s, inv_s, seed, blk0, col0, n_blk, C, ldq, groups_per_row,
+                         BT: tl.constexpr, BC: tl.constexpr, RP: tl.constexpr, RANK: tl.constexpr,
+                         Q: tl.constexpr, STOCHASTIC: tl.constexpr, TRANSPOSED: tl.constexpr,
+                         INTERPRET: tl.constexpr, IEEE_DIV: tl.constexpr):
+    """Quantize a (BT, BC, RP) tile and store it at rows (blk0 + b) * rank + j of (L', C),
+    or at the transposed positions of a (C, L'_pad) buffer."""
+    j = tl.arange(0, RP)
+    rows = (blk0 + tl.arange(0, BT))[:, None] * RANK + j[None, :]            # (BT, RP)
+    cols = col0 + tl.arange(0, BC)
+    if STOCHASTIC:   # uniforms follow the (L', C) layout: generate there, then turn
+        u = philox_uniform16(seed, tl.reshape(rows, (BT * RP,)), col0, groups_per_row, BC)
+        u = tl.permute(tl.reshape(u, (BT, RP, BC)), (0, 2, 1))
+    else:
+        u = 0.5
+    q = quantize(v, s, inv_s, u, Q, IEEE_DIV or INTERPRET, not INTERPRET)
+    valid = ((blk0 + tl.arange(0, BT)) < n_blk)[:, None] & (j < RANK)[None, :]
+    mask = valid[:, None, :] & (cols < C)[None, :, None]
+    if TRANSPOSED:
+        ptrs = q_ptr + cols.to(tl.int64)[None, :, None] * ldq + rows[:, None, :]
+    else:
+        ptrs = q_ptr + rows.to(tl.int64)[:, None, :] * ldq + cols[None, :, None]
+    tl.store(ptrs, q.to(tl.int8), mask=mask)
+
+
+@triton.jit
+def _tile_origin(t, n_ct, BT: tl.constexpr, BC: tl.constexpr):
+    """First token block and first channel of tile t (row-major grid, n_ct tiles per row)."""
+    return (t // n_ct) * BT, (t % n_ct) * BC
+
+
+@triton.jit
+def _hla_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, seed_ptr, L, C, stride_x, ldq, n_blk,
+                groups_per_row, PHASE: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                RP: tl.constexpr, RANK: tl.constexpr, KEPT: tl.constexpr, Q: tl.constexpr,
+                STOCHASTIC: tl.constexpr, TRANSPOSED: tl.constexpr, INTERPRET: tl.constexpr):
+    """One tile of BT token blocks x BC channels per program.
+
+    Phase 1: project, atomically max the amax of the kept coefficients into ``amax_ptr``
+    (zeroed). Phase 2: scale, re-project, quantize, store; tiles in reverse order so the
+    ones phase 1 read last (still in L2) come first.
+    """
+    pid = tl.program_id(0)
+    n_ct = tl.cdiv(C, BC)
+    if PHASE == 1:
+        blk0, col0 = _tile_origin(pid, n_ct, BT, BC)
+        v = _load_project(x_ptr, blk0, col0, L, C, stride_x, BT, BC, RP, RANK, KEPT)
+        keep = (tl.arange(0, RP) < RANK)[None, None, :]
+        tl.atomic_max(amax_ptr, tl.max(tl.where(keep, abs_bits(v), 0)))
+    else:
+        blk0, col0 = _tile_origin(tl.num_programs(0) - 1 - pid, n_ct, BT, BC)
+        seed = tl.load(seed_ptr)
+        s = scale_from_amax_bits(tl.load(amax_ptr), Q)
+        inv_s = tl.math.div_rn(1.0, s)
+        if pid == 0:
+            tl.store(s_ptr, s)
+        v = _load_project(x_ptr, blk0, col0, L, C, stride_x, BT, BC, RP, RANK, KEPT)
+        if inv_s < float("inf"):
+            _quantize_store_tile(q_ptr, v, s, inv_s, seed, blk0, col0, n_blk, C, ldq,
+                                 groups_per_row, BT, BC, RP, RANK, Q, STOCHASTIC, TRANSPOSED,
+                                 INTERPRET, False)
+        else:
+            _quantize_store_tile(q_ptr, v, s, inv_s, seed, blk0, col0, n_blk, C, ldq,
+                                 groups_per_row, BT, BC, RP, RANK, Q, STOCHASTIC, TRANSPOSED,
+                                 INTERPRET, True)
+
+
+# =========================================================================== launcher
+
+
+def _packed_rows(rank: int, select: str) -> int:
+    """The kept H_16 row indices, in the reference's order, packed 4 bits each."""
+    return sum(r << (4 * j) for j, r in enumerate(ref.low_pass_rows(rank, select, 16)))
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def _tile_shape(C: int, interp: bool) -> tuple[int, int, int]:
+    """(BT token blocks, BC channels, warps) of a program's tile.
+
+    BC = 256 * warps makes Triton's coalesced load layout give every thread 8 consecutive
+    channels (one 16-byte bf16 vector) of all 16 tokens of a block: the token-axis
+    transform, the kept-row gather and the Philox words (8 consecutive channels per
+    counter) are then all in registers, with no layout conversion through shared memory
+    (compiled code: 6 instructions per element in phase 1, against 19 and 8 conversions
+    for a 16 x 128 tile on 4 warps). Warps: the count that pads C least, then the most.
+    HOT_HLA_TILE="BT,BC,WARPS" overrides (tuning).
+    """
+    if interp:
+        return 1, 32, 4
+    if "HOT_HLA_TILE" in os.environ:
+        bt, bc, warps = (int(v) for v in os.environ["HOT_HLA_TILE"].split(","))
+        return bt, bc, warps
+    warps = min((4, 2, 1), key=lambda w: (-(-C // (256 * w)) * 256 * w, -w))
+    return 1, 256 * warps, warps
+
+
+def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic: bool, seed=0,
+              transposed: bool = False, pad_to: int = 1):
+    """Project x (L, C) along L onto ``rank`` kept rows per 16-token block and quantize.
+
+    Returns (levels int8, fp32 0-d scale). Levels are (L', C) row-major, or with
+    ``transposed`` a (C, L'_pad) buffer (L'_pad = L' rounded up to ``pad_to``; columns
+    past L' are left unwritten: consumers must mask them) holding the transpose.
+    """
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    L, C = x.shape
+    n_blk = -(-L // 16)
+    rows_out = n_blk * rank
+    dev = x.device
+    if transposed:
+        ldq = -(-rows_out // pad_to) * pad_to
+        q = torch.empty((C, ldq), dtype=torch.int8, device=dev)
+    else:
+        ldq = C
+        q = torch.empty((rows_out, C), dtype=torch.int8, device=dev)
+    s = torch.empty((), dtype=torch.float32, device=dev)
+    amax = torch.zeros((1,), dtype=torch.int32, device=dev)
+    bt, bc, warps = _tile_shape(C, interpreting())
+    grid = (triton.cdiv(n_blk, bt) * triton.cdiv(C, bc),)
+    meta = dict(BT=bt, BC=bc, RP=_pow2_at_least(rank), RANK=rank, KEPT=_packed_rows(rank, select),
+                Q=2 ** (bits - 1) - 1, STOCHASTIC=stochastic, TRANSPOSED=transposed,
+                INTERPRET=interpreting(), num_warps=warps)
+    args = (x, q, s, amax, seed_pointer(seed, dev), L, C, x.stride(0), ldq, n_blk, -(-C // 8))
+    _hla_kernel[grid](*args, PHASE=1, **meta)
+    _hla_kernel[grid](*args, PHASE=2, **meta)
+    return q, s

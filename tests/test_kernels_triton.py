@@ -1,0 +1,352 @@
+"""Fused Triton kernels against their reference twins (issue 3).
+
+CPU part: runs the kernels under Triton's interpreter (TRITON_INTERPRET=1, set below before
+any kernel module is imported) on small, odd shapes. It is skipped on a machine with CUDA,
+where the kernel modules must compile for the GPU instead (the GPU part covers them there).
+
+What must hold, on fresh random inputs (never zeros) with every output poisoned first:
+* HQ (Hadamard along O + stochastic/nearest rounding) and the W side: levels and scales
+  bit-equal to the reference, the whole output written.
+* HLA projection: levels equal to a reference that sums in the same butterfly order; against
+  reference.py itself (a dense fp32 einsum, another summation order) the scale may differ
+  in its last bit and a level by one, on a tiny fraction of elements (bounded below).
+* GEMM with fused dequantization: exact integer accumulation, the reference's epilogue order.
+* Non-finite inputs give non-finite outputs where the reference's are, and no crash.
+
+GPU part (marked ``gpu``, skipped without CUDA): full ViT-B shapes against the reference.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+# The interpreter must be chosen before triton.language is first imported: its library
+# functions (tl.max, ...) are decorated at import time. If another test module imported
+# triton first, the CPU tests below run in a fresh interpreter process instead.
+_TRITON_PREIMPORTED = "triton.language" in sys.modules
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from hotcompile.kernels import reference as R  # noqa: E402
+
+try:
+    import triton.language as tl  # noqa: E402
+    from hotcompile.kernels import fused as F, gemm as G, hadamard as H, hla as HL  # noqa: E402
+    from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+    _INTERPRETED = (isinstance(H._hq_token_kernel, InterpretedFunction)
+                    and isinstance(tl.standard.max, InterpretedFunction))
+except ImportError as exc:  # pragma: no cover - triton missing
+    pytest.skip(f"triton unavailable: {exc}", allow_module_level=True)
+
+cpu = pytest.mark.skipif(torch.cuda.is_available() or not _INTERPRETED,
+                         reason="interpreter tests: CPU-only machine, triton imported after "
+                                "TRITON_INTERPRET=1 (else see test_interpreter_suite_in_subprocess)")
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or _INTERPRETED
+                    or os.environ.get("HOT_KERNEL_TESTS_CHILD") == "1",
+                    reason="the interpreter tests run in this process")
+def test_interpreter_suite_in_subprocess():
+    """triton was imported (compiled mode) before this module: run its CPU tests in a new
+    process that sets TRITON_INTERPRET=1 before anything imports triton."""
+    env = dict(os.environ, TRITON_INTERPRET="1", HOT_KERNEL_TESTS_CHILD="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           os.path.abspath(__file__)], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+
+
+# Fraction of HLA levels allowed to differ by one from reference.py (different fp32
+# summation order of the 16-token projection; see module doc). Measured: 0 at these sizes
+# on CPU, about 1e-6 at full GPU shapes.
+HLA_FLIP_FRACTION = 1e-3
+
+
+@pytest.fixture
+def poison(monkeypatch):
+    """Every torch.empty / empty_like (the kernels' output allocations) starts as garbage:
+    99 in integer tensors, NaN in float ones, so an unwritten element cannot pass."""
+    real_empty, real_like = torch.empty, torch.empty_like
+
+    def fill(t):
+        if t.dtype.is_floating_point:
+            t.fill_(float("nan") if t.dtype != torch.float8_e4m3fn else 0.0)
+            if t.dtype == torch.float8_e4m3fn:
+                t.view(torch.uint8).fill_(0x7F)          # e4m3 NaN
+        else:
+            t.fill_(99)
+        return t
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: fill(real_empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: fill(real_like(*a, **k)))
+
+
+def _hla_butterfly_reference(x, rank, select, bits, stochastic, seed):
+    """reference.quantize of the HLA projection, with the projection summed by the same
+    butterfly as the kernel (reference.block_fwht along the token axis)."""
+    xp = R.pad_rows(x.float(), 16)
+    coef = R.block_fwht(xp.t().contiguous(), 16)                 # (C, Lp): H on each block
+    c, lp = coef.shape
+    kept = list(R.low_pass_rows(rank, select, 16))
+    proj = coef.reshape(c, lp // 16, 16)[:, :, kept].reshape(c, -1).t()
+    return R.quantize(proj, bits, per_row=False, stochastic=stochastic, seed=seed)
+
+
+def _randn(*shape, dtype=torch.float32, device="cpu"):
+    return (torch.randn(*shape, device=device) * 3).to(dtype)
+
+
+# =============================================================================== CPU
+
+
+@cpu
+@pytest.mark.parametrize("L,O,bits", [(37, 40, 4), (64, 48, 8), (5, 1040, 4), (3, 7, 4)])
+def test_hq_per_token_levels_bit_exact(poison, L, O, bits):
+    g = _randn(L, O)
+    q, s = H.hq_act_quant(g, bits, per_token=True, seed=2024)
+    qr, sr = R.quantize(R.block_fwht(R.pad_cols(g, 16)), bits, per_row=True, stochastic=True,
+                        seed=2024)
+    assert torch.equal(q, qr) and torch.equal(s, sr)
+
+
+@cpu
+@pytest.mark.parametrize("L,O,bits", [(37, 40, 4), (33, 80, 8), (37, 24, 4)])
+def test_hq_per_tensor_levels_bit_exact(poison, L, O, bits):
+    g = _randn(L, O)
+    q, s = H.hq_act_quant(g, bits, per_token=False, seed=7)
+    qr, sr = R.quantize(R.block_fwht(R.pad_cols(g, 16)), bits, per_row=False, stochastic=True,
+                        seed=7)
+    assert torch.equal(q, qr) and torch.equal(s, sr)
+
+
+@cpu
+@pytest.mark.parametrize("O,I,bits", [(40, 24, 4), (48, 37, 8), (1100, 5, 4)])
+def test_hq_weight_bit_exact(poison, O, I, bits):
+    w = _randn(O, I)
+    q, s = H.hq_weight_quant(w, bits)
+    qr, sr = R.hq_weight(w, bits)
+    assert torch.equal(q, qr) and torch.equal(s, sr)
+
+
+@cpu
+@pytest.mark.parametrize("L,C,rank,select,stochastic,transposed", [
+    (37, 24, 8, "1d", False, False), (64, 40, 8, "1d", True, True),
+    (37, 24, 10, "2d", True, False), (33, 16, 16, "1d", False, True), (16, 8, 3, "1d", True, True)])
+def test_hla_projection_levels(poison, L, C, rank, select, stochastic, transposed):
+    x = _randn(L, C)
+    q, s = HL.hla_quant(x, rank, select, 8, stochastic=stochastic, seed=99,
+                        transposed=transposed, pad_to=16)
+    rows = -(-L // 16) * rank
+    if transposed:
+        assert q.shape == (C, -(-rows // 16) * 16)
+        q = q[:, :rows].t()
+    qb, sb = _hla_butterfly_reference(x, rank, select, 8, stochastic, 99)
+    assert torch.equal(q, qb) and torch.equal(s, sb)                  # same summation order
+    qr, sr = R.quantize(R.hla_project(x, rank, select), 8, per_row=False,
+                        stochastic=stochastic, seed=99)
+    assert float((s - sr).abs() / sr) < 1e-6
+    diff = (q.int() - qr.int()).abs()
+    assert int(diff.max()) <= 1 and float((diff > 0).float().mean()) <= HLA_FLIP_FRACTION
+
+
+@cpu
+@pytest.mark.parametrize("M,N,K,row_vec,col_vec,fp8", [
+    (37, 24, 48, True, True, False), (64, 40, 70, False, True, False),
+    (33, 20, 16, False, False, False), (37, 24, 40, True, True, True), (5, 3, 7, True, False, False)])
+def test_scaled_mm_exact(poison, M, N, K, row_vec, col_vec, fp8):
+    q = 7 if fp8 else 127
+    a = torch.randint(-q, q + 1, (M, K), dtype=torch.int8)
+    b = torch.randint(-q, q + 1, (N, K), dtype=torch.int8)
+    rs = torch.rand(M) + 0.1 if row_vec else torch.tensor(0.37)
+    cs = torch.rand(N) + 0.1 if col_vec else torch.tensor(1.3)
+    acc = (a.double() @ b.double().t()).float()
+    if row_vec or col_vec:
+        ref = acc * (rs[:, None] if row_vec else rs) * ((cs[None, :] if col_vec else cs) / 16)
+    else:
+        ref = acc * (rs * cs / 16)
+    if fp8:
+        a, b = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(G.scaled_mm(a, b, rs, cs, 1 / 16, dtype), ref.to(dtype))
+
+
+@cpu
+def test_transpose_padded(poison):
+    x = torch.randint(-100, 100, (37, 21), dtype=torch.int8)
+    t = G.transpose_padded(x, 16)
+    assert t.shape == (21, 48) and torch.equal(t[:, :37], x.t())
+
+
+@cpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("L,O,I", [(37, 40, 24), (64, 48, 32)])
+def test_fused_ops_match_reference(poison, dtype, L, O, I):
+    g, w, x = _randn(L, O, dtype=dtype), _randn(O, I, dtype=dtype), _randn(L, I, dtype=dtype)
+    seed = torch.tensor(12345)
+    for per_token in (True, False):
+        out = F.hq_grad_input(g, w, 4, per_token, seed)
+        ref = R.hq_grad_input(g, w, 4, per_token, seed)
+        assert out.dtype == ref.dtype and out.shape == ref.shape and torch.equal(out, ref)
+    xq, xs = F.abc_compress(x, 8, "1d", 8)
+    xqr, xsr = R.abc_compress(x, 8, "1d", 8)
+    assert xq.shape == xqr.shape and xq.dtype == torch.int8 and xs.shape == ()
+    assert int((xq.int() - xqr.int()).abs().max()) <= 1 and float((xs - xsr).abs() / xsr) < 1e-6
+    out = F.hla_grad_weight(g, xqr, xsr, 8, "1d", 8, seed)
+    ref = R.hla_grad_weight(g, xqr, xsr, 8, "1d", 8, seed)
+    assert out.dtype == ref.dtype and out.shape == ref.shape == (O, I)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2        # one output rounding in bf16/fp16
+    assert float((out.double() - ref.double()).norm() / ref.double().norm()) < tol
+
+
+@cpu
+def test_noncontiguous_inputs_and_seed_forms():
+    g, w = _randn(48, 40).t(), _randn(24, 40).t()                 # (40, 48) and (40, 24) views
+    a = F.hq_grad_input(g, w, 4, True, 5)
+    b = R.hq_grad_input(g.contiguous(), w.contiguous(), 4, True, 5)
+    assert torch.equal(a, b)
+    assert torch.equal(F.hq_grad_input(g, w, 4, True, torch.tensor(5)), a)
+    assert not torch.equal(F.hq_grad_input(g, w, 4, True, 6), a)
+
+
+@cpu
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_nonfinite_inputs_follow_reference(bad):
+    g, w, x = _randn(37, 40), _randn(40, 24), _randn(37, 24)
+    g[3, 5] = bad
+    for per_token in (True, False):
+        out = F.hq_grad_input(g, w, 4, per_token, 3)
+        ref = R.hq_grad_input(g, w, 4, per_token, 3)
+        assert torch.equal(torch.isfinite(out), torch.isfinite(ref)) and not torch.isfinite(out).all()
+    xq, xs = R.abc_compress(x, 8)
+    out = F.hla_grad_weight(g, xq, xs, 8, "1d", 8, 3)
+    assert not torch.isfinite(out).any()
+    q, s = H.hq_act_quant(g, 4, True, 3)
+    qr, sr = R.quantize(R.block_fwht(R.pad_cols(g, 16)), 4, per_row=True, stochastic=True, seed=3)
+    assert torch.equal(q, qr)                                      # NaN levels are 0, like the ref
+    x[1, 1] = bad
+    xq, xs = F.abc_compress(x, 8)
+    assert not torch.isfinite(xs)
+
+
+@cpu
+def test_fallbacks_to_reference():
+    g, w, x = _randn(32, 32), _randn(32, 16), _randn(32, 16)
+    assert torch.equal(F.hq_grad_input(g, w, 4, True, 1, block=8),
+                       R.hq_grad_input(g, w, 4, True, 1, block=8))
+    assert torch.equal(F.hq_grad_input(g, w, 0, True, 1), R.hq_grad_input(g, w, 0, True, 1))
+    xt = R.hla_project(x, 8)
+    assert torch.equal(F.hla_grad_weight(g, xt, torch.tensor(1.0), 8, bits=0),
+                       R.hla_grad_weight(g, xt, torch.tensor(1.0), 8, bits=0))
+
+
+# =============================================================================== GPU
+#
+# On CUDA, reference.py's own scale ``amax / Q`` is computed by PyTorch as amax * (1 / Q)
+# (its CUDA division by a Python scalar multiplies by the reciprocal), which can differ
+# from the IEEE quotient in the last bit, and then a level on a rounding boundary differs.
+# The kernels compute the IEEE quotient (what reference.py gives on CPU). So on the GPU the
+# scales are checked against amax / Q in float64, and the levels against reference.quantize
+# given the kernel's scale.
+
+VIT = dict(L=12608, I=768, O=3072)   # ViT-B/16 batch 64, fc1 (g_y is L x 3072)
+
+
+def _ieee_scale(v, bits, per_row):
+    amax = v.abs().amax(dim=1) if per_row else v.abs().amax()
+    s = (amax.double() / R.qmax(bits)).float()
+    return torch.where(amax == 0, torch.ones_like(s), s)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("I,O", [(768, 3072), (3072, 768)])
+@pytest.mark.parametrize("per_token", [True, False])
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_gpu_hq_full_shape_bit_exact(monkeypatch, I, O, per_token, fmt):
+    monkeypatch.setenv("HOT_GEMM_FORMAT", fmt)
+    torch.manual_seed(0)
+    g = _randn(VIT["L"], O, dtype=torch.bfloat16, device="cuda")
+    w = _randn(O, I, dtype=torch.bfloat16, device="cuda")
+    seed = torch.tensor(77, device="cuda")
+    q, s = H.hq_act_quant(g, 4, per_token, seed)
+    gh = R.block_fwht(R.pad_cols(g.float(), 16))
+    assert torch.equal(s, _ieee_scale(gh, 4, per_token))
+    qr, _ = R.quantize(gh, 4, per_row=per_token, stochastic=True, seed=seed, scale=s)
+    assert torch.equal(q, qr)
+    qw, sw = H.hq_weight_quant(w, 4)
+    qwr, swr = R.hq_weight(w.cpu(), 4)
+    assert torch.equal(qw.cpu(), qwr) and torch.equal(sw.cpu(), swr)
+    acc = R.int_matmul(q, qw.t())
+    expect = (acc * (s[:, None] if per_token else s) * (sw[None, :] / 16)).to(g.dtype)
+    assert torch.equal(F.hq_grad_input(g, w, 4, per_token, seed), expect)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("I,O", [(768, 3072), (3072, 768)])
+def test_gpu_hla_abc_full_shape(I, O):
+    torch.manual_seed(1)
+    g = _randn(VIT["L"], O, dtype=torch.bfloat16, device="cuda")
+    x = _randn(VIT["L"], I, dtype=torch.bfloat16, device="cuda")
+    seed = torch.tensor(5, device="cuda")
+    xq, xs = F.abc_compress(x, 8, "1d", 8)
+    proj = R.hla_project(x, 8, "1d")
+    xqr, _ = R.quantize(proj, 8, per_row=False, stochastic=False, scale=xs)
+    assert float((xs - _ieee_scale(proj, 8, False)).abs() / xs) < 1e-6   # einsum vs butterfly
+    diff = (xq.int() - xqr.int()).abs()
+    assert int(diff.max()) <= 1 and float((diff > 0).float().mean()) < 1e-4
+    qg, sg = HL.hla_quant(g, 8, "1d", 8, stochastic=True, seed=seed, transposed=True, pad_to=16)
+    projg = R.hla_project(g, 8, "1d")
+    qgr, _ = R.quantize(projg, 8, per_row=False, stochastic=True, seed=seed, scale=sg)
+    diff = (qg[:, :qgr.shape[0]].t().int() - qgr.int()).abs()
+    assert int(diff.max()) <= 1 and float((diff > 0).float().mean()) < 1e-4
+    out = F.hla_grad_weight(g, xq, xs, 8, "1d", 8, seed)
+    expect = (R.int_matmul(qg[:, :qgr.shape[0]], xq) * (sg * xs / 16)).to(g.dtype)
+    assert torch.equal(out, expect)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_gemm_exact_including_fp8_worst_case():
+    M, N, K = 4096, 1024, 12288                      # |acc| up to K * 49 = 602112 > 2**14
+    a = torch.full((M, K), 7, dtype=torch.int8, device="cuda")
+    a[::3] = torch.randint(-7, 8, (len(range(0, M, 3)), K), dtype=torch.int8, device="cuda")
+    b = torch.randint(-7, 8, (N, K), dtype=torch.int8, device="cuda")
+    b[::2] = 7
+    rs, cs = torch.ones(M, device="cuda"), torch.full((N,), 16.0, device="cuda")
+    exact = (a.double() @ b.double().t())
+    assert torch.equal(G.scaled_mm(a, b, rs, cs, 1 / 16, torch.float32).double(), exact)
+    a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+    assert torch.equal(G.scaled_mm(a8, b8, rs, cs, 1 / 16, torch.float32, exact_acc=True).double(),
+                       exact)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_nonfinite_and_cuda_graph():
+    g, w = _randn(1000, 520, device="cuda"), _randn(520, 300, device="cuda")
+    g[10, 7] = float("nan")
+    seed = torch.tensor(3, device="cuda")
+    for per_token in (True, False):
+        out = F.hq_grad_input(g, w, 4, per_token, seed)
+        ref = R.hq_grad_input(g, w, 4, per_token, seed)
+        assert torch.equal(torch.isfinite(out), torch.isfinite(ref))
+    q, s = H.hq_act_quant(g, 4, True, seed)
+    qr, _ = R.quantize(R.block_fwht(R.pad_cols(g, 16)), 4, per_row=True, stochastic=True,
+                       seed=seed, scale=s)
+    assert torch.equal(q, qr)                                      # NaN row: levels 0
+    g[10, 7] = 1.0
+    F.hq_grad_input(g, w, 4, True, seed)                            # warm up / tune
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = F.hq_grad_input(g, w, 4, True, seed)
+    results = []
+    for value in (11, 12):
+        seed.fill_(value)
+        graph.replay()
+        assert torch.equal(out, F.hq_grad_input(g, w, 4, True, value))
+        results.append(out.clone())
+    assert not torch.equal(*results)
