@@ -240,3 +240,30 @@ def test_activation_checkpointing_composes():
     m(x).square().mean().backward()
     assert rel(gx, x.grad) < 0.03
     assert max(rel(a, p.grad) for a, p in zip(grads, m.parameters())) < 0.1
+
+
+def test_weight_stored_in_by_out_is_rewritten():
+    """transformers' Conv1D: y = addmm(b, x, W) with W of shape (in, out)."""
+    class Conv1D(torch.nn.Module):
+        def __init__(self, nin, nout):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(nin, nout) * nin ** -0.5)
+            self.bias = torch.nn.Parameter(torch.zeros(nout))
+
+        def forward(self, x):
+            return torch.addmm(self.bias, x.view(-1, x.shape[-1]), self.weight).view(
+                *x.shape[:-1], -1)
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(Conv1D(32, 48), torch.nn.GELU(), Conv1D(48, 40))
+    x = torch.randn(2, 24, 32, requires_grad=True)
+    report, fw, bw = run_step(m, x, HOTConfig(min_features=0, exclude=(), gx_bits=8, rank=16))
+    assert [(r.I, r.O) for r in report.rewritten] == [(32, 48), (48, 40)]
+    assert count_ops(bw[0], HOT_OPS["hla"]) == 2 and count_ops(bw[0], HOT_OPS["hq"]) == 2
+    grads = [p.grad.clone() for p in m.parameters()]
+    gx = x.grad.clone()
+    m.zero_grad()
+    x.grad = None
+    m(x).float().square().mean().backward()
+    assert rel(gx, x.grad) < 0.03
+    assert all(rel(a, p.grad) < 0.05 for a, p in zip(grads, m.parameters()) if p.dim() == 2)

@@ -56,6 +56,7 @@ class LinearSite:
     abc: str = "-"                # "forward" | "backward" | "-"
     rewritten_gx: Optional[Node] = None
     rewritten_gw: Optional[Node] = None
+    w_in_out: bool = False        # weight stored (I, O), used as x @ W (transformers' Conv1D)
 
     @property
     def eligible(self) -> bool:
@@ -160,14 +161,19 @@ def find_linear_sites(graph: Graph, config) -> List[LinearSite]:
         src, flips = strip(wt)
         site = LinearSite(index=len(sites), name="linear", fwd=fwd, x=x, wt=wt,
                           weight=src if _is_param(src) else None)
-        # g_x: mm(G, transpose(wt));  g_W: mm(transpose(G), x)
+        # W (O, I) used as x @ W^T: g_x = mm(G, transpose(wt)), g_W = mm(transpose(G), x)
+        # W (I, O) used as x @ W:   g_x the same,            g_W^T = mm(transpose(x), G)
+        site.w_in_out = flips % 2 == 0
         gx = [mm for mm in bwd_mms if is_transpose(mm.args[1]) and mm.args[1].args[0] is wt]
-        gw = [mm for mm in bwd_mms if mm.args[1] is x and is_transpose(mm.args[0])]
+        if site.w_in_out:
+            gw = [mm for mm in bwd_mms if is_transpose(mm.args[0]) and mm.args[0].args[0] is x]
+        else:
+            gw = [mm for mm in bwd_mms if mm.args[1] is x and is_transpose(mm.args[0])]
         site.gx, why_x = _pick(gx, fwd, "g_x")
         site.gw, why_w = _pick(gw, fwd, "g_W")
         site.reason = why_x or why_w
         if site.gw is not None:
-            site.grad = site.gw.args[0].args[0]
+            site.grad = site.gw.args[1] if site.w_in_out else site.gw.args[0].args[0]
         elif site.gx is not None:
             site.grad = site.gx.args[0]
         site.name = module_name(fwd, site.gx, site.gw)
@@ -176,9 +182,9 @@ def find_linear_sites(graph: Graph, config) -> List[LinearSite]:
             site.L, site.I = hint(xv.shape[0]), hint(xv.shape[1])
             site.dtype = xv.dtype
         if wv is not None and wv.dim() == 2:
-            site.O = hint(wv.shape[0])
+            site.O = hint(wv.shape[1] if site.w_in_out else wv.shape[0])
         if site.reason is None:
-            site.reason = _verdict(site, flips, config)
+            site.reason = _verdict(site, config)
         sites.append(site)
     _assign_keys(sites)
     return sites
@@ -198,16 +204,14 @@ def _pick(cands: List[Node], fwd: Node, what: str):
     return (cands[0] if cands else None), None
 
 
-def _verdict(site: LinearSite, flips: int, config) -> Optional[str]:
+def _verdict(site: LinearSite, config) -> Optional[str]:
     """Why this site must stay exact, or None when it is safe to rewrite."""
     if site.weight is None:
         return "weight operand is not a parameter/input (activation x activation GEMM)"
-    if flips % 2 != 1:
-        return "weight is used untransposed (x @ W, not a linear layer's x @ W^T)"
     xv, gv = _val(site.x), _val(site.grad) if site.grad is not None else None
     if site.gw is None:
         return "weight has no gradient (frozen) or its g_W GEMM was not found"
-    if site.gx is not None and not _same_grad(site.gx.args[0], site.gw.args[0].args[0]):
+    if site.gx is not None and not _same_grad(site.gx.args[0], site.grad):
         return "g_x and g_W consume different output gradients"
     if xv is None or gv is None or xv.dim() != 2 or gv.dim() != 2:
         return "operands are not 2-D tensors with known metadata"

@@ -31,7 +31,8 @@ def _precheck(site: LinearSite, config, fake_mode) -> None:
         with fake_mode:
             gw = HLA_OP(site.grad.meta["val"], xq, xs, config.rank, config.hla_select,
                         config.gw_bits, config.block, config.kernels)
-        if tuple(gw.shape) != tuple(site.gw.meta["val"].shape):
+        want = tuple(site.gw.meta["val"].shape)
+        if tuple(gw.shape) != (want[::-1] if site.w_in_out else want):
             raise RuntimeError(f"g_W shape {tuple(gw.shape)} != {tuple(site.gw.meta['val'].shape)}")
         if site.gx is not None:
             gx = fake_run(HQ_OP, (site.grad, site.gx.args[1], config.gx_bits, config.block,
@@ -62,8 +63,11 @@ def rewrite_joint_graph(graph: Graph, config) -> List[LinearSite]:
         gw = add_node(graph, HLA_OP, (s.grad, xq, xs, config.rank, config.hla_select,
                                       config.gw_bits, config.block, config.kernels),
                       before=s.gw, tag="is_backward", like=s.gw, fake_mode=fake_mode)
-        s.gw.replace_all_uses_with(gw)
         s.rewritten_gw = gw
+        if s.w_in_out:   # the graph wants g_W as (I, O)
+            gw = add_node(graph, torch.ops.aten.permute.default, (gw, [1, 0]), before=s.gw,
+                          tag="is_backward", like=s.gw, fake_mode=fake_mode)
+        s.gw.replace_all_uses_with(gw)
         if s.gx is not None:
             gx = add_node(graph, HQ_OP, (s.grad, s.gx.args[1], config.gx_bits, config.block,
                                          config.gx_scale, s.key, config.kernels),

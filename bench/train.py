@@ -1,0 +1,836 @@
+"""End-to-end training speed and memory: eager, Inductor, HOT, torchao float8 on real models.
+
+    python bench/train.py --suite smoke --out /tmp/r              # CPU, tiny model, seconds
+    python bench/train.py --suite full --out $OUT                  # the H100 run (< 9 min)
+    python bench/train.py --suite full --models llama_d4096 --modes inductor,hot --out $OUT
+    python bench/train.py --docs-only bench/results/a.json more.json   # refresh docs section
+
+Every (model, mode) pair is one training loop on the same seed and the same batches: one
+subprocess each by default (``--isolate process``), so peak memory, Dynamo caches and
+HOT's LQS table never leak from one mode into the next. A step is forward + loss +
+backward + AdamW step. Per run: median step time (CUDA events after warm-up), tokens/s,
+peak allocated memory over the timed steps, bytes autograd saves for backward (a
+``saved_tensors_hooks`` sum of the distinct non-parameter storages of one forward),
+compile time (first step minus a median step), what HOT rewrote, and optionally the
+largest batch that fits (``--max-batch``, binary search). Results go to
+``<out>/train_<date>_<device>.{json,md}`` and PNG charts; ``--update-docs`` rewrites the
+"End-to-end training" section of docs/BENCHMARKS.md (between ``<!-- train:begin -->`` and
+``<!-- train:end -->``) from the run, leaving the rest of the file alone.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Callable, Dict, List, Optional, Tuple
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+
+import common as C  # noqa: E402
+
+ALL_MODES = list(C.MODE_INFO)
+
+
+# ----------------------------------------------------------------------------- workloads
+@dataclasses.dataclass
+class Workload:
+    module: nn.Module                          # forward(*batch) -> scalar loss
+    make_batch: Callable[[int, torch.Generator], tuple]
+    batch: int
+    tokens_per_sample: int
+    hot: dict                                  # HOTConfig overrides for this model
+    exclude: Tuple[str, ...]                   # name components kept exact (HOT and fp8 alike)
+    notes: str = ""
+
+
+def _need(mod: str) -> None:
+    import importlib.util
+    if importlib.util.find_spec(mod) is None:
+        raise ModelUnavailable(f"{mod} is not installed (pip install {mod})")
+
+
+class ModelUnavailable(RuntimeError):
+    pass
+
+
+def _images(shape, classes):
+    def make(batch, gen):
+        dev = gen.device
+        return (torch.randn((batch, *shape), generator=gen, device=dev),
+                torch.randint(0, classes, (batch,), generator=gen, device=dev))
+    return make
+
+
+def _tokens(vocab, seq):
+    def make(batch, gen):
+        t = torch.randint(0, vocab, (batch, seq + 1), generator=gen, device=gen.device)
+        return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+    return make
+
+
+def _sdpa(cfg) -> None:
+    try:
+        cfg._attn_implementation = "sdpa"
+    except Exception:  # noqa: BLE001 - older/newer transformers spell it differently
+        pass
+
+
+def build_timm(name: str, batch: int, tokens: int, notes: str, exclude=("head", "lm_head")):
+    def build(device):
+        _need("timm")
+        import timm
+        with torch.device(device):
+            m = timm.create_model(name, pretrained=False, num_classes=1000)
+        return Workload(C.ClsLoss(m), _images((3, 224, 224), 1000), batch, tokens, {},
+                        tuple(exclude), notes)
+    return build
+
+
+def conv1d_to_linear(model: nn.Module) -> int:
+    """Replace transformers' Conv1D (y = x @ W + b, W: (in, out)) by the same nn.Linear."""
+    n = 0
+    for name, mod in list(model.named_modules()):
+        for cname, child in list(mod.named_children()):
+            if type(child).__name__ == "Conv1D":
+                w = child.weight
+                lin = nn.Linear(w.shape[0], w.shape[1], bias=child.bias is not None,
+                                device=w.device, dtype=w.dtype)
+                with torch.no_grad():
+                    lin.weight.copy_(w.t())
+                    if child.bias is not None:
+                        lin.bias.copy_(child.bias)
+                setattr(mod, cname, lin)
+                n += 1
+    return n
+
+
+def build_gpt2(batch: int = 16, seq: int = 1024, as_linear: bool = False, **config):
+    def build(device):
+        _need("transformers")
+        from transformers import GPT2Config, GPT2LMHeadModel
+        cfg = GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, n_positions=seq,
+                         **config)
+        _sdpa(cfg)
+        with torch.device(device):
+            m = GPT2LMHeadModel(cfg)
+        note = ("transformers GPT2LMHeadModel (124M); its c_attn/c_proj/c_fc are Conv1D "
+                "(x @ W), not nn.Linear")
+        if as_linear:
+            note = (f"transformers GPT2LMHeadModel with its {conv1d_to_linear(m)} Conv1D "
+                    "layers swapped for equal nn.Linear layers")
+        return Workload(C.LMLoss(m, hf=True), _tokens(cfg.vocab_size, seq), batch, seq, {},
+                        ("head", "lm_head"), note)
+    return build
+
+
+def build_llama(d: int, layers: int, heads: int, hidden: int, seq: int, batch: int,
+                vocab: int = 32000):
+    def build(device):
+        import importlib.util
+        if importlib.util.find_spec("transformers") is not None:
+            from transformers import LlamaConfig, LlamaForCausalLM
+            cfg = LlamaConfig(vocab_size=vocab, hidden_size=d, intermediate_size=hidden,
+                              num_hidden_layers=layers, num_attention_heads=heads,
+                              num_key_value_heads=heads, max_position_embeddings=seq,
+                              tie_word_embeddings=False)
+            _sdpa(cfg)
+            with torch.device(device):
+                m = LlamaForCausalLM(cfg)
+            wrapped, src = C.LMLoss(m, hf=True), "transformers LlamaForCausalLM"
+        else:
+            with torch.device(device):
+                m = C.Llama(vocab, d, layers, heads, hidden, seq)
+            wrapped, src = C.LMLoss(m), "built-in Llama block (transformers not installed)"
+        return Workload(wrapped, _tokens(vocab, seq), batch, seq, {}, ("head", "lm_head"),
+                        f"{src}: d={d}, {layers} layers, {heads} heads, ffn {hidden}, "
+                        f"{batch}x{seq} tokens")
+    return build
+
+
+def build_tiny_llama(device):
+    return build_llama(64, 1, 4, 128, 64, 4, vocab=256)(device)
+
+
+def build_tiny_gpt(device):
+    with torch.device(device):
+        m = C.GPT(vocab=256, d=64, layers=1, heads=4, seq=64)
+    return Workload(C.LMLoss(m), _tokens(256, 64), 8, 64, {"min_features": 0},
+                    ("head", "lm_head"), "built-in GPT d=64, 1 layer (CPU smoke)")
+
+
+def build_tiny_vit(device):
+    with torch.device(device):
+        m = C.ViT(img=32, patch=8, chans=3, classes=10, d=64, layers=1, heads=4)
+    return Workload(C.ClsLoss(m), _images((3, 32, 32), 10), 8, 17, {"min_features": 0},
+                    ("head",), "built-in ViT d=64, 1 layer (CPU smoke)")
+
+
+MODELS: Dict[str, Callable] = {
+    "vit_b16_bs64": build_timm("vit_base_patch16_224", 64, 197, "timm vit_base_patch16_224"),
+    "vit_b16_bs128": build_timm("vit_base_patch16_224", 128, 197, "timm vit_base_patch16_224"),
+    "efficientformer_l7": build_timm(
+        "efficientformer_l7", 64, 49,
+        "timm efficientformer_l7; only its last stage (7x7=49 tokens) has nn.Linear layers; "
+        "tokens/s counts those 49 tokens per image", exclude=("head", "head_dist", "lm_head")),
+    "gpt2": build_gpt2(),
+    "gpt2_linear": build_gpt2(as_linear=True),
+    "llama_d2048": build_llama(2048, 4, 16, 5632, 4096, 2),
+    "llama_d4096": build_llama(4096, 2, 32, 11008, 2048, 4),
+    "tiny_gpt": build_tiny_gpt,
+    "tiny_llama": build_tiny_llama,
+    "tiny_vit": build_tiny_vit,
+}
+
+SUITES = {
+    # models in priority order; modes in priority tiers (the plan runs tier by tier)
+    "full": dict(models=["vit_b16_bs64", "llama_d4096", "vit_b16_bs128", "llama_d2048", "gpt2",
+                         "efficientformer_l7"],
+                 modes=ALL_MODES, warmup=8, steps=20, budget_s=510.0, isolate="process"),
+    "smoke": dict(models=["tiny_gpt"], modes=ALL_MODES, warmup=3, steps=3, budget_s=None,
+                  isolate="none"),
+}
+MODE_TIERS = [("inductor", "hot"), ("fp8_tensorwise", "fp8_rowwise"), ("hot_ref",),
+              ("bf16", "fp32")]
+
+
+def mode_unavailable(mode: str, device: torch.device) -> Optional[str]:
+    """Why a mode cannot run here (checked in the parent: no subprocess for a skip)."""
+    import importlib.util
+    if mode.startswith("fp8"):
+        if importlib.util.find_spec("torchao") is None:
+            return "torchao is not installed (pip install torchao)"
+        if device.type != "cuda":
+            return "torchao float8 needs a CUDA device"
+        if torch.cuda.get_device_capability(device) < (8, 9):
+            return "torchao float8 needs compute capability >= 8.9"
+    if mode in ("hot", "hot_ref"):
+        try:
+            import hotcompile  # noqa: F401
+        except Exception as e:  # noqa: BLE001
+            return f"hotcompile does not import: {e}"
+    return None
+
+
+def model_unavailable(model: str) -> Optional[str]:
+    import importlib.util
+    if model.startswith(("vit_b16", "efficientformer")) and importlib.util.find_spec("timm") is None:
+        return "timm is not installed (pip install timm): model skipped"
+    if model.startswith("gpt2") and importlib.util.find_spec("transformers") is None:
+        return "transformers is not installed (pip install transformers): model skipped"
+    return None
+
+
+# ----------------------------------------------------------------------------- one run
+def _fp8_convert(inner: nn.Module, recipe: str, exclude) -> int:
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    if recipe == "tensorwise":
+        cfg = Float8LinearConfig()
+    else:
+        try:
+            cfg = Float8LinearConfig.from_recipe_name(recipe)
+        except Exception:  # noqa: BLE001 - older torchao wants the enum
+            from torchao.float8.config import Float8LinearRecipeName
+            cfg = Float8LinearConfig.from_recipe_name(Float8LinearRecipeName(recipe))
+    n = [0]
+
+    def keep(mod, fqn):
+        ok = (isinstance(mod, nn.Linear) and mod.in_features % 16 == 0
+              and mod.out_features % 16 == 0
+              and not any(part in exclude for part in fqn.split(".")))
+        n[0] += ok
+        return ok
+    convert_to_float8_training(inner, config=cfg, module_filter_fn=keep)
+    return n[0]
+
+
+def _counters() -> Tuple[int, int]:
+    from torch._dynamo.utils import counters
+    return (int(counters["stats"].get("unique_graphs", 0)),
+            int(sum(counters["graph_break"].values())))
+
+
+def _free(device):
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run_one(model: str, mode: str, opts: dict) -> dict:
+    """Train ``model`` in ``mode`` for warm-up + timed steps in this process; a result dict."""
+    device = C.pick_device(opts.get("device"))
+    C.configure_cpu_compile(device)
+    compiled_flag, amp_on, desc = C.MODE_INFO[mode]
+    amp = opts.get("amp", "bf16") if amp_on else None
+    rec = {"model": model, "mode": mode, "description": desc, "amp": amp or "none",
+           "status": "ok"}
+    t_start = time.perf_counter()
+    torch.manual_seed(opts.get("seed", 0))
+    wl = MODELS[model](device)
+    if opts.get("batch"):
+        wl.batch = int(opts["batch"])
+    module = wl.module
+    rec.update(batch=wl.batch, tokens_per_step=wl.batch * wl.tokens_per_sample,
+               params_m=round(C.count_params(module) / 1e6, 2), notes=wl.notes)
+    if mode.startswith("fp8"):
+        rec["fp8_linears"] = _fp8_convert(module.model, mode.split("_", 1)[1], wl.exclude)
+    hot_kwargs = {"exclude": wl.exclude, **wl.hot, **(opts.get("hot") or {})}
+    step_fn, be = C.compile_model(module, mode, hot_kwargs, opts.get("compile_mode"))
+    if be is not None:
+        rec["hot_config"] = be.config.to_dict()
+    opt = torch.optim.AdamW(module.parameters(), lr=opts.get("lr", 1e-4),
+                            **({"fused": True} if device.type == "cuda" else {}))
+    gen = torch.Generator(device=device).manual_seed(1234)
+    batches = [wl.make_batch(wl.batch, gen) for _ in range(2)]
+
+    def step(i, events=None):
+        if events:
+            events[0].record()
+        with C.amp_ctx(device, amp):
+            loss = step_fn(*batches[i % len(batches)])
+        loss.backward()
+        if events:
+            events[1].record()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if events:
+            events[2].record()
+        return loss
+
+    # first step: compile (for compiled modes) + first run
+    C.sync(device)
+    t0 = time.perf_counter()
+    loss = step(0)
+    C.sync(device)
+    rec["first_step_s"] = time.perf_counter() - t0
+    rec["loss_first"] = float(loss.detach())
+    for i in range(opts.get("warmup", 5)):
+        step(i + 1)
+    C.sync(device)
+
+    # bytes saved for backward (one forward, then its backward so nothing lingers)
+    with C.SavedBytes(module.parameters()) as sb:
+        with C.amp_ctx(device, amp):
+            loss = step_fn(*batches[0])
+    loss.backward()
+    opt.zero_grad(set_to_none=True)
+    rec["saved_bytes"], rec["saved_tensors"] = sb.nbytes, sb.count
+    del loss
+    _free(device)
+
+    graphs_before, breaks = _counters()
+    steps = opts.get("steps", 20)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        rec["static_mem_gib"] = torch.cuda.memory_allocated(device) / 2 ** 30
+        evs = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(steps)]
+        for i in range(steps):
+            loss = step(i, evs[i])
+        torch.cuda.synchronize(device)
+        full = [a.elapsed_time(c) for a, b, c in evs]
+        fb = [a.elapsed_time(b) for a, b, c in evs]
+        rec["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
+    else:
+        full, fb = [], []
+        for i in range(steps):
+            t = time.perf_counter()
+            loss = step(i)
+            full.append((time.perf_counter() - t) * 1e3)
+        rec["static_mem_gib"] = rec["peak_mem_gib"] = None     # no device allocator on CPU
+    rec["loss_last"] = float(loss.detach())
+    graphs_after, breaks = _counters()
+    med = statistics.median(full)
+    rec.update(step_ms=med, step_ms_min=min(full), step_ms_max=max(full),
+               fwd_bwd_ms=statistics.median(fb) if fb else None,
+               tokens_per_s=rec["tokens_per_step"] / med * 1e3,
+               samples_per_s=wl.batch / med * 1e3,
+               compile_s=max(rec["first_step_s"] - med / 1e3, 0.0) if compiled_flag else 0.0,
+               graphs=graphs_after, graph_breaks=breaks,
+               recompiled_while_timing=graphs_after != graphs_before,
+               tf32=bool(torch.backends.cuda.matmul.allow_tf32))
+    rec.update(C.hot_summary(be))
+    if be is not None and rec["hot_sites_rewritten"] == 0:
+        rec["warning"] = "HOT rewrote no linear layer: these numbers are plain Inductor's"
+    if not math.isfinite(rec["loss_last"]):
+        rec["status"], rec["error"] = "error", f"non-finite loss {rec['loss_last']}"
+
+    if opts.get("max_batch"):
+        rec["max_batch"], rec["max_batch_note"] = find_max_batch(
+            step_fn, module, opt, wl, device, amp, opts)
+    rec["run_s"] = time.perf_counter() - t_start
+    return rec
+
+
+def find_max_batch(step_fn, module, opt, wl: Workload, device, amp, opts):
+    """Largest batch (samples) for which two training steps run, by doubling then bisection."""
+    if device.type != "cuda":
+        return None, "needs a CUDA device"
+    gen = torch.Generator(device=device).manual_seed(99)
+
+    def fits(b: int) -> bool:
+        try:
+            data = wl.make_batch(b, gen)
+            for t in data:
+                torch._dynamo.mark_dynamic(t, 0)
+            for _ in range(2):
+                with C.amp_ctx(device, amp):
+                    loss = step_fn(*data)
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            torch.cuda.synchronize(device)
+            return True
+        except Exception as e:  # noqa: BLE001 - OOM can surface wrapped by the compiler
+            if isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower():
+                return False
+            raise
+        finally:
+            opt.zero_grad(set_to_none=True)
+            data = loss = None  # noqa: F841
+            _free(device)
+
+    cap = int(opts.get("max_batch_cap", 16)) * wl.batch
+    lo, hi = wl.batch, None
+    b = wl.batch * 2
+    try:
+        while b <= cap:
+            if fits(b):
+                lo, b = b, b * 2
+            else:
+                hi = b
+                break
+        if hi is None:
+            return lo, f"fits the cap ({cap})"
+        step = max(1, lo // 16)
+        while hi - lo > step:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        return lo, f"resolution {step}"
+    except Exception as e:  # noqa: BLE001 - a failed search must not lose the timing
+        return lo, f"search stopped: {type(e).__name__}: {str(e)[:200]}"
+
+
+# ----------------------------------------------------------------------------- orchestration
+def plan_runs(models: List[str], modes: List[str], tiered: bool) -> List[Tuple[str, str]]:
+    if not tiered:
+        return [(m, x) for m in models for x in modes]
+    runs, seen = [], set()
+    for tier in MODE_TIERS + [tuple(modes)]:
+        for m in models:
+            for x in tier:
+                if x in modes and (m, x) not in seen:
+                    seen.add((m, x))
+                    runs.append((m, x))
+    return runs
+
+
+def _worker_cmd(model, mode, opts, json_out) -> List[str]:
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--models", model,
+           "--modes", mode, "--worker-json", json_out, "--opts", json.dumps(opts)]
+    return cmd
+
+
+def run_isolated(model, mode, opts, tmpdir, timeout) -> dict:
+    json_out = os.path.join(tmpdir, f"run_{model}_{mode}_{os.getpid()}.json")
+    if os.path.exists(json_out):
+        os.remove(json_out)
+    try:
+        p = subprocess.run(_worker_cmd(model, mode, opts, json_out), capture_output=True,
+                           text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        tail = (e.stderr or b"")[-1500:]
+        tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
+        return {"model": model, "mode": mode, "status": "timeout",
+                "error": f"no result within {timeout:.0f} s", "stderr_tail": tail}
+    if os.path.exists(json_out):
+        with open(json_out) as f:
+            rec = json.load(f)
+        if p.returncode != 0 and rec.get("status") == "ok":
+            rec["status"], rec["error"] = "error", f"worker exit code {p.returncode}"
+        return rec
+    err = (p.stderr or "").strip().splitlines()
+    return {"model": model, "mode": mode, "status": "error",
+            "error": (err[-1] if err else f"worker exit code {p.returncode}")[:500],
+            "stderr_tail": (p.stderr or "")[-3000:]}
+
+
+def run_inprocess(model, mode, opts) -> dict:
+    device = C.pick_device(opts.get("device"))
+    C.reset_compile_state()
+    try:
+        return run_one(model, mode, opts)
+    except Exception as e:  # noqa: BLE001
+        import traceback
+        return {"model": model, "mode": mode, "status": "error",
+                "error": f"{type(e).__name__}: {str(e)[:400]}",
+                "stderr_tail": traceback.format_exc()[-3000:]}
+    finally:
+        C.reset_compile_state()
+        _free(device)
+
+
+def _progress(i, n, rec, wall) -> str:
+    head = f"[{i}/{n}] {rec['model']:<18} {rec['mode']:<15}"
+    if rec["status"] != "ok":
+        return f"{head} {rec['status'].upper()}: {rec.get('error', '')} ({wall:.0f} s)"
+    mem = f"{rec['peak_mem_gib']:.2f} GiB" if rec.get("peak_mem_gib") is not None else "mem n/a"
+    hot = ""
+    if "hot_sites_total" in rec:
+        hot = f", HOT {rec['hot_sites_rewritten']}/{rec['hot_sites_total']} sites"
+    return (f"{head} {rec['step_ms']:8.2f} ms/step  {rec['tokens_per_s']:11.0f} tok/s  {mem}"
+            f"  saved {rec['saved_bytes'] / 2 ** 20:8.1f} MiB  compile {rec['compile_s']:.1f} s"
+            f"{hot} ({wall:.0f} s)")
+
+
+def run_suite(args) -> dict:
+    suite = SUITES.get(args.suite, {})
+    models = args.models.split(",") if args.models else suite.get("models", ["tiny_gpt"])
+    modes = args.modes.split(",") if args.modes else suite.get("modes", ALL_MODES)
+    for m in models:
+        if m not in MODELS:
+            raise SystemExit(f"unknown model {m!r}; known: {', '.join(MODELS)}")
+    for x in modes:
+        if x not in C.MODE_INFO:
+            raise SystemExit(f"unknown mode {x!r}; known: {', '.join(C.MODE_INFO)}")
+    device = C.pick_device(args.device)
+    opts = {"device": args.device, "seed": args.seed, "amp": args.amp,
+            "warmup": args.warmup if args.warmup is not None else suite.get("warmup", 5),
+            "steps": args.steps if args.steps is not None else suite.get("steps", 20),
+            "batch": args.batch, "max_batch": args.max_batch,
+            "max_batch_cap": args.max_batch_cap, "hot": C.parse_overrides(args.hot),
+            "compile_mode": args.compile_mode, "lr": 1e-4}
+    isolate = args.isolate or suite.get("isolate", "process")
+    budget = args.budget_s if args.budget_s is not None else suite.get("budget_s")
+    out_dir = args.out or C.RESULTS_DIR
+    base = C.result_base(out_dir, "train", device, args.tag)
+    result = {"suite": args.suite, "kind": "train", "env": C.environment(device),
+              "options": {**opts, "isolate": isolate, "budget_s": budget,
+                          "models": models, "modes": modes},
+              "runs": [], "skipped": []}
+    runs = plan_runs(models, modes, tiered=args.suite == "full" and not args.models_order)
+    C.log(f"train bench: {len(runs)} runs on {C.device_name(device)} "
+          f"(isolate={isolate}, warmup={opts['warmup']}, steps={opts['steps']}"
+          + (f", budget {budget:.0f} s" if budget else "") + f") -> {base}.*")
+    import tempfile
+    tmpdir = tempfile.mkdtemp(prefix="hot_train_")
+    t_suite = time.perf_counter()
+    longest = {"compiled": 60.0, "eager": 20.0}
+    seen_long = {"compiled": False, "eager": False}
+    for i, (model, mode) in enumerate(runs, 1):
+        why = model_unavailable(model) or mode_unavailable(mode, device)
+        if why:
+            rec = {"model": model, "mode": mode, "status": "skipped", "error": why}
+            result["runs"].append(rec)
+            C.log(_progress(i, len(runs), rec, 0.0))
+            continue
+        kind = "compiled" if C.MODE_INFO[mode][0] else "eager"
+        elapsed = time.perf_counter() - t_suite
+        timeout = args.timeout_s
+        if budget:
+            left = budget - elapsed
+            if left < 0.6 * longest[kind]:
+                rec = {"model": model, "mode": mode, "status": "skipped",
+                       "error": f"time budget ({budget:.0f} s) spent"}
+                result["skipped"].append([model, mode])
+                result["runs"].append(rec)
+                C.log(_progress(i, len(runs), rec, 0.0))
+                continue
+            timeout = min(timeout, max(left, 30.0))
+        t0 = time.perf_counter()
+        if isolate == "process":
+            rec = run_isolated(model, mode, opts, tmpdir, timeout)
+            if rec["status"] == "timeout" and timeout < args.timeout_s:
+                rec["status"] = "skipped"
+                rec["error"] = f"stopped at the time budget ({budget:.0f} s) after {timeout:.0f} s"
+                result["skipped"].append([model, mode])
+        else:
+            rec = run_inprocess(model, mode, opts)
+        wall = time.perf_counter() - t0
+        rec["wall_s"] = wall
+        if rec.get("status") == "ok":
+            longest[kind] = wall if not seen_long[kind] else max(longest[kind], wall)
+            seen_long[kind] = True
+        result["runs"].append(rec)
+        C.log(_progress(i, len(runs), rec, wall))
+        C.write_json(base + ".json", result)          # after every run: a kill keeps the rest
+    result["suite_s"] = time.perf_counter() - t_suite
+    if result["skipped"]:
+        by_model: Dict[str, List[str]] = {}
+        for m, x in result["skipped"]:
+            by_model.setdefault(m, []).append(x)
+        suite_arg = f"--suite {args.suite} " if args.suite != "custom" else ""
+        result["resume_commands"] = [
+            f"python bench/train.py {suite_arg}--models {m} --modes {','.join(xs)} --out $OUT"
+            for m, xs in by_model.items()]
+    write_outputs(result, base)
+    return result
+
+
+# ----------------------------------------------------------------------------- reporting
+def merge_results(results: List[dict]) -> dict:
+    """Several JSON files (a suite split over calls) -> one; later runs replace earlier."""
+    runs: Dict[Tuple[str, str], dict] = {}
+    envs = []
+    for r in results:
+        envs.append(r.get("env", {}))
+        for rec in r.get("runs", []):
+            key = (rec["model"], rec["mode"])
+            if rec.get("status") == "ok" or key not in runs or runs[key].get("status") != "ok":
+                runs[key] = rec
+    merged = {"kind": "train", "env": envs[-1] if envs else {}, "envs": envs,
+              "options": results[-1].get("options"), "runs": list(runs.values())}
+    devices = sorted({e.get("device") for e in envs if e.get("device")})
+    if len(devices) > 1:
+        merged["warning"] = f"merged from runs on different devices: {', '.join(devices)}"
+    return merged
+
+
+def _ref(runs, model, mode="inductor"):
+    for r in runs:
+        if r["model"] == model and r["mode"] == mode and r.get("status") == "ok":
+            return r
+    return None
+
+
+def acceptance(result: dict) -> List[Tuple[str, str, Optional[float], str]]:
+    """The issue's targets: (what, target, measured, PASS/FAIL/n/a)."""
+    runs = result["runs"]
+    out = []
+
+    def ratio(model, key, invert):
+        a, b = _ref(runs, model, "hot"), _ref(runs, model, "inductor")
+        if not a or not b or a.get(key) in (None, 0) or b.get(key) in (None, 0):
+            return None
+        return b[key] / a[key] if invert else a[key] / b[key]
+    for what, model, key, invert, target, ok in (
+            ("ViT-B/16 bs64 speed-up, hot vs Inductor bf16", "vit_b16_bs64", "step_ms", True,
+             ">= 1.25x", lambda v: v >= 1.25),
+            ("ViT-B/16 bs64 peak memory, hot / Inductor bf16", "vit_b16_bs64", "peak_mem_gib",
+             False, "<= 0.75x", lambda v: v <= 0.75),
+            ("Llama d=4096 speed-up, hot vs Inductor bf16", "llama_d4096", "step_ms", True,
+             ">= 1.35x", lambda v: v >= 1.35)):
+        v = ratio(model, key, invert)
+        out.append((what, target, v, "n/a" if v is None else ("PASS" if ok(v) else "FAIL")))
+    return out
+
+
+HEADER = ["model", "mode", "batch", "ms/step", "tokens/s", "vs inductor", "peak GiB",
+          "mem vs inductor", "saved for bwd MiB", "compile s", "HOT sites", "max batch", "note"]
+
+
+def table_rows(result: dict) -> List[list]:
+    runs = result["runs"]
+    rows = []
+    for r in runs:
+        if r.get("status") != "ok":
+            rows.append([r["model"], r["mode"], "-", "-", "-", "-", "-", "-", "-", "-", "-", "-",
+                         f"{r.get('status')}: {r.get('error', '')}"[:120]])
+            continue
+        ref = _ref(runs, r["model"])
+        speed = f"{ref['step_ms'] / r['step_ms']:.2f}x" if ref else "-"
+        mem = (f"{r['peak_mem_gib'] / ref['peak_mem_gib']:.2f}x"
+               if ref and r.get("peak_mem_gib") and ref.get("peak_mem_gib") else "-")
+        sites = (f"{r['hot_sites_rewritten']}/{r['hot_sites_total']}"
+                 if "hot_sites_total" in r else "-")
+        note = r.get("warning", "") or ("recompiled while timing"
+                                        if r.get("recompiled_while_timing") else "")
+        rows.append([r["model"], r["mode"], r["batch"], C.fmt(r["step_ms"]),
+                     C.fmt(r["tokens_per_s"], 0), speed, C.fmt(r.get("peak_mem_gib")), mem,
+                     C.fmt(r["saved_bytes"] / 2 ** 20, 1), C.fmt(r["compile_s"], 1), sites,
+                     C.fmt(r.get("max_batch")), note])
+    return rows
+
+
+def markdown(result: dict, title: bool = True) -> str:
+    env = result.get("env", {})
+    lines = []
+    if title:
+        lines.append(f"# End-to-end training: {env.get('device', '?')}\n")
+    lines.append(f"Device {env.get('device', '?')}, torch {env.get('torch')}, "
+                 f"hotcompile {env.get('hotcompile')}, timm {env.get('timm')}, "
+                 f"transformers {env.get('transformers')}, torchao {env.get('torchao')}, "
+                 f"git {env.get('git')}, {env.get('date')}.")
+    if result.get("envs") and len(result["envs"]) > 1:
+        lines.append(f"Merged from {len(result['envs'])} result files ("
+                     + ", ".join(str(e.get("date")) for e in result["envs"]) + ").")
+    if result.get("warning"):
+        lines.append(f"**{result['warning']}**")
+    opts = result.get("options")
+    if opts:
+        lines.append(f"Warm-up {opts.get('warmup')} steps, median of {opts.get('steps')} timed "
+                     f"steps (forward + backward + AdamW), isolate={opts.get('isolate')}.")
+    lines.append("Peak = max allocated over the timed steps (parameters, grads, AdamW state "
+                 "and activations); saved for bwd = distinct non-parameter storages autograd "
+                 "holds after one forward. Ratios are against `inductor` (torch.compile, "
+                 "bf16 autocast) of the same model.\n")
+    lines.append(C.md_table(HEADER, table_rows(result)))
+    acc = acceptance(result)
+    lines.append("\nTargets:\n")
+    lines.append(C.md_table(["target", "goal", "measured", "verdict"],
+                            [[w, t, "-" if v is None else f"{v:.2f}x", s] for w, t, v, s in acc]))
+    notes = sorted({f"{r['model']}: {r['notes']}" for r in result["runs"] if r.get("notes")})
+    if notes:
+        lines.append("\nModels:\n" + "\n".join(f"- {n}" for n in notes))
+    if result.get("resume_commands"):
+        lines.append("\nNot run (time budget); to finish:\n\n```\n"
+                     + "\n".join(result["resume_commands"]) + "\n```")
+    return "\n".join(lines) + "\n"
+
+
+def charts(result: dict, base: str) -> List[str]:
+    if not C.have_matplotlib():
+        return []
+    import matplotlib.pyplot as plt
+    ok = [r for r in result["runs"] if r.get("status") == "ok"]
+    models = list(dict.fromkeys(r["model"] for r in ok))
+    modes = [m for m in ALL_MODES if any(r["mode"] == m for r in ok)]
+    if not models:
+        return []
+    paths = []
+    for r in ok:
+        ref = _ref(ok, r["model"])
+        r["_speedup"] = ref["step_ms"] / r["step_ms"] if ref else None
+    for key, label, fname in (("_speedup", "speed-up vs inductor (higher is better)", "speed"),
+                              ("peak_mem_gib", "peak allocated GiB (lower is better)", "memory")):
+        fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(models)), 4))
+        w = 0.8 / max(len(modes), 1)
+        drawn = False
+        for j, mode in enumerate(modes):
+            xs, ys = [], []
+            for i, model in enumerate(models):
+                r = next((r for r in ok if r["model"] == model and r["mode"] == mode), None)
+                if r is not None and r.get(key) is not None:
+                    xs.append(i + (j - (len(modes) - 1) / 2) * w)
+                    ys.append(r[key])
+            if xs:
+                ax.bar(xs, ys, width=w, label=mode)
+                drawn = True
+        if not drawn:
+            plt.close(fig)
+            continue
+        if key == "_speedup":
+            ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+        ax.set_xticks(range(len(models)))
+        ax.set_xticklabels(models, rotation=15, fontsize=8)
+        ax.set_ylabel(label)
+        ax.set_title(f"{fname}: {result.get('env', {}).get('device', '')}")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = f"{base}_{fname}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    for r in ok:
+        r.pop("_speedup", None)
+    return paths
+
+
+def write_outputs(result: dict, base: str) -> None:
+    C.write_json(base + ".json", result)
+    md = markdown(result)
+    C.write_text(base + ".md", md)
+    pngs = charts(result, base)
+    C.log("")
+    C.log(C.text_table(HEADER[:-1], [r[:-1] for r in table_rows(result)]))
+    for what, target, v, verdict in acceptance(result):
+        C.log(f"  {verdict:4}  {what}: {'-' if v is None else f'{v:.2f}x'} (target {target})")
+    if result.get("resume_commands"):
+        C.log("not run (time budget); to finish:\n  " + "\n  ".join(result["resume_commands"]))
+    C.log(f"wrote {base}.json, {base}.md" + "".join(f", {p}" for p in pngs))
+
+
+def docs_body(result: dict) -> str:
+    return ("Written by `python bench/train.py --update-docs` (or `--docs-only RESULT.json ...`)."
+            " Do not edit by hand.\n\n" + markdown(result, title=False))
+
+
+def update_docs(results: List[dict], path: str) -> str:
+    merged = merge_results(results) if len(results) > 1 else results[0]
+    return C.update_docs_section("train", "End-to-end training (bench/train.py)",
+                                 docs_body(merged), path)
+
+
+# ----------------------------------------------------------------------------- CLI
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="models: " + ", ".join(MODELS)
+                                + "\nmodes: " + ", ".join(C.MODE_INFO))
+    p.add_argument("--suite", default="custom", choices=["smoke", "full", "custom"],
+                   help="preset models/modes/steps (custom: defaults + your filters)")
+    p.add_argument("--models", help="comma list (filter)")
+    p.add_argument("--modes", help="comma list (filter)")
+    p.add_argument("--out", help="output folder (default bench/results)")
+    p.add_argument("--tag", default="", help="appended to the file names")
+    p.add_argument("--device", help="cuda / cpu (default: cuda when available)")
+    p.add_argument("--steps", type=int, help="timed steps")
+    p.add_argument("--warmup", type=int, help="steps after the first (compiling) one")
+    p.add_argument("--batch", type=int, help="override every model's batch")
+    p.add_argument("--amp", default="bf16", choices=["bf16", "fp16", "none"],
+                   help="autocast of the non-fp32 modes")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hot", nargs="*", help="HOTConfig overrides, key=value")
+    p.add_argument("--compile-mode", help="torch.compile mode for inductor/hot/fp8")
+    p.add_argument("--max-batch", action="store_true", help="binary-search the largest batch")
+    p.add_argument("--max-batch-cap", type=int, default=16, help="search up to cap x batch")
+    p.add_argument("--isolate", choices=["process", "none"],
+                   help="one subprocess per run (default) or in-process with Dynamo reset")
+    p.add_argument("--budget-s", type=float, help="skip runs that would not fit (full: 510)")
+    p.add_argument("--timeout-s", type=float, default=400.0, help="per-run limit (isolated)")
+    p.add_argument("--models-order", action="store_true",
+                   help="run model by model instead of the full suite's priority tiers")
+    p.add_argument("--cache-dir", help="Inductor/Triton cache folder (e.g. .carry/inductor)")
+    p.add_argument("--update-docs", nargs="?", const=C.DOCS_FILE, default=None,
+                   metavar="PATH", help="rewrite the train section of docs/BENCHMARKS.md")
+    p.add_argument("--docs-only", nargs="+", metavar="JSON_OR_DIR",
+                   help="no run: merge these results (a folder: its newest train_*.json) "
+                        "and update the docs section")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--worker-json", help=argparse.SUPPRESS)
+    p.add_argument("--opts", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        opts = json.loads(args.opts)
+        try:
+            rec = run_one(args.models, args.modes, opts)
+        except Exception as e:  # noqa: BLE001
+            import traceback
+            rec = {"model": args.models, "mode": args.modes, "status": "error",
+                   "error": f"{type(e).__name__}: {str(e)[:400]}",
+                   "stderr_tail": traceback.format_exc()[-3000:]}
+        C.write_json(args.worker_json, rec)
+        return 0
+    if args.docs_only:
+        files = C.latest_results(args.docs_only, "train")
+        if not files:
+            raise SystemExit(f"no train_*.json found in {args.docs_only}")
+        results = []
+        for f in files:
+            with open(f) as fh:
+                results.append(json.load(fh))
+        path = update_docs(results, args.update_docs or C.DOCS_FILE)
+        C.log(f"updated {path} from {', '.join(files)}")
+        return 0
+    C.use_cache_dir(args.cache_dir)
+    result = run_suite(args)
+    if args.update_docs:
+        C.log(f"updated {update_docs([result], args.update_docs)}")
+    bad = [r for r in result["runs"] if r.get("status") in ("error", "timeout")]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

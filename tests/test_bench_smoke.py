@@ -1,0 +1,177 @@
+"""bench/train.py and bench/accuracy.py run end to end on the CPU at a tiny size.
+
+Why subprocesses: each suite is run as its command line would be (the way the lead runs the
+full size on a GPU), and the two run side by side so the smoke costs one suite's wall time.
+Inductor's on-disk kernel cache makes repeat runs fast; a cold cache (a fresh machine) can
+take a few minutes on two cores.
+"""
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(REPO, "bench")
+TIMEOUT = 900
+
+sklearn = importlib.util.find_spec("sklearn") is not None
+
+
+def _load(name):
+    if BENCH not in sys.path:
+        sys.path.insert(0, BENCH)
+    key = f"hot_bench_{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, os.path.join(BENCH, f"{name}.py"))
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[key] = mod          # dataclasses look their module up while defining
+        spec.loader.exec_module(mod)
+    return sys.modules[key]
+
+
+def _json(folder, prefix):
+    files = [f for f in os.listdir(folder) if f.startswith(prefix + "_") and f.endswith(".json")]
+    assert len(files) == 1, files
+    with open(os.path.join(folder, files[0])) as f:
+        return os.path.join(folder, files[0]), json.load(f)
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    """Run both smoke suites (and one process-isolated worker) concurrently; collect outputs."""
+    root = tmp_path_factory.mktemp("bench")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # conftest turns Inductor's FX/AOT caches off for the pass tests; the HOT pass bypasses
+    # them anyway, and the Inductor-only runs here may use them (warm reruns are faster)
+    env.pop("TORCHINDUCTOR_FX_GRAPH_CACHE", None)
+    env.pop("TORCHINDUCTOR_AUTOGRAD_CACHE", None)
+    jobs = {
+        "train": [sys.executable, os.path.join(BENCH, "train.py"), "--suite", "smoke",
+                  "--device", "cpu", "--out", str(root / "train")],
+        "accuracy": [sys.executable, os.path.join(BENCH, "accuracy.py"), "--suite", "smoke",
+                     "--device", "cpu", "--out", str(root / "accuracy")],
+        "isolated": [sys.executable, os.path.join(BENCH, "train.py"), "--models", "tiny_gpt",
+                     "--modes", "fp32", "--isolate", "process", "--steps", "2", "--warmup", "1",
+                     "--device", "cpu", "--out", str(root / "isolated")],
+    }
+    procs = {k: subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True)
+             for k, cmd in jobs.items()}
+    out = {}
+    for k, p in procs.items():
+        try:
+            text, _ = p.communicate(timeout=TIMEOUT)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            text, _ = p.communicate()
+        out[k] = (p.returncode, text, str(root / k))
+    return out
+
+
+def _finite(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+TRAIN_NUMBERS = ("step_ms", "tokens_per_s", "samples_per_s", "saved_bytes", "compile_s",
+                 "first_step_s", "loss_first", "loss_last", "step_ms_min", "step_ms_max")
+
+
+def test_train_smoke_every_mode(smoke):
+    rc, text, folder = smoke["train"]
+    assert rc == 0, text[-4000:]
+    path, res = _json(folder, "train")
+    assert "cpu" in os.path.basename(path)                      # device in the file name
+    train = _load("train")
+    modes = [r["mode"] for r in res["runs"]]
+    assert sorted(modes) == sorted(train.ALL_MODES)
+    for r in res["runs"]:
+        if r["mode"].startswith("fp8") and r["status"] == "skipped":
+            assert "torchao" in r["error"] or "CUDA" in r["error"]
+            continue
+        assert r["status"] == "ok", r
+        for key in TRAIN_NUMBERS:
+            assert _finite(r[key]), (r["mode"], key, r.get(key))
+        assert r["step_ms"] > 0 and r["saved_bytes"] > 0
+        for v in r.values():
+            if isinstance(v, float):
+                assert math.isfinite(v), r
+    hot = {r["mode"]: r for r in res["runs"]}
+    for m in ("hot", "hot_ref"):
+        assert hot[m]["hot_sites_rewritten"] >= 1 and not hot[m]["hot_errors"]
+    # HOT compresses the saved linear inputs (ABC): less saved for backward than Inductor
+    assert hot["hot"]["saved_bytes"] < hot["inductor"]["saved_bytes"]
+    assert os.path.exists(path[:-5] + ".md")
+    assert "[1/7]" in text                                      # a progress line per run
+    if importlib.util.find_spec("matplotlib"):
+        assert os.path.exists(path[:-5] + "_speed.png")
+
+
+def test_train_process_isolation(smoke):
+    rc, text, folder = smoke["isolated"]
+    assert rc == 0, text[-4000:]
+    _, res = _json(folder, "train")
+    (r,) = res["runs"]
+    assert r["status"] == "ok" and res["options"]["isolate"] == "process"
+    assert all(_finite(r[k]) for k in TRAIN_NUMBERS)
+
+
+@pytest.mark.skipif(not sklearn, reason="scikit-learn is needed for the digits part")
+def test_accuracy_smoke(smoke):
+    rc, text, folder = smoke["accuracy"]
+    assert rc == 0, text[-4000:]
+    path, res = _json(folder, "accuracy")
+    lm = {r["mode"]: r for r in res["lm"]["runs"]}
+    assert set(lm) == {"fp32", "inductor", "hot"}
+    for r in lm.values():
+        assert r["status"] == "ok", r
+        assert _finite(r["final_val_loss"]) and _finite(r["final_train_loss"])
+        assert len(r["val_curve"]) >= 2 and all(_finite(v) for _, v in r["val_curve"])
+    assert lm["hot"]["hot_sites_rewritten"] >= 1
+    assert _finite(res["lm"]["gap"]["hot_vs_inductor"])
+    assert res["lm"]["data"]["train_files"] > res["lm"]["data"]["val_files"] > 0
+    dg = {r["mode"]: r for r in res["digits"]["runs"]}
+    assert set(dg) == {"fp32", "hot"}
+    for r in dg.values():
+        assert r["status"] == "ok" and 0 <= r["test_acc"] <= 100
+    (fi,) = res["fidelity"]["models"]
+    assert fi["status"] == "ok", fi
+    assert fi["summary"]["rewritten"] >= 1
+    for s in fi["sites"]:
+        for k in ("gx_cos", "gx_rel", "gw_cos", "gw_rel", "base_gx_rel", "base_gw_rel"):
+            assert _finite(s[k]), (s["site"], k, s[k])
+        if s["site"].endswith("head"):  # excluded and last: plain fp32 up to rounding
+            assert s["path"] == "exact" and s["gw_cos"] > 0.999999
+        else:                          # a HOT site: an approximation, but a correlated one
+            assert 0.3 < s["gw_cos"] < 1 and 0.5 < s["gx_cos"] < 1
+    assert {t["verdict"] for t in res["targets"]} <= {"PASS", "FAIL", "n/a"}
+    assert os.path.exists(path[:-5] + ".md")
+    if importlib.util.find_spec("matplotlib"):
+        assert os.path.exists(path[:-5] + "_lm.png")
+
+
+def test_docs_sections_only_touch_their_markers(smoke, tmp_path):
+    train, acc = _load("train"), _load("accuracy")
+    docs = tmp_path / "BENCHMARKS.md"
+    other = ("# Benchmarks\n\n## Per-layer backward (bench/layers.py)\n\n<!-- layers:begin -->\n"
+             "layer table by someone else\n<!-- layers:end -->\n")
+    docs.write_text(other)
+    _, tr = _json(smoke["train"][2], "train")
+    train.update_docs([tr, tr], str(docs))                      # merged from split runs
+    if smoke["accuracy"][0] == 0:
+        _, ac = _json(smoke["accuracy"][2], "accuracy")
+        acc.update_docs([ac], str(docs))
+    first = docs.read_text()
+    assert first.startswith(other.rstrip("\n"))
+    assert first.count("<!-- train:begin -->") == 1 and first.count("<!-- train:end -->") == 1
+    assert "tiny_gpt" in first
+    train.update_docs([tr], str(docs))                          # rewriting: same layout
+    second = docs.read_text()
+    assert second.count("<!-- train:begin -->") == 1
+    assert second.startswith(other.rstrip("\n"))
+    if smoke["accuracy"][0] == 0:
+        assert second.count("<!-- accuracy:begin -->") == 1
+        assert second.index("<!-- train:end -->") < second.index("<!-- accuracy:begin -->")
