@@ -171,6 +171,9 @@ def test_scaled_mm_exact(poison, M, N, K, row_vec, col_vec, fp8):
         a, b = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
     for dtype in (torch.float32, torch.bfloat16):
         assert torch.equal(G.scaled_mm(a, b, rs, cs, 1 / 16, dtype), ref.to(dtype))
+    # padded row strides: only the first K columns count
+    pad = lambda t: torch.nn.functional.pad(t.view(torch.int8), (0, (-K) % 16 + 16)).view(t.dtype)
+    assert torch.equal(G.scaled_mm(pad(a), pad(b), rs, cs, 1 / 16, torch.float32, k=K), ref)
 
 
 @cpu
@@ -318,8 +321,8 @@ def test_gpu_gemm_exact_including_fp8_worst_case():
     b[::2] = 7
     rs, cs = torch.ones(M, device="cuda"), torch.full((N,), 16.0, device="cuda")
     exact = (a.double() @ b.double().t())
-    assert torch.equal(G.scaled_mm(a, b, rs, cs, 1 / 16, torch.float32).double(), exact)
     a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+    assert torch.equal(G.scaled_mm(a, b, rs, cs, 1 / 16, torch.float32).double(), exact)
     assert torch.equal(G.scaled_mm(a8, b8, rs, cs, 1 / 16, torch.float32, exact_acc=True).double(),
                        exact)
 

@@ -171,7 +171,7 @@ def qmax(bits: int) -> int:
 def absmax_scale(v: torch.Tensor, bits: int, per_row: bool) -> torch.Tensor:
     """fp32 scale s = amax / Q (shape (R,) per row, () per tensor); 1 where amax == 0."""
     amax = v.abs().amax(dim=1) if per_row else v.abs().amax()
-    s = amax.float() / qmax(bits)
+    s = (amax.double() / qmax(bits)).float()   # the correctly rounded quotient on every device
     return torch.where(amax == 0, torch.ones_like(s), s)
 
 
