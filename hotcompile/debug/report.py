@@ -60,8 +60,8 @@ def record_site(site: LinearSite, graph_index: int, config) -> SiteRecord:
         before = site.L * site.I * _ITEMSIZE[dtype]
         after = before
         if site.eligible and site.abc == "forward":
-            after = math.ceil(site.L / config.block) * config.rank * site.I * \
-                (config.gw_bits // 8 or 1) + 4
+            # int8 levels (4-bit levels are carried in int8 too) + one fp32 scale
+            after = math.ceil(site.L / config.block) * config.rank * site.I + 4
         elif site.eligible and "shares" in site.abc:
             before = after = 0
     if site.eligible:

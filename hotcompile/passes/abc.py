@@ -88,19 +88,18 @@ def compress_inputs(graph: Graph, sites: List[LinearSite], config, fake_mode
                             like=group[0].fwd, val=comp.meta["val"][i])
             outs.append(item)
         if in_forward:
-            policy = x.meta.get("recompute")
+            # MUST_SAVE, or inside a checkpointed region the region's policy (recompute in bwd)
+            policy = x.meta.get("recompute") or _checkpoint_policy()
             for n in (comp, *outs):
-                # inside a checkpointed region keep the region's policy (recompute in bwd)
-                n.meta["recompute"] = policy if policy is not None else _checkpoint_policy()
+                n.meta["recompute"] = policy
                 if "ac_graph_id" in x.meta:
                     n.meta["ac_graph_id"] = x.meta["ac_graph_id"]
-            if policy is not None:
-                comp.meta["recompute"] = policy
-        where = "forward" if in_forward else "backward"
+            first = "forward"
+        else:
+            first = "backward (x is needed in backward anyway)" if config.abc else \
+                "backward (abc=False)"
         for s in group:
-            s.abc = where if s is group[0] else f"{where} (shares {group[0].key}'s buffer)"
-            if not in_forward and s is group[0]:
-                s.abc = "backward (x is needed in backward anyway)" if config.abc else \
-                    "backward (abc=False)"
+            s.abc = first if s is group[0] else \
+                f"{first.split(' ')[0]} (shares {group[0].key}'s buffer)"
         buffers[x] = (outs[0], outs[1])
     return buffers

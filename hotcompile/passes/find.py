@@ -43,7 +43,7 @@ class LinearSite:
     fwd: Node
     x: Node                       # 2-D input of the forward GEMM (L, I)
     wt: Node                      # the forward GEMM's (I, O) operand
-    weight: Optional[Node]        # the weight placeholder (O, I)
+    weight: Optional[Node]        # the weight placeholder, or its in-graph all-gather (FSDP)
     gx: Optional[Node] = None     # backward mm computing g_x (L, I)
     gw: Optional[Node] = None     # backward mm computing g_W (O, I)
     grad: Optional[Node] = None   # G, the (L, O) output gradient
