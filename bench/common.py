@@ -161,7 +161,9 @@ MODE_INFO = {
 
 
 def hot_config(kernels: str = "auto", **overrides):
+    """A HOTConfig for a mode; a ``kernels=`` override (``--hot kernels=reference``) wins."""
     import hotcompile
+    kernels = overrides.pop("kernels", kernels)
     return hotcompile.HOTConfig(kernels=kernels, **overrides)
 
 
