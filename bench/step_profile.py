@@ -196,8 +196,9 @@ def main(argv=None):
             try:
                 rec = profile_one(model, mode, opts)
             except Exception as e:  # noqa: BLE001 - one failing mode must not lose the others
-                rec = {"model": model, "mode": mode, "error": f"{type(e).__name__}: {e}"}
-                C.log(f"profile {model}/{mode}: {rec['error']}")
+                import traceback
+                C.log(f"profile {model}/{mode}: {type(e).__name__}: {e}\n"
+                      + "".join(traceback.format_exc()[-3000:]))
                 continue
             finally:
                 C.reset_compile_state()

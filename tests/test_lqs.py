@@ -99,3 +99,22 @@ def test_choices_saved_and_reused_by_a_restarted_run(tmp_path):
 def test_forced_scale_skips_calibration():
     train(TwoHeads(), hotcompile.backend(HOTConfig(min_features=0, gx_scale="tensor")), steps=1)
     assert TABLE.sites["spiky"].choice == "tensor" and TABLE.sites["spiky"].window == 0
+
+
+def test_cuda_graph_capture_decides_from_warmup_windows(monkeypatch):
+    """Under CUDA-graph capture nothing may be read back to the host: a site with at least
+    one measured window decides from it, one with none stays per-token, and neither
+    measures (quantization_errors would sync)."""
+    from hotcompile.passes import lqs
+    g_out = torch.randn(64, 32) * torch.logspace(-3, 3, 64)[:, None]   # outlier tokens
+    TABLE.register("warm", calibration_steps=3)
+    TABLE.register("cold", calibration_steps=3)
+    assert TABLE.per_token("warm", g_out, 4, 16) is True        # eager warm-up: 1 window
+    assert TABLE.sites["warm"].per_token is None
+    monkeypatch.setattr(lqs, "capturing", lambda g: True)
+    monkeypatch.setattr(lqs, "quantization_errors",
+                        lambda *a: (_ for _ in ()).throw(AssertionError("measured in capture")))
+    assert TABLE.per_token("warm", g_out, 4, 16) is True
+    assert TABLE.sites["warm"].source == "calibrated" and TABLE.sites["warm"].window == 1
+    assert TABLE.per_token("cold", g_out, 4, 16) is True
+    assert TABLE.sites["cold"].per_token is None

@@ -60,6 +60,11 @@ def quantization_errors(g: torch.Tensor, bits: int, block: int) -> tuple[float, 
     return out[0], out[1]
 
 
+def capturing(g: torch.Tensor) -> bool:
+    """Whether g's stream is being captured into a CUDA graph."""
+    return g.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 class LQSTable:
     """Process-wide map site key -> SiteChoice, consulted by hot::hq_grad_input."""
 
@@ -109,17 +114,28 @@ class LQSTable:
             c.per_token, c.window, c.err_token, c.err_tensor = None, 0, 0.0, 0.0
         if c.per_token is not None:
             return c.per_token
+        if capturing(g):
+            # CUDA-graph capture (mode="reduce-overhead"): measuring would read the errors
+            # back to the host, which capture forbids, and the captured graph freezes the
+            # branch anyway. Decide now from the windows measured in the eager warm-up.
+            if c.window:
+                self._decide(site, c)
+                return c.per_token
+            return True
         e_tok, e_ten = quantization_errors(g, bits, block)
         c.err_token += e_tok
         c.err_tensor += e_ten
         c.window += 1
         if c.window >= c.calibration_steps:
-            e_tok, e_ten = c.errors()
-            c.per_token = e_tok < c.ratio * e_ten
-            c.source = "calibrated"
-            if site in self.files:
-                self.save(self.files[site])
+            self._decide(site, c)
         return True   # per-token while calibrating: never worse than per-tensor at 4 bits
+
+    def _decide(self, site: str, c: SiteChoice) -> None:
+        e_tok, e_ten = c.errors()
+        c.per_token = e_tok < c.ratio * e_ten
+        c.source = "calibrated"
+        if site in self.files:
+            self.save(self.files[site])
 
     # ------------------------------------------------------------------ persistence
     def to_json(self) -> dict:
