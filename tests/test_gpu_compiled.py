@@ -54,3 +54,69 @@ def test_fused_kernels_run_in_the_compiled_graph(monkeypatch):
     for h, r, e in zip(hot, ref, exact):
         e_hot, e_ref = rel(h, e), rel(r, e)
         assert e_hot < 1.25 * e_ref + 0.02, (e_hot, e_ref)
+
+
+def test_hot_ops_capture_in_a_cuda_graph():
+    """The three ops can be captured once warmed up (no host copy, sync or first compile
+    inside capture), and each replay draws fresh rounding bits."""
+    from hotcompile.passes.lqs import TABLE
+    torch.manual_seed(0)
+    L, O, I = 1000, 384, 256
+    g = torch.randn(L, O, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(O, I, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(L, I, device="cuda", dtype=torch.bfloat16)
+    TABLE.register("cap", calibration_steps=1)
+
+    def run():
+        xq, xs = torch.ops.hot.abc_compress(x, 8, "1d", 8, 16, "auto")
+        gx = torch.ops.hot.hq_grad_input(g, w, 4, 16, "lqs", "cap", "auto")
+        gt = torch.ops.hot.hq_grad_input(g, w, 4, 16, "tensor", "cap2", "auto")
+        gw = torch.ops.hot.hla_grad_weight(g, xq, xs, 8, "1d", 8, 16, "auto")
+        return gx, gt, gw
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        eager = [t.clone() for t in run()]          # warm-up: compiles, tunes, calibrates
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = run()
+    first = []
+    for i in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        first.append([t.clone() for t in outs])
+    exact = (g.float() @ w.float(), None, g.float().t() @ x.float())
+    for k, (e, a, b) in enumerate(zip(eager, *first)):
+        ref = exact[k] if exact[k] is not None else exact[0]
+        for t in (a, b):
+            assert torch.isfinite(t).all()
+            assert rel(t.double(), ref.double()) < 1.5 * rel(e.double(), ref.double()) + 0.05
+        assert not torch.equal(a, b), "replays reused the captured rounding bits"
+
+
+def test_block_trains_under_reduce_overhead():
+    """mode="reduce-overhead" (CUDA graphs) with backend=hot: same ops, finite and close."""
+    torch.manual_seed(0)
+    model = Block(d=256, heads=4).cuda()
+    x = torch.randn(8, 256, 256, device="cuda")
+    # LQS still calibrating when the graph is captured, and deciding per-tensor there
+    cfg = HOTConfig(min_features=0, exclude=(), lqs_calibration_steps=3, lqs_ratio=1e-6)
+    plain = _grads(model, x, hotcompile.backend(cfg))
+    exact = _grads(model.double(), x.double(), None, autocast=False)
+    model.float()
+    torch._dynamo.reset()
+    be = hotcompile.backend(cfg)
+    fn = torch.compile(model, backend=be, mode="reduce-overhead")
+    for step in range(4):
+        model.zero_grad(set_to_none=True)
+        xi = x.detach().clone().requires_grad_(True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = fn(xi)
+        (out.float() * torch.linspace(-1, 1, out.shape[-1], device="cuda")).sum().backward()
+        grads = [xi.grad.double()] + [p.grad.double() for p in model.parameters() if p.dim() == 2]
+        for h, p, e in zip(grads, plain, exact):
+            assert torch.isfinite(h).all()
+            assert rel(h, e) < 1.5 * rel(p, e) + 0.05, (step, rel(h, e), rel(p, e))
+    assert len(be.report.rewritten) == 4

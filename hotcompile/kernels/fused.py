@@ -33,8 +33,12 @@ def _fused_bits(bits: int) -> bool:
 
 
 def hq_grad_input(g: torch.Tensor, w: torch.Tensor, bits: int, per_token: bool, seed=0,
-                  block: int = 16) -> torch.Tensor:
-    """g_x ~= g_y W via block-Hadamard 4/8-bit quantization along O. g: (L, O), w: (O, I)."""
+                  block: int = 16, warm_other_scale: bool = False) -> torch.Tensor:
+    """g_x ~= g_y W via block-Hadamard 4/8-bit quantization along O. g: (L, O), w: (O, I).
+
+    ``warm_other_scale`` (LQS calibration steps): also run the other scaling's kernel once
+    and drop its result, so that whichever choice LQS makes is already compiled when a
+    CUDA graph captures the step (a first compile inside capture invalidates it)."""
     L, O = g.shape
     I = w.shape[1]
     if block != _FUSED_BLOCK or not _fused_bits(bits) or g.numel() == 0 or w.numel() == 0:
@@ -43,6 +47,8 @@ def hq_grad_input(g: torch.Tensor, w: torch.Tensor, bits: int, per_token: bool, 
     fp8 = gemm.choose_format(L, I, o_pad, bits, g.device) == "fp8"
     qw, sw = hadamard.hq_weight_quant(w, bits, fp8=fp8)
     qg, sg = hadamard.hq_act_quant(g, bits, per_token, seed, fp8=fp8)
+    if warm_other_scale:
+        hadamard.hq_act_quant(g, bits, not per_token, seed, fp8=fp8)
     return gemm.scaled_mm(qg, qw, sg, sw, 1.0 / 16, g.dtype)
 
 

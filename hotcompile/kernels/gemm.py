@@ -148,12 +148,24 @@ def _launch_tuned(args, flags, M: int, N: int, K: int) -> None:
     if cfg is None:
         grid = lambda meta: (triton.cdiv(M, meta["BM"]) * triton.cdiv(N, meta["BN"]),)
         _tuned_kernel[grid](*args, **flags)
-        _BEST[key] = _tuned_kernel.best_config
+        cfg = _BEST[key] = _tuned_kernel.best_config
+        # compile the direct launch now: a first compile (module load) inside a later
+        # CUDA-graph capture would invalidate the capture
+        _direct(args, flags, K, cfg, warmup=True)
         return
+    _direct(args, flags, K, cfg)
+
+
+def _direct(args, flags, K: int, cfg, warmup: bool = False) -> None:
     kw = cfg.kwargs
-    _scaled_mm_kernel[(triton.cdiv(M, kw["BM"]) * triton.cdiv(N, kw["BN"]),)](
-        *args, **flags, **kw, EVEN_K=K % kw["BK"] == 0, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+    M, N = args[6], args[7]
+    grid = (triton.cdiv(M, kw["BM"]) * triton.cdiv(N, kw["BN"]),)
+    meta = dict(**flags, **kw, EVEN_K=K % kw["BK"] == 0, num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages)
+    if warmup:
+        _scaled_mm_kernel.warmup(*args, grid=grid, **meta)
+    else:
+        _scaled_mm_kernel[grid](*args, **meta)
 
 
 # FP8 accumulation mode: exact (promote every BLOCK_K) unless HOT_FP8_FAST_ACC=1.

@@ -398,25 +398,14 @@ def column_tile(width: int, max_tile: int = 4096) -> tuple[int, bool]:
     return best[1], False
 
 
-_CONST_SEEDS: dict = {}
-
-
 def seed_pointer(seed, device) -> torch.Tensor:
     """The seed as a 1-element int64 device tensor (kernels load it, so a CUDA graph that
     captures the launch keeps reading whatever value the seed tensor holds at replay).
-
-    A Python int (the constant seed of nearest-rounding calls such as abc_compress) maps
-    to a cached device tensor made by a fill, not a host-to-device copy: no copy per call,
-    and nothing CUDA-graph capture forbids."""
+    A Python int becomes a device fill, not a host-to-device copy (capture forbids those);
+    nothing is cached, so no tensor outlives the call inside a CUDA-graph memory pool."""
     if isinstance(seed, torch.Tensor):
         return seed.to(device=device, dtype=torch.int64).reshape(1)
-    key = (torch.device(device), int(seed))
-    t = _CONST_SEEDS.get(key)
-    if t is None:
-        if len(_CONST_SEEDS) > 64:
-            _CONST_SEEDS.clear()
-        t = _CONST_SEEDS[key] = torch.full((1,), int(seed), dtype=torch.int64, device=device)
-    return t
+    return torch.full((1,), int(seed), dtype=torch.int64, device=device)
 
 
 def hq_act_quant(g: torch.Tensor, bits: int, per_token: bool, seed, fp8: bool = False):

@@ -168,7 +168,10 @@ def _hla_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, seed_ptr, L, C, stride_x, ldq, n_
         tl.atomic_max(amax_ptr, tl.max(tl.where(keep, abs_bits(v), 0)))
     else:
         blk0, col0 = _tile_origin(tl.num_programs(0) - 1 - pid, n_ct, BT, BC)
-        seed = tl.load(seed_ptr)
+        if STOCHASTIC:
+            seed = tl.load(seed_ptr)
+        else:   # nearest rounding: no seed (callers pass any pointer)
+            seed = 0
         s = scale_from_amax_bits(tl.load(amax_ptr), Q)
         inv_s = tl.math.div_rn(1.0, s)
         if pid == 0:
@@ -243,7 +246,8 @@ def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic:
     meta = dict(BT=bt, BC=bc, RP=_pow2_at_least(rank), RANK=rank, KEPT=_packed_rows(rank, select),
                 Q=2 ** (bits - 1) - 1, STOCHASTIC=stochastic, TRANSPOSED=transposed,
                 INTERPRET=interpreting(), num_warps=warps)
-    args = (x, q, s, amax, seed_pointer(seed, dev), L, C, x.stride(0), ldq, n_blk, -(-C // 8))
+    seed_t = seed_pointer(seed, dev) if stochastic else amax    # amax: an unread placeholder
+    args = (x, q, s, amax, seed_t, L, C, x.stride(0), ldq, n_blk, -(-C // 8))
     _hla_kernel[grid](*args, PHASE=1, **meta)
     _hla_kernel[grid](*args, PHASE=2, **meta)
     return q, s

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from . import reference as ref
-from ..passes.lqs import TABLE as LQS
+from ..passes.lqs import TABLE as LQS, capturing
 
 _SEED_HIGH = 2 ** 62
 _RANK_STRIDE = 0x2545F4914F6CDD1D % _SEED_HIGH   # odd, so distinct ranks get distinct offsets
@@ -65,13 +65,16 @@ def _fused():
 def hq_grad_input(g: Tensor, w: Tensor, bits: int, block: int, scale: str, site: str,
                   kernels: str) -> Tensor:
     """g_x ~= g W with block Hadamard + low-bit quantization along O. g: (L, O), w: (O, I)."""
+    calibrating = False
     if scale == "lqs":
+        calibrating = g.is_cuda and LQS.calibrating(site)
         per_token = LQS.per_token(site, g, bits, block)
     else:
         per_token = scale == "token"
     seed = draw_seed(g.device)
     if triton_usable(g, kernels):
-        return _fused().hq_grad_input(g, w, bits, per_token, seed, block)
+        return _fused().hq_grad_input(g, w, bits, per_token, seed, block,
+                                      warm_other_scale=calibrating and not capturing(g))
     return ref.hq_grad_input(g, w, bits, per_token, seed, block)
 
 

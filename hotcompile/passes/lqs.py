@@ -103,6 +103,11 @@ class LQSTable:
                     c.per_token, c.window, c.err_token, c.err_tensor = None, 0, 0.0, 0.0
 
     # ------------------------------------------------------------------ runtime
+    def calibrating(self, site: str) -> bool:
+        """Whether the site's choice is still open (unknown sites calibrate first)."""
+        c = self.sites.get(site)
+        return c is None or c.per_token is None
+
     def per_token(self, site: str, g: torch.Tensor, bits: int, block: int) -> bool:
         """Decide (and while calibrating, measure) the scaling of this backward's g."""
         c = self.sites.get(site)
