@@ -48,7 +48,8 @@ def hq_grad_input(g: torch.Tensor, w: torch.Tensor, bits: int, per_token: bool, 
     qw, sw = hadamard.hq_weight_quant(w, bits, fp8=fp8)
     qg, sg = hadamard.hq_act_quant(g, bits, per_token, seed, fp8=fp8)
     if warm_other_scale:
-        hadamard.hq_act_quant(g, bits, not per_token, seed, fp8=fp8)
+        qg2, sg2 = hadamard.hq_act_quant(g, bits, not per_token, seed, fp8=fp8)
+        gemm.scaled_mm(qg2, qw, sg2, sw, 1.0 / 16, g.dtype)   # its GEMM variant (scale shape)
     return gemm.scaled_mm(qg, qw, sg, sw, 1.0 / 16, g.dtype)
 
 

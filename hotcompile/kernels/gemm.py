@@ -146,6 +146,10 @@ def _launch_tuned(args, flags, M: int, N: int, K: int) -> None:
     key = (M, N, K, *flags.values(), args[0].device.index)
     cfg = _BEST.get(key)
     if cfg is None:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"hotcompile: int8/fp8 GEMM variant {key} first met inside CUDA-graph capture, "
+                "where it cannot be tuned or compiled; run the step once without capture first")
         grid = lambda meta: (triton.cdiv(M, meta["BM"]) * triton.cdiv(N, meta["BN"]),)
         _tuned_kernel[grid](*args, **flags)
         cfg = _BEST[key] = _tuned_kernel.best_config
