@@ -44,7 +44,7 @@ def train(model, be, steps, seed0=0):
 
 
 def test_lqs_picks_per_token_only_for_outlier_gradients():
-    cfg = HOTConfig(min_features=0, lqs_calibration_steps=3)
+    cfg = HOTConfig(min_features=0, gx_scale="lqs", lqs_calibration_steps=3)
     be = hotcompile.backend(cfg)
     train(TwoHeads(), be, steps=4)
     spiky, flat = TABLE.sites["spiky"], TABLE.sites["flat"]
@@ -62,7 +62,7 @@ def test_lqs_picks_per_token_only_for_outlier_gradients():
 
 def test_changing_choices_never_recompiles():
     CountingBackend.calls = 0
-    be = CountingBackend(HOTConfig(min_features=0, lqs_calibration_steps=2,
+    be = CountingBackend(HOTConfig(min_features=0, gx_scale="lqs", lqs_calibration_steps=2,
                                    lqs_recalibrate_every=3))
     model = TwoHeads()
     cm = torch.compile(model, backend=be)
@@ -83,7 +83,7 @@ def test_changing_choices_never_recompiles():
 
 def test_choices_saved_and_reused_by_a_restarted_run(tmp_path):
     path = tmp_path / "lqs.json"
-    cfg = HOTConfig(min_features=0, lqs_calibration_steps=2, lqs_file=str(path))
+    cfg = HOTConfig(min_features=0, gx_scale="lqs", lqs_calibration_steps=2, lqs_file=str(path))
     train(TwoHeads(), hotcompile.backend(cfg), steps=2)
     data = json.loads(path.read_text())
     assert data["spiky"]["choice"] == "token" and data["flat"]["choice"] == "tensor"
