@@ -175,3 +175,35 @@ def test_docs_sections_only_touch_their_markers(smoke, tmp_path):
     if smoke["accuracy"][0] == 0:
         assert second.count("<!-- accuracy:begin -->") == 1
         assert second.index("<!-- train:end -->") < second.index("<!-- accuracy:begin -->")
+
+
+def test_step_profile_smoke(tmp_path):
+    """bench/step_profile.py runs on CPU and accounts the hot:: ops' host time."""
+    env = dict(os.environ, TORCHINDUCTOR_COMPILE_THREADS="1")
+    out = subprocess.run([sys.executable, os.path.join(BENCH, "step_profile.py"), "--models",
+                          "tiny_gpt", "--modes", "hot", "--steps", "1", "--warmup", "1",
+                          "--out", str(tmp_path)], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    rec = _json(str(tmp_path), "profile")[1]["runs"][0]
+    assert rec["mode"] == "hot" and rec["wall_ms_per_step"] > 0
+    assert rec["hot_sites_rewritten"] > 0
+    calls = rec["hot_op_calls_per_step"]
+    assert calls.get("hot::hq_grad_input", 0) > 0 and calls.get("hot::hla_grad_weight", 0) > 0
+
+
+def test_train_table_separates_compile_modes():
+    """Runs under CUDA graphs compare with Inductor under CUDA graphs, and show no peak."""
+    T = _load("train")
+    base = {"status": "ok", "batch": 1, "tokens_per_s": 1.0, "saved_bytes": 0, "compile_s": 0}
+    res = {"runs": [
+        dict(base, model="m", mode="inductor", step_ms=10.0, peak_mem_gib=4.0),
+        dict(base, model="m", mode="hot", step_ms=20.0, peak_mem_gib=2.0),
+        dict(base, model="m", mode="inductor", step_ms=5.0, peak_mem_gib=1.0,
+             compile_mode="reduce-overhead"),
+        dict(base, model="m", mode="hot", step_ms=4.0, peak_mem_gib=1.0,
+             compile_mode="reduce-overhead")]}
+    rows = {r[1]: r for r in T.table_rows(res)}
+    assert rows["hot"][5] == "0.50x" and rows["hot"][7] == "0.50x"
+    assert rows["hot (reduce-overhead)"][5] == "1.25x"
+    assert rows["hot (reduce-overhead)"][6] == "n/m" and rows["hot (reduce-overhead)"][7] == "-"
