@@ -126,7 +126,8 @@ def main(argv=None) -> int:
     env = {"device": name, "torch": torch.__version__,
            "triton": triton.__version__, "python": platform.python_version(),
            "date": _dt.datetime.now().isoformat(timespec="seconds"),
-           "timer": "do_bench_cudagraph" if a.cuda_graph else "do_bench", "dtype": a.dtype,
+           "timer": ("wall clock (cpu smoke test)" if dev.type == "cpu" else
+                     "do_bench_cudagraph" if a.cuda_graph else "do_bench"), "dtype": a.dtype,
            "rank": a.rank, "select": a.select, "hq_bits": a.hq_bits, "hla_bits": a.hla_bits,
            "fp8": a.fp8, "tile_override": a.tile}
     print(f"# {env['device']}, torch {env['torch']}, triton {env['triton']}, {env['timer']} "
