@@ -13,45 +13,25 @@ CPU part: Triton's interpreter (TRITON_INTERPRET=1, set before triton is importe
 shapes, skipped on a machine with CUDA. GPU part (marked ``gpu``): ViT-sized g (12608 x
 3072 and x 768) on the compiled kernels.
 """
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
+import interp
+
 # As in test_kernels_triton.py: the interpreter must be chosen before triton.language is
 # first imported; if it was imported in compiled mode already, the CPU tests run in a child.
-_TRITON_PREIMPORTED = "triton.language" in sys.modules
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
+interp.choose_interpreter()
 
 try:
     import triton.language as tl  # noqa: E402
     from hotcompile.kernels import grad_out as GO, hadamard as H, hla as HL  # noqa: E402
-    from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
-    _INTERPRETED = (isinstance(GO._grad_out_kernel, InterpretedFunction)
-                    and isinstance(tl.standard.max, InterpretedFunction))
+    _INTERPRETED = interp.interpreted(GO._grad_out_kernel)
 except ImportError as exc:  # pragma: no cover - triton missing
     pytest.skip(f"triton unavailable: {exc}", allow_module_level=True)
 
-cpu = pytest.mark.skipif(torch.cuda.is_available() or not _INTERPRETED,
-                         reason="interpreter tests: CPU-only machine, triton imported after "
-                                "TRITON_INTERPRET=1 (else see test_interpreter_suite_in_subprocess)")
-
-
-@pytest.mark.skipif(torch.cuda.is_available() or _INTERPRETED
-                    or os.environ.get("HOT_KERNEL_TESTS_CHILD") == "1",
-                    reason="the interpreter tests run in this process")
-def test_interpreter_suite_in_subprocess():
-    """triton was imported (compiled mode) before this module: run its CPU tests in a new
-    process that sets TRITON_INTERPRET=1 before anything imports triton."""
-    env = dict(os.environ, TRITON_INTERPRET="1", HOT_KERNEL_TESTS_CHILD="1")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           os.path.abspath(__file__)], cwd=root, env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+cpu = interp.cpu_mark(_INTERPRETED)
+test_interpreter_suite_in_subprocess = interp.subprocess_suite(__file__, _INTERPRETED)
 
 
 @pytest.fixture

@@ -15,48 +15,28 @@ What must hold, on fresh random inputs (never zeros) with every output poisoned 
 
 GPU part (marked ``gpu``, skipped without CUDA): full ViT-B shapes against the reference.
 """
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
+import interp
+
 # The interpreter must be chosen before triton.language is first imported: its library
 # functions (tl.max, ...) are decorated at import time. If another test module imported
 # triton first, the CPU tests below run in a fresh interpreter process instead.
-_TRITON_PREIMPORTED = "triton.language" in sys.modules
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
+interp.choose_interpreter()
 
 from hotcompile.kernels import reference as R  # noqa: E402
 
 try:
     import triton.language as tl  # noqa: E402
     from hotcompile.kernels import fused as F, gemm as G, hadamard as H, hla as HL  # noqa: E402
-    from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
-    _INTERPRETED = (isinstance(H._hq_token_kernel, InterpretedFunction)
-                    and isinstance(tl.standard.max, InterpretedFunction))
+    _INTERPRETED = interp.interpreted(H._hq_token_kernel)
 except ImportError as exc:  # pragma: no cover - triton missing
     pytest.skip(f"triton unavailable: {exc}", allow_module_level=True)
 
-cpu = pytest.mark.skipif(torch.cuda.is_available() or not _INTERPRETED,
-                         reason="interpreter tests: CPU-only machine, triton imported after "
-                                "TRITON_INTERPRET=1 (else see test_interpreter_suite_in_subprocess)")
-
-
-@pytest.mark.skipif(torch.cuda.is_available() or _INTERPRETED
-                    or os.environ.get("HOT_KERNEL_TESTS_CHILD") == "1",
-                    reason="the interpreter tests run in this process")
-def test_interpreter_suite_in_subprocess():
-    """triton was imported (compiled mode) before this module: run its CPU tests in a new
-    process that sets TRITON_INTERPRET=1 before anything imports triton."""
-    env = dict(os.environ, TRITON_INTERPRET="1", HOT_KERNEL_TESTS_CHILD="1")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           os.path.abspath(__file__)], cwd=root, env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+cpu = interp.cpu_mark(_INTERPRETED)
+test_interpreter_suite_in_subprocess = interp.subprocess_suite(__file__, _INTERPRETED)
 
 
 # Fraction of HLA levels allowed to differ by one from reference.py (different fp32

@@ -1,0 +1,49 @@
+"""Set-up shared by the Triton kernel test modules (CPU interpreter or GPU).
+
+Why a module: the interpreter must be chosen before ``triton.language`` is first imported
+(its library functions, ``tl.max`` and co., are decorated at import time). A kernel test
+module calls ``choose_interpreter()`` before importing the kernels; if another module had
+imported triton in compiled mode first, its CPU tests re-run in a fresh process through the
+test ``subprocess_suite(__file__, ...)`` returns.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+
+def choose_interpreter() -> None:
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
+
+def interpreted(kernel) -> bool:
+    """Whether ``kernel`` and triton's own library functions run under the interpreter."""
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+    return isinstance(kernel, InterpretedFunction) and isinstance(tl.standard.max,
+                                                                  InterpretedFunction)
+
+
+def cpu_mark(is_interpreted: bool):
+    return pytest.mark.skipif(
+        torch.cuda.is_available() or not is_interpreted,
+        reason="interpreter tests: CPU-only machine, triton imported after "
+               "TRITON_INTERPRET=1 (else see test_interpreter_suite_in_subprocess)")
+
+
+def subprocess_suite(path: str, is_interpreted: bool):
+    """A test that re-runs the module at ``path`` in a child with TRITON_INTERPRET=1."""
+    @pytest.mark.skipif(torch.cuda.is_available() or is_interpreted
+                        or os.environ.get("HOT_KERNEL_TESTS_CHILD") == "1",
+                        reason="the interpreter tests run in this process")
+    def test_interpreter_suite_in_subprocess():
+        env = dict(os.environ, TRITON_INTERPRET="1", HOT_KERNEL_TESTS_CHILD="1")
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                               os.path.abspath(path)], cwd=root, env=env, capture_output=True,
+                              text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+    return test_interpreter_suite_in_subprocess
