@@ -663,6 +663,8 @@ def table_rows(result: dict) -> List[list]:
                  if "hot_sites_total" in r else "-")
         note = r.get("warning", "") or ("recompiled while timing"
                                         if r.get("recompiled_while_timing") else "")
+        if r["mode"].startswith("fp8") and r.get("fp8_linears") == 0:
+            note = "torchao converted no layer (no nn.Linear): this is plain Inductor"
         mode = r["mode"] + ("" if _cm(r) == "default" else f" ({_cm(r)})")
         rows.append([r["model"], mode, r["batch"], C.fmt(r["step_ms"]),
                      C.fmt(r["tokens_per_s"], 0), speed,
