@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import math
 import os
 import statistics
@@ -748,34 +747,23 @@ def charts(result: dict, base: str) -> List[str]:
         return []
     import matplotlib.pyplot as plt
     paths = []
-    lm = result.get("lm")
-    if lm and any(r.get("status") == "ok" for r in lm["runs"]):
+    for part, curve, ylabel, title, fmt in (
+            ("lm", "val_curve", "validation loss (nats/byte)", "byte-level GPT on stdlib sources",
+             "{:.4f}"),
+            ("digits", "acc_curve", "test accuracy %", "ViT on digits", "{:.2f}%")):
+        ok = [r for r in (result.get(part) or {}).get("runs", []) if r.get("status") == "ok"]
+        if not ok:
+            continue
         fig, ax = plt.subplots(figsize=(6.5, 4))
-        for r in lm["runs"]:
-            if r.get("status") == "ok":
-                xs, ys = zip(*r["val_curve"])
-                ax.plot(xs, ys, marker="o", ms=3, label=f"{r['mode']} ({ys[-1]:.4f})")
+        for r in ok:
+            xs, ys = zip(*r[curve])
+            ax.plot(xs, ys, marker="o", ms=3, label=f"{r['mode']} ({fmt.format(ys[-1])})")
         ax.set_xlabel("step")
-        ax.set_ylabel("validation loss (nats/byte)")
-        ax.set_title("byte-level GPT on stdlib sources")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
         ax.legend()
         fig.tight_layout()
-        paths.append(f"{base}_lm.png")
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
-    dg = result.get("digits")
-    if dg and any(r.get("status") == "ok" for r in dg["runs"]):
-        fig, ax = plt.subplots(figsize=(6.5, 4))
-        for r in dg["runs"]:
-            if r.get("status") == "ok":
-                xs, ys = zip(*r["acc_curve"])
-                ax.plot(xs, ys, marker="o", ms=3, label=f"{r['mode']} ({ys[-1]:.2f}%)")
-        ax.set_xlabel("step")
-        ax.set_ylabel("test accuracy %")
-        ax.set_title("ViT on digits")
-        ax.legend()
-        fig.tight_layout()
-        paths.append(f"{base}_digits.png")
+        paths.append(f"{base}_{part}.png")
         fig.savefig(paths[-1], dpi=110)
         plt.close(fig)
     fi = result.get("fidelity")
@@ -853,13 +841,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.docs_only:
-        files = C.latest_results(args.docs_only, "accuracy")
-        if not files:
-            raise SystemExit(f"no accuracy_*.json found in {args.docs_only}")
-        results = []
-        for f in files:
-            with open(f) as fh:
-                results.append(json.load(fh))
+        files, results = C.load_results(args.docs_only, "accuracy")
         C.log(f"updated {update_docs(results, args.update_docs or C.DOCS_FILE)} from "
               f"{', '.join(files)}")
         return 0

@@ -605,6 +605,18 @@ def latest_results(paths: Sequence[str], prefix: str) -> List[str]:
     return out
 
 
+def load_results(paths: Sequence[str], prefix: str):
+    """(files, parsed JSON results) for ``--docs-only``: see ``latest_results``."""
+    files = latest_results(paths, prefix)
+    if not files:
+        raise SystemExit(f"no {prefix}_*.json found in {list(paths)}")
+    results = []
+    for f in files:
+        with open(f) as fh:
+            results.append(json.load(fh))
+    return files, results
+
+
 def have_matplotlib() -> bool:
     try:
         import matplotlib

@@ -75,31 +75,10 @@ def _device_events(prof):
 
 
 def profile_one(model: str, mode: str, opts: dict) -> dict:
-    device = C.pick_device(opts.get("device"))
-    C.configure_cpu_compile(device)
-    compiled_flag, amp_on, desc = C.MODE_INFO[mode]
-    amp = opts.get("amp", "bf16") if amp_on else None
-    torch.manual_seed(0)
-    wl = T.MODELS[model](device)
-    module = wl.module
-    if mode.startswith("fp8"):
-        T._fp8_convert(module.model, mode.split("_", 1)[1], wl.exclude)
-    hot_kwargs = {"exclude": wl.exclude, **wl.hot, **(opts.get("hot") or {})}
-    step_fn, be = C.compile_model(module, mode, hot_kwargs, opts.get("compile_mode"))
-    opt = torch.optim.AdamW(module.parameters(), lr=1e-4,
-                            **({"fused": True} if device.type == "cuda" else {}))
-    gen = torch.Generator(device=device).manual_seed(1234)
-    batch = wl.make_batch(wl.batch, gen)
-
-    def step():
-        with C.amp_ctx(device, amp):
-            loss = step_fn(*batch)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    for _ in range(opts.get("warmup", 6)):
-        step()
+    run = T.setup_run(model, mode, opts)     # the very set-up bench/train.py times
+    device, be, desc = run.device, run.be, C.MODE_INFO[mode][2]
+    for i in range(opts.get("warmup", 6)):
+        run.step(i)
     C.sync(device)
     n = opts.get("steps", 3)
     walls = []
@@ -109,7 +88,7 @@ def profile_one(model: str, mode: str, opts: dict) -> dict:
     with torch.profiler.profile(activities=acts) as prof:
         for _ in range(n):
             t = time.perf_counter()
-            step()
+            run.step(0)
             C.sync(device)
             walls.append((time.perf_counter() - t) * 1e3)
     kern = _device_events(prof)

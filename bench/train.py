@@ -265,47 +265,73 @@ def _free(device):
         torch.cuda.empty_cache()
 
 
-def run_one(model: str, mode: str, opts: dict) -> dict:
-    """Train ``model`` in ``mode`` for warm-up + timed steps in this process; a result dict."""
+@dataclasses.dataclass
+class Run:
+    """A model set up to train in one mode: what run_one times and step_profile.py profiles."""
+
+    device: torch.device
+    wl: Workload
+    step_fn: object
+    be: object                      # the HotBackend, or None
+    opt: torch.optim.Optimizer
+    amp: Optional[str]
+    batches: list
+    fp8_linears: Optional[int] = None
+
+    def step(self, i: int, events=None):
+        """Forward, backward, AdamW on batch i (events: CUDA events around fwd+bwd, opt)."""
+        if events:
+            events[0].record()
+        with C.amp_ctx(self.device, self.amp):
+            loss = self.step_fn(*self.batches[i % len(self.batches)])
+        loss.backward()
+        if events:
+            events[1].record()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        if events:
+            events[2].record()
+        return loss
+
+
+def setup_run(model: str, mode: str, opts: dict) -> Run:
+    """Build ``model`` (seeded), convert/compile it for ``mode``, make its optimizer and data."""
     device = C.pick_device(opts.get("device"))
     C.configure_cpu_compile(device)
-    compiled_flag, amp_on, desc = C.MODE_INFO[mode]
-    amp = opts.get("amp", "bf16") if amp_on else None
-    rec = {"model": model, "mode": mode, "description": desc, "amp": amp or "none",
-           "compile_mode": (opts.get("compile_mode") or "default") if compiled_flag else "default",
-           "status": "ok"}
-    t_start = time.perf_counter()
+    _, amp_on, _ = C.MODE_INFO[mode]
     torch.manual_seed(opts.get("seed", 0))
     wl = MODELS[model](device)
     if opts.get("batch"):
         wl.batch = int(opts["batch"])
     module = wl.module
-    rec.update(batch=wl.batch, tokens_per_step=wl.batch * wl.tokens_per_sample,
-               params_m=round(C.count_params(module) / 1e6, 2), notes=wl.notes)
-    if mode.startswith("fp8"):
-        rec["fp8_linears"] = _fp8_convert(module.model, mode.split("_", 1)[1], wl.exclude)
+    fp8 = _fp8_convert(module.model, mode.split("_", 1)[1], wl.exclude) \
+        if mode.startswith("fp8") else None
     hot_kwargs = {"exclude": wl.exclude, **wl.hot, **(opts.get("hot") or {})}
     step_fn, be = C.compile_model(module, mode, hot_kwargs, opts.get("compile_mode"))
-    if be is not None:
-        rec["hot_config"] = be.config.to_dict()
     opt = torch.optim.AdamW(module.parameters(), lr=opts.get("lr", 1e-4),
                             **({"fused": True} if device.type == "cuda" else {}))
     gen = torch.Generator(device=device).manual_seed(1234)
     batches = [wl.make_batch(wl.batch, gen) for _ in range(2)]
+    return Run(device, wl, step_fn, be, opt, opts.get("amp", "bf16") if amp_on else None,
+               batches, fp8)
 
-    def step(i, events=None):
-        if events:
-            events[0].record()
-        with C.amp_ctx(device, amp):
-            loss = step_fn(*batches[i % len(batches)])
-        loss.backward()
-        if events:
-            events[1].record()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if events:
-            events[2].record()
-        return loss
+
+def run_one(model: str, mode: str, opts: dict) -> dict:
+    """Train ``model`` in ``mode`` for warm-up + timed steps in this process; a result dict."""
+    compiled_flag, _, desc = C.MODE_INFO[mode]
+    t_start = time.perf_counter()
+    run = setup_run(model, mode, opts)
+    device, wl, amp, step_fn, be, opt, step = (run.device, run.wl, run.amp, run.step_fn,
+                                               run.be, run.opt, run.step)
+    module, batches = wl.module, run.batches
+    rec = {"model": model, "mode": mode, "description": desc, "amp": amp or "none",
+           "compile_mode": (opts.get("compile_mode") or "default") if compiled_flag else "default",
+           "status": "ok", "batch": wl.batch, "tokens_per_step": wl.batch * wl.tokens_per_sample,
+           "params_m": round(C.count_params(module) / 1e6, 2), "notes": wl.notes}
+    if run.fp8_linears is not None:
+        rec["fp8_linears"] = run.fp8_linears
+    if be is not None:
+        rec["hot_config"] = be.config.to_dict()
 
     # first step: compile (for compiled modes) + first run
     C.sync(device)
@@ -841,13 +867,7 @@ def main(argv=None) -> int:
         C.write_json(args.worker_json, rec)
         return 0
     if args.docs_only:
-        files = C.latest_results(args.docs_only, "train")
-        if not files:
-            raise SystemExit(f"no train_*.json found in {args.docs_only}")
-        results = []
-        for f in files:
-            with open(f) as fh:
-                results.append(json.load(fh))
+        files, results = C.load_results(args.docs_only, "train")
         path = update_docs(results, args.update_docs or C.DOCS_FILE)
         C.log(f"updated {path} from {', '.join(files)}")
         return 0

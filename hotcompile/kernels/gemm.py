@@ -155,14 +155,13 @@ def _launch_tuned(args, flags, M: int, N: int, K: int) -> None:
         cfg = _BEST[key] = _tuned_kernel.best_config
         # compile the direct launch now: a first compile (module load) inside a later
         # CUDA-graph capture would invalidate the capture
-        _direct(args, flags, K, cfg, warmup=True)
+        _direct(args, flags, M, N, K, cfg, warmup=True)
         return
-    _direct(args, flags, K, cfg)
+    _direct(args, flags, M, N, K, cfg)
 
 
-def _direct(args, flags, K: int, cfg, warmup: bool = False) -> None:
+def _direct(args, flags, M: int, N: int, K: int, cfg, warmup: bool = False) -> None:
     kw = cfg.kwargs
-    M, N = args[6], args[7]
     grid = (triton.cdiv(M, kw["BM"]) * triton.cdiv(N, kw["BN"]),)
     meta = dict(**flags, **kw, EVEN_K=K % kw["BK"] == 0, num_warps=cfg.num_warps,
                 num_stages=cfg.num_stages)
