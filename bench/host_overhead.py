@@ -47,7 +47,7 @@ def main(argv=None):
     import triton.language as tl
 
     from hotcompile.kernels import fused, gemm, hadamard, hla, ops
-    from hotcompile.passes.lqs import TABLE
+    from hotcompile.runtime.lqs import TABLE
 
     dev = torch.device("cuda")
     L, O, I = a.L, a.O, a.I

@@ -8,7 +8,7 @@ from .entry import HotBackend, backend
 from .config import HOTConfig
 from .debug.report import Report, SiteRecord
 from .explain import explain
-from .passes.lqs import TABLE as lqs_table
+from .runtime.lqs import TABLE as lqs_table
 
 __all__ = ["HOTConfig", "HotBackend", "backend", "explain", "Report", "SiteRecord", "lqs_table"]
 __version__ = "0.1.0"

@@ -9,26 +9,30 @@ import dataclasses
 import hashlib
 import json
 import os
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 _KERNELS = ("auto", "triton", "reference")
 _GX_SCALES = ("lqs", "token", "tensor")
-_SELECTS = ("1d", "2d")
 
 
 @dataclasses.dataclass(frozen=True)
 class HOTConfig:
     """Configuration of the HOT backward.
 
-    rank / block: HLA keeps ``rank`` of every ``block`` Hadamard coefficients along tokens.
-    gx_bits: bits of the g_x path (HQ). gw_bits: bits of the g_W path (HLA) and of ABC.
+    rank / block: HLA keeps ``rank`` of every ``block`` Hadamard coefficients along the
+    tokens of one sequence. ``rank="auto"`` measures, per site, on the real gradients of the
+    first ``rank_calibration_steps`` backward passes, g_W's relative error at every rank
+    against full rank and keeps the smallest rank within ``rank_tolerance`` (one recompile
+    per graph when the choice is made). A site whose sequence layout the pass cannot prove
+    gets full rank whatever ``rank`` says (blocks must hold neighbouring tokens).
+    gx_bits: bits of the output gradient g_y on the g_x path (HQ); gx_w_bits: bits of the
+    weight operand there. gw_bits: bits of the g_W path (HLA) and of ABC.
     gx_scale: ``token`` (default), ``tensor``, or ``lqs`` (the paper's per-layer choice,
     calibrated on real gradients: per-token iff its error < ``lqs_ratio`` x per-tensor's).
     Why ``token`` by default: on these kernels per-token scaling is both the cheaper path
     (one read of g_y; per-tensor needs a global max first) and the more accurate one
     (ViT-B/16, H100: median g_x cosine 0.90 vs 0.19 when LQS picks per-tensor), so the
     paper's reason to fall back to per-tensor (a cheaper kernel) does not hold here.
-    hla_select: ``1d`` sequency order, or ``2d`` LP_L1 for tokens laid out on a grid.
     kernels: ``auto`` = fused Triton on CUDA, reference torch elsewhere.
     include / exclude: module-name components (``head``) or ``fnmatch`` globs of the full
     name (``blocks.*.fc2``) to restrict / skip.
@@ -39,12 +43,14 @@ class HOTConfig:
     dump_dir: write graphs and reports here (env ``HOT_DUMP`` does the same).
     """
 
-    rank: int = 8
+    rank: Union[int, str] = "auto"
     block: int = 16
     gx_bits: int = 4
+    gx_w_bits: int = 8
     gw_bits: int = 8
     gx_scale: str = "token"
-    hla_select: str = "1d"
+    rank_tolerance: float = 0.1
+    rank_calibration_steps: int = 2
     kernels: str = "auto"
     include: Optional[Tuple[str, ...]] = None
     exclude: Tuple[str, ...] = ("head", "lm_head")
@@ -60,24 +66,27 @@ class HOTConfig:
         def bad(field, msg):
             raise ValueError(f"HOTConfig.{field}: {msg} (got {getattr(self, field)!r})")
 
-        for f in ("rank", "block", "gx_bits", "gw_bits", "min_features",
-                  "lqs_calibration_steps", "lqs_recalibrate_every"):
+        if self.rank != "auto" and (isinstance(self.rank, bool) or not isinstance(self.rank, int)):
+            bad("rank", "must be an int or 'auto'")
+        for f in ("block", "gx_bits", "gx_w_bits", "gw_bits", "min_features",
+                  "lqs_calibration_steps", "lqs_recalibrate_every", "rank_calibration_steps"):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int):
                 bad(f, "must be an int")
         if self.block < 2 or self.block & (self.block - 1):
             bad("block", "must be a power of two >= 2")
-        if not 1 <= self.rank <= self.block:
-            bad("rank", f"must satisfy 1 <= rank <= block ({self.block})")
-        for f in ("gx_bits", "gw_bits"):
+        if self.rank != "auto" and not 1 <= self.rank <= self.block:
+            bad("rank", f"must be 'auto' or satisfy 1 <= rank <= block ({self.block})")
+        for f in ("gx_bits", "gx_w_bits", "gw_bits"):
             if getattr(self, f) not in (4, 8):
                 bad(f, "must be 4 or 8")
         if self.gx_scale not in _GX_SCALES:
             bad("gx_scale", f"must be one of {_GX_SCALES}")
-        if self.hla_select not in _SELECTS:
-            bad("hla_select", f"must be one of {_SELECTS}")
-        if self.hla_select == "2d" and int(self.block ** 0.5) ** 2 != self.block:
-            bad("hla_select", "'2d' needs a square block (16, 64, ...)")
+        if (isinstance(self.rank_tolerance, bool) or not isinstance(self.rank_tolerance, (int, float))
+                or not 0 < self.rank_tolerance < 1):
+            bad("rank_tolerance", "must be a number in (0, 1)")
+        if self.rank_calibration_steps < 1:
+            bad("rank_calibration_steps", "must be >= 1")
         if self.kernels not in _KERNELS:
             bad("kernels", f"must be one of {_KERNELS}")
         for f in ("include", "exclude"):
@@ -99,6 +108,19 @@ class HOTConfig:
             bad("lqs_ratio", "must be a positive number")
         if self.dump_dir is None and os.environ.get("HOT_DUMP"):
             object.__setattr__(self, "dump_dir", os.environ["HOT_DUMP"])
+
+    @classmethod
+    def paper(cls, **overrides) -> "HOTConfig":
+        """The HOT paper's settings: HLA r=8 of 16 tokens, 4-bit g_y and W on the g_x path,
+        LQS choosing the g_x scaling per layer. Not the default: r=8 breaks text models and
+        the 4-bit W operand is the whole of g_x's bias (docs/BENCHMARKS.md)."""
+        kw = dict(rank=8, gx_bits=4, gx_w_bits=4, gw_bits=8, gx_scale="lqs")
+        kw.update(overrides)
+        return cls(**kw)
+
+    @property
+    def auto_rank(self) -> bool:
+        return self.rank == "auto"
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -9,35 +9,80 @@ entry point is the same on both.
 
 The pass is a plain callable on purpose: Inductor then bypasses its FX/AOT caches for the
 graph, so the pass (and its report, dumps and LQS registrations) runs on every compile.
+
+Roles are proven here: the backend sees which example inputs are ``nn.Parameter``s and
+hands the pass the matching joint-graph placeholders; only those can be a linear's weight.
+With ``rank="auto"`` a graph is compiled to calibrate (full rank, measuring), and once its
+window is measured, compiled once more with the chosen ranks (``_AutoRankGraph``).
 """
 from __future__ import annotations
 
 import itertools
 import logging
 import traceback
-from typing import List, Optional
+from typing import List, Optional, Set
 
 import torch
 
 from .config import HOTConfig
 from .debug.report import Report, record_site
 from .kernels import ops as _ops  # noqa: F401  registers torch.ops.hot.*
-from .passes.rewrite import rewrite_joint_graph
+from .passes.rewrite import RankPlan, rewrite_joint_graph
+from .runtime import rank as RANK
 
 log = logging.getLogger("hotcompile")
 _GRAPH_IDS = itertools.count()
+_BACKEND_IDS = itertools.count()
+
+
+def _is_parameter(value, node: Optional[torch.fx.Node]) -> bool:
+    """Whether a Dynamo graph input is a parameter of the compiled module."""
+    if isinstance(value, torch.nn.Parameter):
+        return True
+    arg = node.meta.get("grapharg") if node is not None else None
+    source = getattr(arg, "source", None)
+    name = getattr(source, "name", None)
+    name = name() if callable(name) else name      # a method on 2.11, a property on 2.13
+    if isinstance(name, str) and "_parameters" in name:
+        return True
+    # graphs Dynamo split itself (DDP buckets) keep its names for lifted parameters
+    return node is not None and "_parameters_" in str(node.target)
+
+
+def parameter_positions(gm: torch.fx.GraphModule, example_inputs: List) -> Set[int]:
+    """Positions among the joint graph's primals that hold parameters.
+
+    AOTAutograd lifts the GraphModule's own parameters and buffers first, then the
+    example inputs in order (checked on torch 2.11 and 2.13)."""
+    own_params = len(dict(gm.named_parameters(remove_duplicate=False)))
+    lifted = own_params + len(dict(gm.named_buffers(remove_duplicate=False)))
+    nodes = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    pos = set(range(own_params))
+    for i, v in enumerate(example_inputs):
+        if _is_parameter(v, nodes[i] if i < len(nodes) else None):
+            pos.add(lifted + i)
+    return pos
 
 
 class JointPass:
     """The callable handed to Inductor; records what it did into ``sink``."""
 
-    def __init__(self, config: HOTConfig, sink: Report, graph_index: int):
+    def __init__(self, config: HOTConfig, sink: Report, graph_index: int,
+                 param_positions: Optional[Set[int]] = None, plan: Optional[RankPlan] = None):
         self.config, self.sink, self.graph_index = config, sink, graph_index
+        self.param_positions, self.plan = param_positions, plan
+        self.sites: List = []
+
+    def _params(self, graph: torch.fx.Graph):
+        if self.param_positions is None:
+            return None
+        primals = [n for n in graph.nodes if n.op == "placeholder" and "tangents" not in n.name]
+        return {primals[i] for i in self.param_positions if i < len(primals)}
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         before = str(graph) if self.config.dump_dir else None
         try:
-            sites = rewrite_joint_graph(graph, self.config)
+            sites = rewrite_joint_graph(graph, self.config, self._params(graph), self.plan)
         except Exception as e:  # noqa: BLE001 - fall back, never crash the user's compile
             log.warning("hotcompile: joint-graph pass failed, graph %d left to Inductor: %s",
                         self.graph_index, e)
@@ -47,7 +92,9 @@ class JointPass:
                 from .debug.dump import dump_joint
                 dump_joint(self.config, self.graph_index, before, graph, [], [])
             return
-        records = [record_site(s, self.graph_index, self.config) for s in sites]
+        self.sites = sites
+        records = [record_site(s, self.graph_index, self.config, self.plan) for s in sites]
+        self.sink.layers[:] = [r for r in self.sink.layers if r.graph != self.graph_index]
         self.sink.layers.extend(records)
         if self.config.dump_dir:
             from .debug.dump import dump_joint
@@ -60,6 +107,7 @@ class HotBackend:
     def __init__(self, config: Optional[HOTConfig] = None):
         self.config = config or HOTConfig()
         self.report = Report()
+        self.id = next(_BACKEND_IDS)
         self._check_kernels()
 
     def _check_kernels(self) -> None:
@@ -70,10 +118,22 @@ class HotBackend:
                 raise ValueError("HOTConfig.kernels='triton' but triton is not importable") from e
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: List, **kwargs):
+        graph_index = next(_GRAPH_IDS)
+        positions = parameter_positions(gm, example_inputs)
+        plan = RankPlan(self.config, f"{self.id}/{graph_index}")
+        compiled, joint = self._compile(gm, example_inputs, graph_index, positions, plan, kwargs)
+        groups = sorted({plan.key(s.group) for s in joint.sites
+                         if s.eligible and s.gw is not None and s.rewritten_gw is not None
+                         and s.rewritten_gw.args[8]})
+        if not groups:
+            return compiled
+        return _AutoRankGraph(self, gm, graph_index, positions, kwargs, compiled, groups)
+
+    def _compile(self, gm, example_inputs, graph_index, positions, plan, kwargs):
         from torch._inductor.compile_fx import compile_fx
 
-        graph_index = next(_GRAPH_IDS)
-        patches = {"joint_custom_pre_pass": JointPass(self.config, self.report, graph_index)}
+        joint = JointPass(self.config, self.report, graph_index, positions, plan)
+        patches = {"joint_custom_pre_pass": joint}
         mode, options = kwargs.get("mode"), kwargs.get("options")
         if mode and mode != "default":
             patches.update(torch._inductor.list_mode_options(mode, kwargs.get("dynamic")))
@@ -82,7 +142,56 @@ class HotBackend:
         if self.config.dump_dir:
             from .debug.dump import fw_bw_dump_patches
             patches.update(fw_bw_dump_patches(self.config, graph_index))
-        return compile_fx(gm, example_inputs, config_patches=patches)
+        return compile_fx(gm, example_inputs, config_patches=patches), joint
+
+
+def _symbolic(gm: torch.fx.GraphModule) -> bool:
+    for n in gm.graph.nodes:
+        v = n.meta.get("example_value", n.meta.get("val"))
+        if isinstance(v, torch.SymInt) or (isinstance(v, torch.Tensor) and any(
+                not isinstance(d, int) for d in v.shape)):
+            return True
+    return False
+
+
+class _AutoRankGraph:
+    """A compiled graph whose HLA ranks are still being measured (``rank="auto"``).
+
+    Runs the calibration compile (full rank, measuring) for ``rank_calibration_steps``
+    calls; at the next call reads the measurements once (``runtime.rank.decide``), compiles
+    the graph once more with the chosen ranks and runs that from then on. Graphs with
+    symbolic shapes keep full rank: a recompile outside Dynamo would specialise them.
+    """
+
+    def __init__(self, backend, gm, graph_index, positions, kwargs, compiled, groups):
+        self.backend, self.gm, self.graph_index = backend, gm, graph_index
+        self.positions, self.kwargs, self.compiled, self.groups = positions, kwargs, compiled, groups
+        self.calls, self.pending = 0, True
+        self._boxed_call = getattr(compiled, "_boxed_call", False)
+
+    def __call__(self, *a):
+        if self.pending:
+            self.calls += 1
+            cfg = self.backend.config
+            if self.calls > cfg.rank_calibration_steps:
+                chosen = RANK.decide(self.groups, cfg.rank_tolerance, cfg.rank_calibration_steps)
+                if chosen is not None:
+                    self.pending = False
+                    if _symbolic(self.gm):
+                        log.info("hotcompile: graph %d has dynamic shapes: auto rank kept full "
+                                 "rank (measured: %s)", self.graph_index, chosen)
+                        self.backend.report.notes.append(
+                            f"graph {self.graph_index}: rank='auto' with dynamic shapes keeps "
+                            "full rank")
+                    else:
+                        boxed = len(a) == 1 and isinstance(a[0], list)
+                        args = list(a[0] if boxed else a)
+                        plan = RankPlan(cfg, f"{self.backend.id}/{self.graph_index}", chosen)
+                        self.compiled, _ = self.backend._compile(
+                            self.gm, args, self.graph_index, self.positions, plan, self.kwargs)
+                        self._boxed_call = getattr(self.compiled, "_boxed_call", False)
+                        del args
+        return self.compiled(*a)
 
 
 def backend(config: Optional[HOTConfig] = None) -> HotBackend:

@@ -10,7 +10,7 @@ os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "0")
 @pytest.fixture(autouse=True)
 def _fresh_state():
     """Each test starts with empty Dynamo caches and an empty LQS table."""
-    from hotcompile.passes.lqs import TABLE
+    from hotcompile.runtime.lqs import TABLE
     torch._dynamo.reset()
     TABLE.clear()
     yield

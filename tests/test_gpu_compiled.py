@@ -59,7 +59,7 @@ def test_fused_kernels_run_in_the_compiled_graph(monkeypatch):
 def test_hot_ops_capture_in_a_cuda_graph():
     """The three ops can be captured once warmed up (no host copy, sync or first compile
     inside capture), and each replay draws fresh rounding bits."""
-    from hotcompile.passes.lqs import TABLE
+    from hotcompile.runtime.lqs import TABLE
     torch.manual_seed(0)
     L, O, I = 1000, 384, 256
     g = torch.randn(L, O, device="cuda", dtype=torch.bfloat16)

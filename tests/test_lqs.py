@@ -5,7 +5,7 @@ import torch
 
 import hotcompile
 from hotcompile import HOTConfig
-from hotcompile.passes.lqs import TABLE
+from hotcompile.runtime.lqs import TABLE
 
 
 class TwoHeads(torch.nn.Module):
@@ -105,7 +105,7 @@ def test_cuda_graph_capture_decides_from_warmup_windows(monkeypatch):
     """Under CUDA-graph capture nothing may be read back to the host: a site with at least
     one measured window decides from it, one with none stays per-token, and neither
     measures (quantization_errors would sync)."""
-    from hotcompile.passes import lqs
+    from hotcompile.runtime import lqs
     g_out = torch.randn(64, 32) * torch.logspace(-3, 3, 64)[:, None]   # outlier tokens
     TABLE.register("warm", calibration_steps=3)
     TABLE.register("cold", calibration_steps=3)

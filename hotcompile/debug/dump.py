@@ -156,7 +156,7 @@ class GraphDump:
 
 
 def _lqs_source(rec) -> Optional[str]:
-    from ..passes.lqs import TABLE
+    from ..runtime.lqs import TABLE
     c = TABLE.sites.get(rec.key)
     return c.source if c is not None and rec.rewritten and rec.gx_path.startswith("HQ") else None
 

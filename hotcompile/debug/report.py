@@ -10,7 +10,8 @@ import math
 from typing import List, Optional
 
 from ..passes.find import LinearSite
-from ..passes.lqs import TABLE as LQS
+from ..runtime import rank as RANK
+from ..runtime.lqs import TABLE as LQS
 
 _ITEMSIZE = {"torch.float32": 4, "torch.bfloat16": 2, "torch.float16": 2}
 
@@ -33,14 +34,25 @@ class SiteRecord:
     lqs_choice: Optional[str] = None
     lqs_err_token: Optional[float] = None
     lqs_err_tensor: Optional[float] = None
+    rank: Optional[object] = None          # HLA rank used (int), "auto (calibrating)", or None
+    rank_errors: Optional[dict] = None     # rank="auto": measured g_W error per rank
+    layout: Optional[str] = None           # token layout of x's rows (or why unknown)
 
     @property
     def rewritten(self) -> bool:
         return self.reason is None
 
+    runtime_key: str = ""
+    rank_key: str = ""
+
     def refresh_lqs(self) -> None:
-        """Pull the site's current LQS state (choices change at run time)."""
-        c = LQS.sites.get(self.key)
+        """Pull the site's current run-time state (LQS and rank choices change at run time)."""
+        st = RANK.STATES.get(self.rank_key) if self.rank_key else None
+        if st is not None and st.errors:
+            self.rank_errors = dict(st.errors)
+            if self.rank == "auto (calibrating)":
+                self.rank = f"auto -> {st.chosen}"
+        c = LQS.sites.get(self.runtime_key or self.key)
         if c is None or not self.rewritten or not self.gx_path.startswith("HQ"):
             return
         self.lqs_choice = c.choice
@@ -52,29 +64,40 @@ def _ints(*vals) -> bool:
     return all(isinstance(v, int) for v in vals)
 
 
-def record_site(site: LinearSite, graph_index: int, config) -> SiteRecord:
+def record_site(site: LinearSite, graph_index: int, config, plan=None) -> SiteRecord:
     dtype = str(site.dtype) if site.dtype is not None else "?"
     before = after = None
+    rank = site.rank if site.eligible and site.gw is not None else None
     if _ints(site.L, site.I) and dtype in _ITEMSIZE and site.gw is not None:
         # x is saved for backward only for g_W (a frozen layer saves nothing)
         before = site.L * site.I * _ITEMSIZE[dtype]
         after = before
-        if site.eligible and site.abc == "forward":
+        if site.eligible and site.abc == "forward" and isinstance(rank, int):
             # int8 levels (4-bit levels are carried in int8 too) + one fp32 scale
-            after = math.ceil(site.L / config.block) * config.rank * site.I + 4
+            # (per-sequence padding of a known layout adds at most block-1 tokens/sequence)
+            after = math.ceil(site.L / config.block) * rank * site.I + 4
         elif site.eligible and "shares" in site.abc:
             before = after = 0
+    measuring = bool(site.rewritten_gw is not None and site.rewritten_gw.args[8])
     if site.eligible:
         scale = "lqs" if config.gx_scale == "lqs" else config.gx_scale
-        gx = f"HQ int{config.gx_bits} ({scale})" if site.gx is not None else "- (x needs no grad)"
-        gw = f"HLA r={config.rank}/{config.block} int{config.gw_bits}"
+        gx = (f"HQ g{config.gx_bits}/w{config.gx_w_bits} ({scale})" if site.gx is not None
+              else "- (x needs no grad)")
+        gw = f"HLA r={rank}/{config.block} int{config.gw_bits}" if site.gw is not None \
+            else "- (frozen weight)"
     else:
         gx = "exact" if site.gx is not None else "-"
         gw = "exact" if site.gw is not None else "-"
+    prefix = plan.prefix if plan is not None else ""
     rec = SiteRecord(graph=graph_index, name=site.name, key=site.key, L=site.L, I=site.I,
                      O=site.O, dtype=dtype.replace("torch.", ""), gx_path=gx, gw_path=gw,
                      abc=site.abc if site.eligible else "-", saved_before=before,
-                     saved_after=after, reason=site.reason)
+                     saved_after=after, reason=site.reason,
+                     rank="auto (calibrating)" if measuring else rank,
+                     layout=site.layout.describe() if site.layout is not None else None,
+                     runtime_key=f"{prefix}/{site.key}" if prefix else site.key,
+                     rank_key=site.rewritten_gw.args[8] if measuring else
+                     (f"{prefix}/{site.group}" if prefix and site.group else ""))
     rec.refresh_lqs()
     return rec
 
@@ -95,6 +118,7 @@ class Report:
 
     layers: List[SiteRecord] = dataclasses.field(default_factory=list)
     errors: List[str] = dataclasses.field(default_factory=list)  # graphs the pass gave up on
+    notes: List[str] = dataclasses.field(default_factory=list)   # run-time decisions worth knowing
 
     @property
     def rewritten(self) -> List[SiteRecord]:
@@ -112,7 +136,8 @@ class Report:
     def to_dict(self) -> dict:
         for r in self.layers:
             r.refresh_lqs()
-        return {"layers": [dataclasses.asdict(r) for r in self.layers], "errors": self.errors}
+        return {"layers": [dataclasses.asdict(r) for r in self.layers], "errors": self.errors,
+                "notes": self.notes}
 
     def __str__(self) -> str:
         for r in self.layers:
@@ -137,6 +162,7 @@ class Report:
                      f"linear inputs saved for backward: {_fmt_bytes(b)} -> {_fmt_bytes(a)}"
                      + (f" ({b / a:.1f}x smaller)" if a else ""))
         lines += [f"pass failed, left to Inductor: {e}" for e in self.errors]
+        lines += self.notes
         return "\n".join(lines)
 
     __repr__ = __str__

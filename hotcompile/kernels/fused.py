@@ -33,7 +33,8 @@ def _fused_bits(bits: int) -> bool:
 
 
 def hq_grad_input(g: torch.Tensor, w: torch.Tensor, bits: int, per_token: bool, seed=0,
-                  block: int = 16, warm_other_scale: bool = False) -> torch.Tensor:
+                  block: int = 16, warm_other_scale: bool = False,
+                  w_bits: int | None = None) -> torch.Tensor:
     """g_x ~= g_y W via block-Hadamard 4/8-bit quantization along O. g: (L, O), w: (O, I).
 
     ``warm_other_scale`` (LQS calibration steps): also run the other scaling's kernel once
@@ -41,11 +42,13 @@ def hq_grad_input(g: torch.Tensor, w: torch.Tensor, bits: int, per_token: bool, 
     CUDA graph captures the step (a first compile inside capture invalidates it)."""
     L, O = g.shape
     I = w.shape[1]
-    if block != _FUSED_BLOCK or not _fused_bits(bits) or g.numel() == 0 or w.numel() == 0:
-        return ref.hq_grad_input(g, w, bits, per_token, seed, block)
+    w_bits = bits if w_bits is None else w_bits
+    if (block != _FUSED_BLOCK or not (_fused_bits(bits) and _fused_bits(w_bits))
+            or g.numel() == 0 or w.numel() == 0):
+        return ref.hq_grad_input(g, w, bits, per_token, seed, block, w_bits=w_bits)
     o_pad = -(-O // 16) * 16
-    fp8 = gemm.choose_format(L, I, o_pad, bits, g.device) == "fp8"
-    qw, sw = hadamard.hq_weight_quant(w, bits, fp8=fp8)
+    fp8 = gemm.choose_format(L, I, o_pad, max(bits, w_bits), g.device) == "fp8"
+    qw, sw = hadamard.hq_weight_quant(w, w_bits, fp8=fp8)
     qg, sg = hadamard.hq_act_quant(g, bits, per_token, seed, fp8=fp8)
     if warm_other_scale:
         qg2, sg2 = hadamard.hq_act_quant(g, bits, not per_token, seed, fp8=fp8)
@@ -54,25 +57,28 @@ def hq_grad_input(g: torch.Tensor, w: torch.Tensor, bits: int, per_token: bool, 
 
 
 def abc_compress(x: torch.Tensor, rank: int, select: str = "1d", bits: int = 8,
-                 block: int = 16):
-    """The saved activation: HLA-projected x as int8 levels (ceil(L/16)*rank, I), fp32 scale ()."""
+                 block: int = 16, *, seq_len: int = 0, seq_first: bool = False):
+    """The saved activation: HLA-projected x as int8 levels (hla_rows, I), fp32 scale ()."""
+    lay = dict(seq_len=seq_len, seq_first=seq_first)
     if block != _FUSED_BLOCK or not _fused_bits(bits) or x.numel() == 0:
-        return ref.abc_compress(x, rank, select, bits, block)
-    return hla.hla_quant(x, rank, select, bits, stochastic=False)
+        return ref.abc_compress(x, rank, select, bits, block, **lay)
+    return hla.hla_quant(x, rank, select, bits, stochastic=False, **lay)
 
 
 def hla_grad_weight(g: torch.Tensor, xt: torch.Tensor, x_scale: torch.Tensor, rank: int,
-                    select: str = "1d", bits: int = 8, seed=0, block: int = 16) -> torch.Tensor:
+                    select: str = "1d", bits: int = 8, seed=0, block: int = 16, *,
+                    seq_len: int = 0, seq_first: bool = False) -> torch.Tensor:
     """g_W ~= g_y^T x over the kept low-pass token coefficients. g: (L, O) -> (O, I)."""
+    lay = dict(seq_len=seq_len, seq_first=seq_first)
     if (block != _FUSED_BLOCK or not _fused_bits(bits) or xt.dtype != torch.int8
             or g.numel() == 0 or xt.numel() == 0):
-        return ref.hla_grad_weight(g, xt, x_scale, rank, select, bits, seed, block)
-    k = xt.shape[0]                                      # L' = ceil(L / 16) * rank
-    if k != -(-g.shape[0] // block) * rank:
-        raise ValueError(f"hla_grad_weight: xt has {k} rows, expected ceil({g.shape[0]}/{block})"
-                         f" * {rank}")
+        return ref.hla_grad_weight(g, xt, x_scale, rank, select, bits, seed, block, **lay)
+    k = xt.shape[0]                                      # L' = blocks * rank
+    if k != ref.hla_rows(g.shape[0], rank, block, seq_len):
+        raise ValueError(f"hla_grad_weight: xt has {k} rows, expected "
+                         f"{ref.hla_rows(g.shape[0], rank, block, seq_len)}")
     qg_t, sg = hla.hla_quant(g, rank, select, bits, stochastic=True, seed=seed,
-                             transposed=True, pad_to=16)  # (O, L'_pad)
+                             transposed=True, pad_to=16, **lay)  # (O, L'_pad)
     xs = x_scale if isinstance(x_scale, torch.Tensor) else torch.tensor(float(x_scale))
     xs = xs.to(device=g.device, dtype=torch.float32)
     return gemm.scaled_mm(qg_t, gemm.transpose_padded(xt, 16), sg, xs, 1.0 / 16, g.dtype, k=k)

@@ -13,13 +13,39 @@ Triton transpose it through registers and shared memory on every K step (measure
 the compiled code: byte-wise shared stores, no async copies), so callers transpose once.
 
 Two operand formats, same levels:
-* INT8 x INT8 -> int32 accumulate: exact for any K with |acc| < 2**31.
-* FP8 e4m3 x e4m3 -> fp32 accumulate, for levels |q| <= 15 (4-bit HQ), all exact in e4m3.
+* INT8 x INT8 -> int32 accumulate, exact. An int32 sum of K products |qa*qb| <= 127*127
+  can wrap once K * 127 * 127 >= 2**31, i.e. from K ~ 133k on: the HLA g_W GEMM reduces
+  over ceil(L/16) * rank tokens, 140k for L = 140k tokens at rank 16. The wrap is silent,
+  so for such K the launcher sets the constexpr ``CHUNKED``: the K loop runs in chunks of
+  ``K_CHUNK`` elements (``int8_k_chunk``: the longest multiple of every BK whose partial
+  cannot wrap), and after each chunk the accumulator's high bits are carried into a second
+  int32 tile: ``hi += acc >> 16; acc &= 0xFFFF`` (the exact split acc = hi' * 2**16 + lo,
+  0 <= lo < 2**16). The sum hi * 2**16 + acc stays exact (|hi| <= K / 4 + 1: no wrap for any int32 K),
+  and the epilogue converts it with ONE rounding, fp32(hi) * 2**16 + fp32(lo), exact parts
+  while |hi| < 2**24 (|sum| < 2**40, K < 68M): the chunked result is the correctly rounded
+  fp32 of the exact integer sum, the same number an unwrapped int32 (or the float64
+  reference) gives, not an fp32 running sum that rounds at every chunk. The carry costs
+  three integer ops per accumulator element once per chunk (~1000 K steps) and one extra
+  (BM, BN) int32 tile of registers (the autotuner sees any resulting spill and picks
+  another tile). For K <= K_CHUNK (every shape but the longest token axes, and any 4-bit
+  GEMM: 7 * 7 levels wrap only beyond K ~ 43M) ``CHUNKED`` is False and the kernel compiles
+  to exactly the code it had before the guard, so results are bit-identical.
+* FP8 e4m3 x e4m3 -> fp32 accumulate, for levels |q| <= 15 (4/5-bit HQ), all exact in e4m3.
   Hopper's FP8 tensor cores are reported (DeepSeek-V3 report) to keep only about 14 bits
   when adding into the accumulator, so ``EXACT_ACC`` moves each BLOCK_K partial product
-  into a separate fp32 accumulator (``max_num_imprecise_acc``): every partial is an
-  integer below 2**14 and the fp32 sum stays exact while it is below 2**24 (K * 49 for
-  4-bit); the GPU test checks a worst case with sums near 6e5. On the H100 the INT8 path
+  into a separate fp32 accumulator (``max_num_imprecise_acc``). Where exactness ends:
+  (1) each BK = 128 partial must be an integer below 2**14 for the tensor core's short
+  adder: true for 4-bit levels (128 * 49 = 6272), NOT guaranteed for 5-bit ones
+  (128 * 225 = 28800), which ``choose_format`` may route here (bits <= 5);
+  (2) the fp32 sum of the partials is exact while every running sum stays below 2**24,
+  i.e. K * qa * qb <= 2**24: K <= 342,392 for 4-bit (the GPU test checks a worst case
+  with sums near 6e5); beyond that each add rounds to 24 bits (relative error ~6e-8 per
+  add, no wrap: unlike int32, fp32 degrades gracefully). Without ``EXACT_ACC`` (fast
+  accumulation) exactness ends near |acc| ~ 2**14 already. Nothing can overflow or turn
+  NaN for any K: |acc| <= K * 448**2 < 2**31 * 2**18 is far below fp32's 3.4e38, the levels
+  (|q| <= 15) never hit the e4m3 NaN byte (0x7F/0xFF), and the masked K tail loads the byte
+  0 (+0.0), never the unwritten pad of a ``transpose_padded`` buffer. The FP8 path is
+  therefore never chunked. On the H100 the INT8 path
   was faster than FP8 at every benchmarked shape (FP8 exact 445-680 TFLOP/s, FP8 with
   fast accumulation 580-920, INT8 670-1220 on the g_x GEMM), so ``choose_format`` picks INT8 there.
 ``choose_format`` times both once per shape on the device and keeps the faster.
@@ -35,6 +61,8 @@ acc * row_scale, then * (col_scale * alpha); two scalars: acc * (row_scale * (co
 """
 from __future__ import annotations
 
+import functools
+import math
 import os
 
 import torch
@@ -74,10 +102,25 @@ def _dequant_epilogue(acc, rs_ptr, cs_ptr, alpha, offs_m, offs_n, M, N,
 
 
 @triton.jit
+def _load_k_step(a_ptrs, b_ptrs, offs_k, K, k, BK: tl.constexpr, EVEN_K: tl.constexpr):
+    """The A and Bt tiles of K step ``k`` (the pointers already point at it); the chunked
+    loop's load, the same masked/unmasked load as the plain loop's."""
+    if EVEN_K:
+        a = tl.load(a_ptrs)
+        b = tl.load(b_ptrs)
+    else:
+        k_left = K - k * BK
+        a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0)
+        b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0)
+    return a, b
+
+
+@triton.jit
 def _scaled_mm_kernel(a_ptr, bt_ptr, out_ptr, rs_ptr, cs_ptr, alpha, M, N, K, lda, ldb, ldo,
                       ROW_VEC: tl.constexpr, COL_VEC: tl.constexpr, FP8: tl.constexpr,
                       EXACT_ACC: tl.constexpr, EVEN_K: tl.constexpr,
-                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
+                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                      CHUNKED: tl.constexpr = False, K_CHUNK: tl.constexpr = 0):
     pid_m, pid_n = _grouped_tile(tl.program_id(0), M, N, BM, BN, GROUP_M)
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
@@ -90,25 +133,46 @@ def _scaled_mm_kernel(a_ptr, bt_ptr, out_ptr, rs_ptr, cs_ptr, alpha, M, N, K, ld
         acc = tl.zeros((BM, BN), dtype=tl.float32)
     else:
         acc = tl.zeros((BM, BN), dtype=tl.int32)
-    for k in range(0, tl.cdiv(K, BK)):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
-        else:
-            k_left = K - k * BK
-            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0)
-            b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0)
-        if FP8:
-            a = a.to(tl.float8e4nv, bitcast=True)
-            b = b.to(tl.float8e4nv, bitcast=True)
-            if EXACT_ACC:
-                acc = tl.dot(a, b, acc, max_num_imprecise_acc=BK)
+    if CHUNKED:
+        # INT8 with a K whose int32 sum could wrap (module doc): each chunk of K_CHUNK
+        # elements adds at most K_CHUNK * qa * qb < 2**31 - 2**16 to an accumulator that
+        # starts in [0, 2**16); its high bits then move to ``hi``, exactly.
+        tl.static_assert(not FP8, "the FP8 path accumulates in fp32 and is never chunked")
+        tl.static_assert(K_CHUNK % BK == 0, "K_CHUNK must be a multiple of BK")
+        STEPS: tl.constexpr = K_CHUNK // BK
+        n_k = tl.cdiv(K, BK)
+        hi = tl.zeros((BM, BN), dtype=tl.int32)
+        for c in range(0, tl.cdiv(n_k, STEPS)):
+            for k in range(c * STEPS, tl.minimum(n_k, c * STEPS + STEPS)):
+                a, b = _load_k_step(a_ptrs, b_ptrs, offs_k, K, k, BK, EVEN_K)
+                acc = tl.dot(a, b, acc, out_dtype=tl.int32)
+                a_ptrs += BK
+                b_ptrs += BK
+            hi += acc >> 16                      # arithmetic shift: floor(acc / 2**16)
+            acc = acc & 0xFFFF                   # acc - floor(acc / 2**16) * 2**16, in [0, 2**16)
+        # one rounding of the exact hi * 2**16 + lo (both parts exact in fp32, module doc)
+        acc = hi.to(tl.float32) * 65536.0 + acc.to(tl.float32)
+    else:
+        # the un-chunked loop, kept verbatim: the common case compiles as before the guard
+        for k in range(0, tl.cdiv(K, BK)):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
             else:
-                acc = tl.dot(a, b, acc)
-        else:
-            acc = tl.dot(a, b, acc, out_dtype=tl.int32)
-        a_ptrs += BK
-        b_ptrs += BK
+                k_left = K - k * BK
+                a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0)
+                b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0)
+            if FP8:
+                a = a.to(tl.float8e4nv, bitcast=True)
+                b = b.to(tl.float8e4nv, bitcast=True)
+                if EXACT_ACC:
+                    acc = tl.dot(a, b, acc, max_num_imprecise_acc=BK)
+                else:
+                    acc = tl.dot(a, b, acc)
+            else:
+                acc = tl.dot(a, b, acc, out_dtype=tl.int32)
+            a_ptrs += BK
+            b_ptrs += BK
     out = _dequant_epilogue(acc, rs_ptr, cs_ptr, alpha, offs_m, offs_n, M, N, ROW_VEC, COL_VEC)
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * ldo + offs_n[None, :],
@@ -133,7 +197,8 @@ def _quick_bench(kernel_call, quantiles):
 
 
 _tuned_kernel = triton.autotune(configs=_configs(), do_bench=_quick_bench,
-                                key=["M", "N", "K", "ROW_VEC", "COL_VEC", "FP8", "EXACT_ACC"])(
+                                key=["M", "N", "K", "ROW_VEC", "COL_VEC", "FP8", "EXACT_ACC",
+                                     "CHUNKED", "K_CHUNK"])(
     triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BK"] == 0})(_scaled_mm_kernel))
 
 _BEST: dict = {}
@@ -174,6 +239,63 @@ def _direct(args, flags, M: int, N: int, K: int, cfg, warmup: bool = False) -> N
 # FP8 accumulation mode: exact (promote every BLOCK_K) unless HOT_FP8_FAST_ACC=1.
 EXACT_FP8_ACC = os.environ.get("HOT_FP8_FAST_ACC") != "1"
 
+# ----------------------------------------------------------------- int32 overflow guard
+_INT32_MAX = 2**31 - 1
+_CARRY_LO = 2**16        # between chunks the kernel leaves acc in [0, 2**16) (module doc)
+INT8_LEVEL_MAX = 128     # |q| bound of any int8 value (-128 too): used when bits are unknown
+_INTERP_BK = 32          # the interpreter's tile (see scaled_mm)
+# every K_CHUNK must be a multiple of each BK a launch may use
+_K_ALIGN = math.lcm(_INTERP_BK, *(c.kwargs["BK"] for c in _configs()))
+
+
+def _level_pair(level_max) -> tuple[int, int]:
+    if level_max is None:
+        return INT8_LEVEL_MAX, INT8_LEVEL_MAX
+    qa, qb = level_max if isinstance(level_max, tuple) else (level_max, level_max)
+    if not (1 <= qa <= INT8_LEVEL_MAX and 1 <= qb <= INT8_LEVEL_MAX):
+        raise ValueError(f"level_max must lie in [1, {INT8_LEVEL_MAX}], got {level_max!r}")
+    return int(qa), int(qb)
+
+
+@functools.lru_cache(maxsize=None)
+def int8_k_chunk(level_max: int | tuple[int, int] | None = None) -> int:
+    """Longest K span (a multiple of every BK) the INT8 kernel may sum in int32.
+
+    ``level_max``: bound on |level| of both operands (an int), or of A and B separately
+    (a pair): 127 for 8-bit levels, 7 for 4-bit. None (the caller does not know its bits)
+    assumes any int8 value, |q| <= 128, conservatively. The kernel's accumulator starts a
+    chunk in [0, 2**16) (what the carry leaves) and adds at most chunk * qa * qb, so
+    chunk * qa * qb <= 2**31 - 2**16 keeps it below 2**31: 133,120 for 8-bit levels
+    (133,120 * 127**2 = 2,147,092,480 < 2**31), 130,944 when the bits are unknown, ~43.8M
+    for 4-bit (a 4-bit GEMM is never chunked in practice).
+    """
+    qa, qb = _level_pair(level_max)
+    chunk = (_INT32_MAX - (_CARRY_LO - 1)) // (qa * qb)
+    return chunk - chunk % _K_ALIGN
+
+
+def _forced_chunk_from_env() -> int | None:
+    value = os.environ.get("HOT_GEMM_K_CHUNK")
+    return int(value) if value else None
+
+
+# Testing override of the chunk (HOT_GEMM_K_CHUNK=<elements>, or set this attribute): lets
+# the chunked INT8 path run on small K, e.g. under the interpreter or through fused ops.
+K_CHUNK_OVERRIDE: int | None = _forced_chunk_from_env()
+
+
+def _k_chunk(K: int, level_max, k_chunk: int | None, interp: bool) -> int | None:
+    """The K_CHUNK an INT8 launch of reduction length K needs, or None when K fits."""
+    safe = int8_k_chunk(level_max)
+    forced = k_chunk if k_chunk is not None else K_CHUNK_OVERRIDE
+    if forced is None:
+        return safe if K > safe else None
+    align = _INTERP_BK if interp else _K_ALIGN
+    if not (0 < forced <= safe and forced % align == 0):
+        raise ValueError(f"k_chunk={forced}: must be a positive multiple of {align} "
+                         f"(the BK of every tile) and at most {safe} (int32 wrap bound)")
+    return forced if K > forced else None
+
 
 def _as_operand(t: torch.Tensor) -> torch.Tensor:
     """Levels as the kernel reads them: int8 as is, e4m3 as its raw bytes."""
@@ -182,11 +304,19 @@ def _as_operand(t: torch.Tensor) -> torch.Tensor:
 
 def scaled_mm(a: torch.Tensor, bt: torch.Tensor, row_scale: torch.Tensor,
               col_scale: torch.Tensor, alpha: float, out_dtype: torch.dtype,
-              k: int | None = None, exact_acc: bool | None = None) -> torch.Tensor:
+              k: int | None = None, exact_acc: bool | None = None, *,
+              level_max: int | tuple[int, int] | None = None,
+              k_chunk: int | None = None) -> torch.Tensor:
     """(a @ bt[:, :k].T) * row_scale[:, None] * (col_scale[None, :] * alpha) -> out_dtype.
 
     a (M, >=K) and bt (N, >=K): int8 or float8_e4m3fn levels, unit stride along K (only the
     first ``k`` columns are read, default a.shape[1]). Scales are fp32 vectors or 0-d.
+
+    INT8 only (the int32 overflow guard, module doc): ``level_max`` bounds |level| (int, or
+    (A, B) pair; default: any int8 value), from which ``int8_k_chunk`` derives the longest
+    K summed in int32; a longer K runs the chunked kernel. ``k_chunk`` (or
+    ``K_CHUNK_OVERRIDE``) forces a shorter chunk, for tests: a multiple of the BK in use
+    (32 under the interpreter, 128 compiled) no larger than the safe one.
     """
     assert a.dtype == bt.dtype and a.stride(1) == 1 and bt.stride(1) == 1
     M, N = a.shape[0], bt.shape[0]
@@ -196,9 +326,10 @@ def scaled_mm(a: torch.Tensor, bt: torch.Tensor, row_scale: torch.Tensor,
         return out
     fp8 = a.dtype == torch.float8_e4m3fn
     exact = EXACT_FP8_ACC if exact_acc is None else exact_acc
-    flags = dict(ROW_VEC=row_scale.dim() == 1, COL_VEC=col_scale.dim() == 1, FP8=fp8,
-                 EXACT_ACC=exact and fp8)
     interp = interpreting()
+    chunk = None if fp8 else _k_chunk(K, level_max, k_chunk, interp)
+    flags = dict(ROW_VEC=row_scale.dim() == 1, COL_VEC=col_scale.dim() == 1, FP8=fp8,
+                 EXACT_ACC=exact and fp8, CHUNKED=chunk is not None, K_CHUNK=chunk or 0)
     # the interpreter truncates fp32 -> bf16 (the GPU rounds to nearest even): there,
     # store fp32 and let torch round
     res = out if not (interp and out_dtype == torch.bfloat16) else \
@@ -207,7 +338,7 @@ def scaled_mm(a: torch.Tensor, bt: torch.Tensor, row_scale: torch.Tensor,
             a.stride(0), bt.stride(0), res.stride(0))
     if interp:
         _scaled_mm_kernel[(triton.cdiv(M, 32) * triton.cdiv(N, 32),)](
-            *args, **flags, EVEN_K=K % 32 == 0, BM=32, BN=32, BK=32, GROUP_M=4)
+            *args, **flags, EVEN_K=K % _INTERP_BK == 0, BM=32, BN=32, BK=_INTERP_BK, GROUP_M=4)
     else:
         _launch_tuned(args, flags, M, N, K)
     if res is not out:

@@ -71,7 +71,8 @@ def _hla_half(g_ptr, q_ptr, s_ptr, amax_ptr, seed_ptr, blk0, col0, L, O, stride_
     """The tile's HLA coefficients (BT, BC, RP): phase 1 maxes their amax into word 0,
     phase 2 quantizes them into the transposed (O, L'_pad) operand (``hla._hla_kernel``,
     stochastic, transposed); the first program stores the scale."""
-    v = _load_project(g_ptr, blk0, col0, L, O, stride_g, BT, BC, RP, RANK, KEPT)
+    v = _load_project(g_ptr, blk0, col0, n_blk, L, n_blk, 0, 1, O, stride_g, BT, BC, RP, RANK,
+                      KEPT)   # one flat token axis
     if PHASE == 1:
         keep = (tl.arange(0, RP) < RANK)[None, None, :]
         tl.atomic_max(amax_ptr, tl.max(tl.where(keep, abs_bits(v), 0)))

@@ -104,14 +104,31 @@ def gather_kept(y, RP: tl.constexpr, RANK: tl.constexpr, KEPT: tl.constexpr):
 
 
 @triton.jit
-def _load_project(x_ptr, blk0, col0, L, C, stride_x, BT: tl.constexpr, BC: tl.constexpr,
+def _token_rows(blk0, n_blk, S, n_sblk, stride_b, stride_s, BT: tl.constexpr):
+    """Rows of x holding the 16 tokens of blocks blk0 .. blk0+BT-1, and which exist.
+
+    Block ``blk`` is block ``blk % n_sblk`` of sequence ``blk // n_sblk``; its token k sits
+    at position s = (blk % n_sblk) * 16 + k of that sequence, in row
+    ``b * stride_b + s * stride_s`` (batch-first: (S, 1); sequence-first: (1, B); one flat
+    token axis: S = L, stride_s = 1). Positions past S are the zero padding of a sequence."""
+    i = tl.arange(0, BT * 16)
+    blk = blk0 + i // 16
+    pos = (blk % n_sblk) * 16 + i % 16
+    rows = (blk // n_sblk).to(tl.int64) * stride_b + pos.to(tl.int64) * stride_s
+    return rows, (pos < S) & (blk < n_blk)
+
+
+@triton.jit
+def _load_project(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C, stride_x,
+                  BT: tl.constexpr, BC: tl.constexpr,
                   RP: tl.constexpr, RANK: tl.constexpr, KEPT: tl.constexpr):
-    """Blocks blk0 .. blk0+BT-1 of 16 tokens, channels col0 .. col0+BC-1, projected onto
-    the kept rows: a (BT, BC, RP) fp32 tile, coefficients last (entries >= rank: padding)."""
-    tok = blk0 * 16 + tl.arange(0, BT * 16)
+    """Blocks blk0 .. blk0+BT-1 of 16 neighbouring tokens, channels col0 .. col0+BC-1,
+    projected onto the kept rows: a (BT, BC, RP) fp32 tile, coefficients last (entries
+    >= rank: padding)."""
+    tok, valid = _token_rows(blk0, n_blk, S, n_sblk, stride_b, stride_s, BT)
     cols = col0 + tl.arange(0, BC)
-    mask = (tok < L)[:, None] & (cols < C)[None, :]
-    x = tl.load(x_ptr + tok.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    mask = valid[:, None] & (cols < C)[None, :]
+    x = tl.load(x_ptr + tok[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
     x = tl.permute(tl.reshape(x.to(tl.float32), (BT, 16, BC)), (0, 2, 1))   # token axis last
     y = gather_kept(fwht16(tl.reshape(x, (BT * BC, 16))), RP, RANK, KEPT)
     return tl.reshape(y, (BT, BC, RP))
@@ -149,8 +166,8 @@ def _tile_origin(t, n_ct, BT: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
-def _hla_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, seed_ptr, L, C, stride_x, ldq, n_blk,
-                groups_per_row, PHASE: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+def _hla_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, seed_ptr, S, n_sblk, stride_b, stride_s, C,
+                stride_x, ldq, n_blk, groups_per_row, PHASE: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                 RP: tl.constexpr, RANK: tl.constexpr, KEPT: tl.constexpr, Q: tl.constexpr,
                 STOCHASTIC: tl.constexpr, TRANSPOSED: tl.constexpr, INTERPRET: tl.constexpr):
     """One tile of BT token blocks x BC channels per program.
@@ -163,7 +180,8 @@ def _hla_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, seed_ptr, L, C, stride_x, ldq, n_
     n_ct = tl.cdiv(C, BC)
     if PHASE == 1:
         blk0, col0 = _tile_origin(pid, n_ct, BT, BC)
-        v = _load_project(x_ptr, blk0, col0, L, C, stride_x, BT, BC, RP, RANK, KEPT)
+        v = _load_project(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C,
+                          stride_x, BT, BC, RP, RANK, KEPT)
         keep = (tl.arange(0, RP) < RANK)[None, None, :]
         tl.atomic_max(amax_ptr, tl.max(tl.where(keep, abs_bits(v), 0)))
     else:
@@ -176,7 +194,8 @@ def _hla_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, seed_ptr, L, C, stride_x, ldq, n_
         inv_s = tl.math.div_rn(1.0, s)
         if pid == 0:
             tl.store(s_ptr, s)
-        v = _load_project(x_ptr, blk0, col0, L, C, stride_x, BT, BC, RP, RANK, KEPT)
+        v = _load_project(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C,
+                          stride_x, BT, BC, RP, RANK, KEPT)
         if inv_s < float("inf"):
             _quantize_store_tile(q_ptr, v, s, inv_s, seed, blk0, col0, n_blk, C, ldq,
                                  groups_per_row, BT, BC, RP, RANK, Q, STOCHASTIC, TRANSPOSED,
@@ -219,9 +238,23 @@ def _tile_shape(C: int, interp: bool) -> tuple[int, int, int]:
     return 1, 256 * warps, warps
 
 
+def token_layout(L: int, seq_len: int = 0, seq_first: bool = False):
+    """(S, blocks per sequence, row stride of a sequence, row stride of a position, blocks)
+    for the kernels; ``seq_len == 0``: one flat token axis."""
+    if seq_len in (0, None):
+        return L, -(-L // 16), 0, 1, -(-L // 16)
+    if L % seq_len:
+        raise ValueError(f"{L} rows are not a whole number of sequences of {seq_len}")
+    b, n_sblk = L // seq_len, -(-seq_len // 16)
+    strides = (1, b) if seq_first else (seq_len, 1)
+    return seq_len, n_sblk, strides[0], strides[1], b * n_sblk
+
+
 def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic: bool, seed=0,
-              transposed: bool = False, pad_to: int = 1):
-    """Project x (L, C) along L onto ``rank`` kept rows per 16-token block and quantize.
+              transposed: bool = False, pad_to: int = 1, seq_len: int = 0,
+              seq_first: bool = False):
+    """Project x (L, C) along its tokens onto ``rank`` kept rows per block of 16
+    neighbouring tokens of one sequence (``reference.sequence_blocks``) and quantize.
 
     Returns (levels int8, fp32 0-d scale). Levels are (L', C) row-major, or with
     ``transposed`` a (C, L'_pad) buffer (L'_pad = L' rounded up to ``pad_to``; columns
@@ -230,7 +263,7 @@ def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic:
     if x.stride(-1) != 1:
         x = x.contiguous()
     L, C = x.shape
-    n_blk = -(-L // 16)
+    S, n_sblk, stride_b, stride_s, n_blk = token_layout(L, seq_len, seq_first)
     rows_out = n_blk * rank
     dev = x.device
     if transposed:
@@ -247,7 +280,8 @@ def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic:
                 Q=2 ** (bits - 1) - 1, STOCHASTIC=stochastic, TRANSPOSED=transposed,
                 INTERPRET=interpreting(), num_warps=warps)
     seed_t = seed_pointer(seed, dev) if stochastic else amax    # amax: an unread placeholder
-    args = (x, q, s, amax, seed_t, L, C, x.stride(0), ldq, n_blk, -(-C // 8))
+    args = (x, q, s, amax, seed_t, S, n_sblk, stride_b, stride_s, C, x.stride(0), ldq, n_blk,
+            -(-C // 8))
     _hla_kernel[grid](*args, PHASE=1, **meta)
     _hla_kernel[grid](*args, PHASE=2, **meta)
     return q, s

@@ -17,7 +17,8 @@ import torch
 from torch import Tensor
 
 from . import reference as ref
-from ..passes.lqs import TABLE as LQS, capturing
+from ..runtime import rank as RANK
+from ..runtime.lqs import TABLE as LQS, capturing
 
 _SEED_HIGH = 2 ** 62
 _RANK_STRIDE = 0x2545F4914F6CDD1D % _SEED_HIGH   # odd, so distinct ranks get distinct offsets
@@ -62,9 +63,10 @@ def _fused():
 
 # ----------------------------------------------------------------------- HQ (g_x)
 @torch.library.custom_op("hot::hq_grad_input", mutates_args=())
-def hq_grad_input(g: Tensor, w: Tensor, bits: int, block: int, scale: str, site: str,
-                  kernels: str) -> Tensor:
-    """g_x ~= g W with block Hadamard + low-bit quantization along O. g: (L, O), w: (O, I)."""
+def hq_grad_input(g: Tensor, w: Tensor, bits: int, w_bits: int, block: int, scale: str,
+                  site: str, kernels: str) -> Tensor:
+    """g_x ~= g W with block Hadamard along O: g to ``bits`` levels (stochastic), W to
+    ``w_bits`` levels. g: (L, O), w: (O, I). ``site``: the runtime key (LQS table)."""
     calibrating = False
     if scale == "lqs":
         calibrating = g.is_cuda and LQS.calibrating(site)
@@ -74,47 +76,65 @@ def hq_grad_input(g: Tensor, w: Tensor, bits: int, block: int, scale: str, site:
     seed = draw_seed(g.device)
     if triton_usable(g, kernels):
         return _fused().hq_grad_input(g, w, bits, per_token, seed, block,
-                                      warm_other_scale=calibrating and not capturing(g))
-    return ref.hq_grad_input(g, w, bits, per_token, seed, block)
+                                      warm_other_scale=calibrating and not capturing(g),
+                                      w_bits=w_bits)
+    return ref.hq_grad_input(g, w, bits, per_token, seed, block, w_bits=w_bits)
 
 
 @hq_grad_input.register_fake
-def _(g, w, bits, block, scale, site, kernels):
+def _(g, w, bits, w_bits, block, scale, site, kernels):
     torch._check(g.shape[1] == w.shape[0], lambda: "hq_grad_input: g and w disagree on O")
     return g.new_empty((g.shape[0], w.shape[1]))
 
 
+def _rows(L, rank: int, block: int, seq_len):
+    """Rows of the projected tensors (``reference.hla_rows``), SymInt-safe."""
+    if isinstance(seq_len, int) and seq_len == 0:
+        return (L + block - 1) // block * rank
+    return (L // seq_len) * ((seq_len + block - 1) // block) * rank
+
+
 # ----------------------------------------------------------------------- ABC (forward)
 @torch.library.custom_op("hot::abc_compress", mutates_args=())
-def abc_compress(x: Tensor, rank: int, select: str, bits: int, block: int,
+def abc_compress(x: Tensor, rank: int, bits: int, block: int, seq_len: int, seq_first: bool,
                  kernels: str) -> tuple[Tensor, Tensor]:
-    """x (L, I) -> (HLA-projected x as int8 levels (ceil(L/block)*rank, I), fp32 scale ())."""
+    """x (L, I) -> (HLA-projected x as int8 levels (hla_rows, I), fp32 scale ()).
+
+    Blocks hold ``block`` neighbouring tokens of one sequence of ``seq_len`` tokens
+    (rows ``b*S + s``, or ``s*B + b`` with ``seq_first``); ``seq_len=0``: one flat axis."""
+    lay = dict(seq_len=seq_len, seq_first=seq_first)
     if triton_usable(x, kernels):
-        return _fused().abc_compress(x, rank, select, bits, block)
-    return ref.abc_compress(x, rank, select, bits, block)
+        return _fused().abc_compress(x, rank, "1d", bits, block, **lay)
+    return ref.abc_compress(x, rank, "1d", bits, block, **lay)
 
 
 @abc_compress.register_fake
-def _(x, rank, select, bits, block, kernels):
-    rows = (x.shape[0] + block - 1) // block * rank
+def _(x, rank, bits, block, seq_len, seq_first, kernels):
+    rows = _rows(x.shape[0], rank, block, seq_len)
     return (x.new_empty((rows, x.shape[1]), dtype=torch.int8),
             x.new_empty((), dtype=torch.float32))
 
 
 # ----------------------------------------------------------------------- HLA (g_W)
 @torch.library.custom_op("hot::hla_grad_weight", mutates_args=())
-def hla_grad_weight(g: Tensor, xq: Tensor, x_scale: Tensor, rank: int, select: str, bits: int,
-                    block: int, kernels: str) -> Tensor:
-    """g_W ~= g^T x over the kept low-pass token coefficients. g: (L, O) -> (O, I)."""
+def hla_grad_weight(g: Tensor, xq: Tensor, x_scale: Tensor, rank: int, bits: int, block: int,
+                    seq_len: int, seq_first: bool, measure: str, kernels: str) -> Tensor:
+    """g_W ~= g^T x over the kept low-pass token coefficients. g: (L, O) -> (O, I).
+
+    ``measure``: a rank-calibration key (``runtime.rank``): also measure, on this step's
+    real g and x, g_W's error at every rank against this full-rank result."""
     seed = draw_seed(g.device)
+    lay = dict(seq_len=seq_len, seq_first=seq_first)
+    if measure:
+        RANK.measure(measure, g, xq, x_scale, block, seq_len, seq_first)
     if triton_usable(g, kernels):
-        return _fused().hla_grad_weight(g, xq, x_scale, rank, select, bits, seed, block)
-    return ref.hla_grad_weight(g, xq, x_scale, rank, select, bits, seed, block)
+        return _fused().hla_grad_weight(g, xq, x_scale, rank, "1d", bits, seed, block, **lay)
+    return ref.hla_grad_weight(g, xq, x_scale, rank, "1d", bits, seed, block, **lay)
 
 
 @hla_grad_weight.register_fake
-def _(g, xq, x_scale, rank, select, bits, block, kernels):
-    torch._check(xq.shape[0] == (g.shape[0] + block - 1) // block * rank,
+def _(g, xq, x_scale, rank, bits, block, seq_len, seq_first, measure, kernels):
+    torch._check(xq.shape[0] == _rows(g.shape[0], rank, block, seq_len),
                  lambda: "hla_grad_weight: compressed buffer rows disagree with g")
     return g.new_empty((g.shape[1], xq.shape[1]))
 

@@ -115,15 +115,44 @@ def pad_cols(x: torch.Tensor, multiple: int) -> torch.Tensor:
     return torch.nn.functional.pad(x, (0, extra)) if extra else x
 
 
-def hla_project(x: torch.Tensor, rank: int, select: str = "1d", block: int = 16) -> torch.Tensor:
-    """(L, C) -> (ceil(L/block) * rank, C) fp32: each block of tokens onto the kept rows.
+def sequence_blocks(x: torch.Tensor, block: int, seq_len: int = 0,
+                    seq_first: bool = False) -> torch.Tensor:
+    """(L, C) rows -> (n_blocks, block, C): ``block`` neighbouring tokens of one sequence each.
 
-    L is padded with zero tokens, which contribute nothing to g_W = g^T x.
+    ``seq_len == 0``: the rows are one flat token axis (used at full rank, where blocking
+    cannot matter). Otherwise ``L = B * seq_len`` rows ordered ``b * S + s`` (batch-first)
+    or ``s * B + b`` (``seq_first``); each sequence is padded with zero tokens to a multiple
+    of ``block`` (zeros contribute nothing to g_W = g^T x), so no block straddles two
+    sequences. Blocks are ordered batch-major, then by position.
     """
-    xp = pad_rows(x.float(), block)
-    nb, c = xp.shape[0] // block, xp.shape[1]
+    L, C = x.shape
+    if seq_len in (0, None) or (seq_len == L and not seq_first):
+        xp = pad_rows(x, block)
+        return xp.reshape(xp.shape[0] // block, block, C)
+    if L % seq_len:
+        raise ValueError(f"{L} rows are not a whole number of sequences of {seq_len}")
+    b = L // seq_len
+    x3 = x.reshape(seq_len, b, C).transpose(0, 1) if seq_first else x.reshape(b, seq_len, C)
+    extra = (-seq_len) % block
+    if extra:
+        x3 = torch.nn.functional.pad(x3, (0, 0, 0, extra))
+    return x3.reshape(-1, block, C)
+
+
+def hla_rows(L: int, rank: int, block: int = 16, seq_len: int = 0) -> int:
+    """Rows of the projected tensor: ``rank`` per block of ``block`` tokens of one sequence."""
+    if seq_len in (0, None):
+        return -(-L // block) * rank
+    return (L // seq_len) * (-(-seq_len // block)) * rank
+
+
+def hla_project(x: torch.Tensor, rank: int, select: str = "1d", block: int = 16, *,
+                seq_len: int = 0, seq_first: bool = False) -> torch.Tensor:
+    """(L, C) -> (hla_rows, C) fp32: each block of neighbouring tokens onto the kept rows."""
+    xb = sequence_blocks(x.float(), block, seq_len, seq_first)
+    nb, c = xb.shape[0], xb.shape[2]
     p = hla_matrix(rank, select, block, device=x.device)
-    return torch.einsum("rk,bkc->brc", p, xp.reshape(nb, block, c)).reshape(nb * rank, c)
+    return torch.einsum("rk,bkc->brc", p, xb).reshape(nb * rank, c)
 
 
 # --------------------------------------------------------------------------- random bits
@@ -193,13 +222,35 @@ def dequantize(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return q.float() * (s[:, None] if s.dim() == 1 else s)
 
 
-def int_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Exact product of two int8 level matrices, as fp32 (int32 on CUDA where cuBLASLt allows)."""
+def int_matmul(a: torch.Tensor, b: torch.Tensor, k_chunk: int | None = None) -> torch.Tensor:
+    """Exact product of two int8 level matrices, as fp32 (int32 on CUDA where cuBLASLt allows).
+
+    Why chunks: ``torch._int_mm`` sums in int32, which wraps silently once K * 128**2
+    reaches 2**31 (K ~ 131k: the HLA g_W GEMM over ceil(L/16) * rank tokens of a long
+    run). So K is split into chunks of at most ``k_chunk`` (default: the longest multiple
+    of 8 with k_chunk * 128**2 < 2**31, i.e. 131,064, safe for any int8 value), each chunk
+    summed exactly in int32 (or float64 off CUDA) and the chunks added in float64, exact
+    below 2**53: the result is the correctly rounded fp32 of the exact integer product on
+    every path. One chunk (every K up to 131k) takes the unchunked code path unchanged.
+    ``k_chunk`` may be forced smaller (a multiple of 8) to test the splitting on any device.
+    """
     m, k = a.shape
     n = b.shape[1]
+    safe = ((2**31 - 1) // (128 * 128)) // 8 * 8
+    chunk = safe if k_chunk is None else int(k_chunk)
+    if not (0 < chunk <= safe and chunk % 8 == 0):
+        raise ValueError(f"k_chunk={k_chunk}: must be a positive multiple of 8, at most {safe}")
     if a.is_cuda and m > 16 and k % 8 == 0 and n % 8 == 0:
-        return torch._int_mm(a.contiguous(), b.t().contiguous().t()).float()
-    return (a.double() @ b.double()).float()
+        part = lambda lo, hi: torch._int_mm(a[:, lo:hi].contiguous(),
+                                            b[lo:hi].t().contiguous().t())
+    else:
+        part = lambda lo, hi: a[:, lo:hi].double() @ b[lo:hi].double()
+    if k <= chunk:
+        return part(0, k).float()
+    acc = part(0, chunk).double()
+    for lo in range(chunk, k, chunk):            # k % 8 == 0 on the _int_mm path: so is each chunk
+        acc += part(lo, min(lo + chunk, k)).double()
+    return acc.float()
 
 
 # --------------------------------------------------------------------------- HOT ops
@@ -215,33 +266,36 @@ def hq_weight(w: torch.Tensor, bits: int, block: int = 16):
 
 
 def hq_grad_input(g: torch.Tensor, w: torch.Tensor, bits: int, per_token: bool, seed=0,
-                  block: int = 16) -> torch.Tensor:
-    """g_x ~= g_y W via block-Hadamard 4/8-bit quantization along O. bits=0: no quantization."""
+                  block: int = 16, w_bits: int | None = None) -> torch.Tensor:
+    """g_x ~= g_y W via block-Hadamard quantization along O: g_y to ``bits`` levels
+    (stochastic), W to ``w_bits`` levels (nearest; default: ``bits``). bits=0: exact."""
     gh = block_fwht(pad_cols(g.float(), block), block)                 # (L, O_pad)
     if bits == 0:
         wh = block_fwht(pad_cols(w.float().t(), block), block)
         return (gh.double() @ wh.double().t() / block).to(g.dtype)
     qg, sg = quantize(gh, bits, per_row=per_token, stochastic=True, seed=seed)
-    qw, sw = hq_weight(w, bits, block)
+    qw, sw = hq_weight(w, bits if w_bits is None else w_bits, block)
     acc = int_matmul(qg, qw.t())                                       # (L, I)
     sg = sg[:, None] if sg.dim() == 1 else sg
     return (acc * sg * (sw[None, :] / block)).to(g.dtype)
 
 
 def abc_compress(x: torch.Tensor, rank: int, select: str = "1d", bits: int = 8,
-                 block: int = 16):
+                 block: int = 16, *, seq_len: int = 0, seq_first: bool = False):
     """The saved activation: HLA-projected x, quantized per tensor with RTN."""
-    return quantize(hla_project(x, rank, select, block), bits, per_row=False, stochastic=False)
+    xt = hla_project(x, rank, select, block, seq_len=seq_len, seq_first=seq_first)
+    return quantize(xt, bits, per_row=False, stochastic=False)
 
 
 def hla_grad_weight(g: torch.Tensor, xt: torch.Tensor, x_scale: torch.Tensor, rank: int,
-                    select: str = "1d", bits: int = 8, seed=0, block: int = 16) -> torch.Tensor:
+                    select: str = "1d", bits: int = 8, seed=0, block: int = 16, *,
+                    seq_len: int = 0, seq_first: bool = False) -> torch.Tensor:
     """g_W ~= g_y^T x over the low-pass token coefficients.
 
     ``xt`` is the projected x: int8 levels (with ``x_scale``) or floats (x_scale = 1).
     bits=0 skips quantizing the gradient (with rank=block this is exact).
     """
-    gt = hla_project(g, rank, select, block)                           # (L', O)
+    gt = hla_project(g, rank, select, block, seq_len=seq_len, seq_first=seq_first)  # (L', O)
     if bits == 0:
         xf = xt.double() * x_scale.double()
         return (gt.double().t() @ xf / block).to(g.dtype)

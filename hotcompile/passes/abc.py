@@ -7,7 +7,10 @@ and its outputs are marked MUST_SAVE: once the g_W GEMMs are replaced and the gr
 cleaned, nothing in backward needs X and min-cut saves the 16/rank x smaller int8 buffer
 instead. If X is needed in backward anyway (another op's gradient uses it), compressing
 in the forward would only add memory, so the compression moves into the backward.
-Several linears reading the same X (q/k/v projections) share one buffer.
+Several linears reading the same data (q/k/v or gate/up projections) share one buffer,
+made in the forward: inputs are grouped by their *base* tensor, found through the views
+and casts each projection applies on its own (under autocast each gets its own cast and
+view of the same x), not by node identity.
 """
 from __future__ import annotations
 
@@ -62,24 +65,53 @@ def _checkpoint_policy():
     return CheckpointPolicy.MUST_SAVE
 
 
-def compress_inputs(graph: Graph, sites: List[LinearSite], config, fake_mode
-                    ) -> Dict[Node, Tuple[Node, Node]]:
-    """Insert one abc_compress per distinct X of the eligible sites; X -> (levels, scale)."""
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    groups: Dict[Node, List[LinearSite]] = {}
+# ops that keep x's elements in the same order (a view, a copy, a dtype cast)
+_SAME_DATA = {aten.view.default, aten._unsafe_view.default, aten.reshape.default,
+              aten.clone.default, aten.alias.default,
+              torch.ops.prims.convert_element_type.default, aten._to_copy.default}
+
+
+def base_of(x: Node) -> Node:
+    """The tensor x's elements come from, in the same order, through views and casts."""
+    while x.op == "call_function" and x.target in _SAME_DATA and isinstance(x.args[0], Node):
+        x = x.args[0]
+    return x
+
+
+def group_by_base(sites: List[LinearSite]) -> Dict[tuple, List[LinearSite]]:
+    """Sites with a g_W grouped by the data their x holds (base tensor and 2-D shape)."""
+    groups: Dict[tuple, List[LinearSite]] = {}
     for s in sites:
-        groups.setdefault(s.x, []).append(s)
-    buffers: Dict[Node, Tuple[Node, Node]] = {}
-    for x, group in groups.items():
+        if s.gw is None:
+            continue
+        shape = tuple(s.x.meta["val"].shape)
+        groups.setdefault((base_of(s.x), shape), []).append(s)
+    for group in groups.values():
+        for s in group:
+            s.group = group[0].key
+    return groups
+
+
+def compress_inputs(graph: Graph, groups: Dict[tuple, List[LinearSite]], config, fake_mode,
+                    layout_args) -> Dict[str, Tuple[Node, Node]]:
+    """Insert one abc_compress per group; group key -> (levels, scale).
+
+    ``layout_args(group, anchor, tag)`` gives the op's (rank, seq_len, seq_first) for the group."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    buffers: Dict[str, Tuple[Node, Node]] = {}
+    for group in groups.values():
         gws = {s.gw for s in group}
-        in_forward = config.abc and not needed_in_backward(x, gws)
+        first_fwd = min(group, key=lambda s: order[s.fwd])
+        x = first_fwd.x
+        in_forward = config.abc and not any(needed_in_backward(s.x, gws) for s in group)
         if in_forward:
-            anchor = min((s.fwd for s in group), key=order.__getitem__)
+            anchor = first_fwd.fwd
             tag = "is_forward"
         else:
             anchor = min((s.gw for s in group), key=order.__getitem__)
             tag = "is_backward"
-        args = (x, config.rank, config.hla_select, config.gw_bits, config.block, config.kernels)
+        rank, seq_len, seq_first = layout_args(group, anchor, tag)
+        args = (x, rank, config.gw_bits, config.block, seq_len, seq_first, config.kernels)
         comp = add_node(graph, ABC_OP, args, before=anchor, tag=tag, like=group[0].fwd,
                         fake_mode=fake_mode)
         outs = []
@@ -101,5 +133,5 @@ def compress_inputs(graph: Graph, sites: List[LinearSite], config, fake_mode
         for s in group:
             s.abc = first if s is group[0] else \
                 f"{first.split(' ')[0]} (shares {group[0].key}'s buffer)"
-        buffers[x] = (outs[0], outs[1])
+        buffers[group[0].key] = (outs[0], outs[1])
     return buffers

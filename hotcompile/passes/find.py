@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import operator
 import re
-from typing import List, Optional
+from typing import List, Optional, Set
 
 import torch
 from torch.fx import Graph, Node
@@ -31,7 +32,6 @@ FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _C10D = getattr(torch.ops, "_c10d_functional", None)
 GATHERS = tuple(getattr(getattr(_C10D, n, None), "default", None)
                 for n in ("wait_tensor", "all_gather_into_tensor")) if _C10D else ()
-_SHARD_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.slice.Tensor)
 
 
 @dataclasses.dataclass
@@ -43,24 +43,33 @@ class LinearSite:
     fwd: Node
     x: Node                       # 2-D input of the forward GEMM (L, I)
     wt: Node                      # the forward GEMM's (I, O) operand
-    weight: Optional[Node]        # the weight placeholder, or its in-graph all-gather (FSDP)
-    gx: Optional[Node] = None     # backward mm computing g_x (L, I)
-    gw: Optional[Node] = None     # backward mm computing g_W (O, I)
+    weight: Optional[Node]        # the parameter placeholder behind wt (or its FSDP gather)
+    gx: Optional[Node] = None     # backward mm computing g_x: (L, I), or (I, L) if gx_t
+    gw: Optional[Node] = None     # backward mm computing g_W: (O, I), or (I, O) if gw_t
+    gx_t: bool = False            # g_x mm is mm(wt, G^T): its result is g_x transposed
+    gw_t: bool = False            # g_W mm is mm(x^T, G): its result is g_W^T = grad of wt
     grad: Optional[Node] = None   # G, the (L, O) output gradient
     L: object = None
     I: object = None
     O: object = None
     dtype: Optional[torch.dtype] = None
     reason: Optional[str] = None  # why the site stays exact (None: rewritable)
-    key: str = ""                 # stable runtime key (LQS table)
+    key: str = ""                 # site key within its graph (runtime tables, report)
     abc: str = "-"                # "forward" | "backward" | "-"
+    layout: object = None         # tokens.TokenLayout of x's rows
+    rank: object = None           # HLA rank the rewrite used (int), set by the rewrite
+    group: str = ""               # key of the ABC group (sites sharing one compressed x)
     rewritten_gx: Optional[Node] = None
     rewritten_gw: Optional[Node] = None
-    w_in_out: bool = False        # weight stored (I, O), used as x @ W (transformers' Conv1D)
 
     @property
     def eligible(self) -> bool:
         return self.reason is None
+
+    @property
+    def frozen(self) -> bool:
+        """The weight gets no gradient: only g_x is rewritten (HQ), nothing is compressed."""
+        return self.gw is None
 
 
 def is_transpose(n: Node) -> bool:
@@ -85,16 +94,23 @@ def strip(n: Node) -> tuple[Node, int]:
     return n, flips
 
 
-def _is_param(n: Node) -> bool:
-    """A weight placeholder, or one gathered in the graph from a placeholder shard (FSDP)."""
-    if n.op == "placeholder":
-        return True
-    if n.op != "call_function" or not GATHERS or n.target != GATHERS[0]:
-        return False
-    while n.op == "call_function" and (n.target in GATHERS or n.target in CASTS
-                                       or n.target in _SHARD_VIEWS):
-        n = n.args[0]
-    return n.op == "placeholder"
+# a weight may be a slice of a parameter (nn.MultiheadAttention's in_proj_weight[:E])
+_WEIGHT_VIEWS = (aten.slice.Tensor, aten.view.default, aten._unsafe_view.default,
+                 aten.alias.default, operator.getitem, aten.split.Tensor,
+                 aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int)
+
+
+def weight_source(n: Node) -> Node:
+    """The node a weight operand is read from: through casts, transposes, slices and views,
+    and through an in-graph all-gather of a shard (FSDP)."""
+    while n.op == "call_function":
+        if n.target in CASTS or is_transpose(n) or n.target in _WEIGHT_VIEWS:
+            n = n.args[0]
+        elif GATHERS and n.target in GATHERS:
+            n = n.args[0]
+        else:
+            break
+    return n
 
 
 def is_backward(n: Node) -> bool:
@@ -149,8 +165,14 @@ def _same_grad(a: Node, b: Node) -> bool:
     return sa is sb
 
 
-def find_linear_sites(graph: Graph, config) -> List[LinearSite]:
-    """All forward linear GEMMs of ``graph`` with their backward GEMMs and an eligibility verdict."""
+def find_linear_sites(graph: Graph, config, params: Optional[Set[Node]] = None,
+                      labels=None) -> List[LinearSite]:
+    """All forward linear GEMMs of ``graph`` with their backward GEMMs and a verdict.
+
+    ``params``: the placeholders that are parameters of the compiled module (the backend
+    knows which example inputs are ``nn.Parameter``s). A weight must be one of them and x
+    must not be: any other GEMM is an activation product and stays exact.
+    """
     sites: List[LinearSite] = []
     bwd_mms = [n for n in graph.nodes
                if n.op == "call_function" and n.target == aten.mm.default and is_backward(n)]
@@ -158,66 +180,79 @@ def find_linear_sites(graph: Graph, config) -> List[LinearSite]:
         if fwd.op != "call_function" or fwd.target not in FWD_GEMMS or not is_forward(fwd):
             continue
         x, wt = (fwd.args[1], fwd.args[2]) if fwd.target == aten.addmm.default else fwd.args[:2]
-        src, flips = strip(wt)
+        src = weight_source(wt)
         site = LinearSite(index=len(sites), name="linear", fwd=fwd, x=x, wt=wt,
-                          weight=src if _is_param(src) else None)
-        # W (O, I) used as x @ W^T: g_x = mm(G, transpose(wt)), g_W = mm(transpose(G), x)
-        # W (I, O) used as x @ W:   g_x the same,            g_W^T = mm(transpose(x), G)
-        site.w_in_out = flips % 2 == 0
-        gx = [mm for mm in bwd_mms if is_transpose(mm.args[1]) and mm.args[1].args[0] is wt]
-        if site.w_in_out:
-            gw = [mm for mm in bwd_mms if is_transpose(mm.args[0]) and mm.args[0].args[0] is x]
-        else:
-            gw = [mm for mm in bwd_mms if mm.args[1] is x and is_transpose(mm.args[0])]
-        site.gx, why_x = _pick(gx, fwd, "g_x")
-        site.gw, why_w = _pick(gw, fwd, "g_W")
+                          weight=src if params is not None and src in params else None)
+        seq = fwd.meta.get("seq_nr")
+        # g_x: mm(G, wt^T) -> (L, I), or mm(wt, G^T) -> (I, L) when x was column-major
+        gx_a = [mm for mm in bwd_mms if is_transpose(mm.args[1]) and mm.args[1].args[0] is wt]
+        gx_b = [mm for mm in bwd_mms if mm.args[0] is wt and is_transpose(mm.args[1])]
+        # g_W: mm(G^T, x) -> (O, I), or mm(x^T, G) -> (I, O) when wt was row-major
+        gw_a = [mm for mm in bwd_mms if mm.args[1] is x and is_transpose(mm.args[0])]
+        gw_b = [mm for mm in bwd_mms if is_transpose(mm.args[0]) and mm.args[0].args[0] is x]
+        gx, why_x = _pick([(m, False) for m in gx_a] + [(m, True) for m in gx_b], seq, "g_x")
+        gw, why_w = _pick([(m, False) for m in gw_a] + [(m, True) for m in gw_b], seq, "g_W")
+        if gx is not None:
+            site.gx, site.gx_t = gx
+            site.grad = site.gx.args[1].args[0] if site.gx_t else site.gx.args[0]
+        if gw is not None:
+            site.gw, site.gw_t = gw
+            g = site.gw.args[1] if site.gw_t else site.gw.args[0].args[0]
+            if site.grad is not None and not _same_grad(site.grad, g):
+                why_w = why_w or "g_x and g_W consume different output gradients"
+            site.grad = g
         site.reason = why_x or why_w
-        if site.gw is not None:
-            site.grad = site.gw.args[1] if site.w_in_out else site.gw.args[0].args[0]
-        elif site.gx is not None:
-            site.grad = site.gx.args[0]
         site.name = module_name(fwd, site.gx, site.gw)
-        xv, wv = _val(x), _val(src)
+        xv, wv = _val(x), _val(wt)
         if xv is not None and xv.dim() == 2:
-            site.L, site.I = hint(xv.shape[0]), hint(xv.shape[1])
+            site.L = hint(xv.shape[0])
             site.dtype = xv.dtype
         if wv is not None and wv.dim() == 2:
-            site.O = hint(wv.shape[1] if site.w_in_out else wv.shape[0])
+            site.I, site.O = hint(wv.shape[0]), hint(wv.shape[1])
         if site.reason is None:
-            site.reason = _verdict(site, config)
+            site.reason = _verdict(site, config, params)
+        if site.reason is None and site.gw is not None and labels is not None:
+            site.layout = labels.layout(x)
         sites.append(site)
     _assign_keys(sites)
     return sites
 
 
-def _pick(cands: List[Node], fwd: Node, what: str):
-    """The one backward GEMM of this forward GEMM among candidates sharing an operand.
+def _pick(cands: List[tuple], seq, what: str):
+    """The backward GEMM of this forward GEMM among candidates sharing an operand.
 
-    Several linears reading the same X (or one weight transpose used twice) give several
-    candidates; autograd stamps a forward op and its gradient nodes with the same seq_nr.
+    Autograd stamps a forward op and its gradient nodes with the same ``seq_nr``; every
+    pairing is confirmed by it (a frozen linear reading the same x as a trainable one must
+    not take its sibling's g_W).
     """
-    if len(cands) > 1:
-        seq = fwd.meta.get("seq_nr")
-        cands = [c for c in cands if seq is not None and c.meta.get("seq_nr") == seq]
-        if len(cands) != 1:
-            return None, f"cannot tell which of several {what} GEMMs belongs to this layer"
-    return (cands[0] if cands else None), None
+    if not cands:
+        return None, None
+    if seq is None:
+        return None, f"cannot confirm which {what} GEMM belongs to this layer (no seq_nr)"
+    mine = [c for c in cands if c[0].meta.get("seq_nr") == seq]
+    if len(mine) > 1:
+        return None, f"cannot tell which of several {what} GEMMs belongs to this layer"
+    return (mine[0] if mine else None), None
 
 
-def _verdict(site: LinearSite, config) -> Optional[str]:
+def _verdict(site: LinearSite, config, params) -> Optional[str]:
     """Why this site must stay exact, or None when it is safe to rewrite."""
+    if params is None:
+        return "parameters of the compiled module unknown (cannot prove the weight's role)"
     if site.weight is None:
-        return "weight operand is not a parameter/input (activation x activation GEMM)"
-    xv, gv = _val(site.x), _val(site.grad) if site.grad is not None else None
-    if site.gw is None:
-        return "weight has no gradient (frozen) or its g_W GEMM was not found"
-    if site.gx is not None and not _same_grad(site.gx.args[0], site.grad):
-        return "g_x and g_W consume different output gradients"
+        if weight_source(site.x) in params:
+            return "the parameter is the left operand (W @ x): not a linear layer's layout"
+        return "weight operand is not a parameter of the compiled module (activation product)"
+    if weight_source(site.x) in params:
+        return "the input x is itself a parameter"
+    if site.gx is None and site.gw is None:
+        return "no gradient flows through this GEMM (frozen weight, x needs no grad)"
+    xv, gv = _val(site.x), _val(site.grad)
     if xv is None or gv is None or xv.dim() != 2 or gv.dim() != 2:
         return "operands are not 2-D tensors with known metadata"
     if xv.dtype not in FLOATS or gv.dtype != xv.dtype:
         return f"unsupported dtypes (x {xv.dtype}, grad {gv.dtype})"
-    if site.gx is not None and _val(site.gx.args[1]).dtype != gv.dtype:
+    if site.gx is not None and _val(site.wt).dtype != gv.dtype:
         return "weight and gradient dtypes differ in the g_x GEMM"
     if xv.device.type not in ("cpu", "cuda"):
         return f"device {xv.device.type} is not supported"

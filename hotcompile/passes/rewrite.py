@@ -1,82 +1,171 @@
-"""Rewrite each eligible linear's backward: g_x mm -> hot::hq_grad_input, g_W mm -> hot::hla_grad_weight.
+"""The joint-graph pass: g_x mm -> hot::hq_grad_input, g_W mm -> hot::hla_grad_weight.
 
-The whole joint-graph pass is here, top to bottom: find sites (find.py), check every
-planned op against the fake tensors *before* touching the graph (so a surprise becomes a
-reported fallback, not a half-rewritten graph), compress the saved inputs (abc.py),
-replace the GEMMs, register the sites with the LQS table, and clean dead nodes so the
-partitioner no longer sees X as needed by backward.
+Top to bottom: find sites (find.py) with their token layouts (tokens.py); check every
+planned op against the fake tensors *before* touching the graph (a surprise becomes a
+reported fallback, not a half-rewritten graph); group inputs by base tensor and compress
+each group once (abc.py); replace the GEMMs (either backward layout autograd chose);
+register the sites with the runtime tables; clean dead nodes so the partitioner no longer
+sees X as needed by backward.
+
+Ranks: a site whose token layout is unknown gets full rank on one flat token axis (an
+orthogonal transform: no low-pass, so nothing depends on which rows are neighbours). A
+known layout gets ``config.rank``, or with ``rank="auto"`` full rank plus a fidelity
+measurement while calibrating (``plan is None``) and the planned rank afterwards.
 """
 from __future__ import annotations
 
-from typing import List
+from typing import Dict, List, Optional, Set
 
 import torch
-from torch.fx import Graph
+from torch.fx import Graph, Node
 
-from .abc import compress_inputs
-from .find import LinearSite, find_linear_sites
+from ..runtime import rank as RANK
+from ..runtime.lqs import TABLE as LQS
+from .abc import compress_inputs, group_by_base
+from .find import LinearSite, find_linear_sites, is_forward
 from .graph_utils import add_node, fake_mode_of, fake_run
-from .lqs import TABLE as LQS
+from .tokens import AxisLabels
 
 HQ_OP = torch.ops.hot.hq_grad_input.default
 HLA_OP = torch.ops.hot.hla_grad_weight.default
 ABC_OP = torch.ops.hot.abc_compress.default
+aten = torch.ops.aten
 
 
-def _precheck(site: LinearSite, config, fake_mode) -> None:
+class RankPlan:
+    """What rank each ABC group gets in this compile.
+
+    ``chosen is None`` with ``config.rank == "auto"``: calibrating (full rank + measure)."""
+
+    def __init__(self, config, prefix: str, chosen: Optional[Dict[str, int]] = None):
+        self.config, self.prefix, self.chosen = config, prefix, chosen
+
+    def key(self, group: str) -> str:
+        return f"{self.prefix}/{group}"
+
+    def for_group(self, lead: LinearSite):
+        """(rank, layout-applies, measure key) for the group led by ``lead``."""
+        block, lay = self.config.block, lead.layout
+        if lay is None or not lay.known:
+            return block, False, ""
+        if not self.config.auto_rank:
+            r = self.config.rank
+        elif self.chosen is None:
+            return block, True, self.key(lead.key)
+        else:
+            r = self.chosen.get(self.key(lead.key), block)
+        return r, r < block, ""
+
+
+def _seq_len_arg(graph: Graph, lay, anchor: Node, tag: str, fake_mode):
+    """The sequence length as an op argument: an int, or a sym_size node under dynamic shapes."""
+    if isinstance(lay.seq_len, int):
+        return lay.seq_len
+    size = lay.source.meta["val"].shape[lay.axis]
+    return add_node(graph, aten.sym_size.int, (lay.source, lay.axis), before=anchor, tag=tag,
+                    val=size)
+
+
+def _precheck(site: LinearSite, config, fake_mode, rank: int, seq_len) -> None:
     """Run the planned ops on fake tensors; on failure the site stays exact with the error."""
     try:
-        xq, xs = fake_run(ABC_OP, (site.x, config.rank, config.hla_select, config.gw_bits,
-                                   config.block, config.kernels), fake_mode)
-        with fake_mode:
-            gw = HLA_OP(site.grad.meta["val"], xq, xs, config.rank, config.hla_select,
-                        config.gw_bits, config.block, config.kernels)
-        want = tuple(site.gw.meta["val"].shape)
-        if tuple(gw.shape) != (want[::-1] if site.w_in_out else want):
-            raise RuntimeError(f"g_W shape {tuple(gw.shape)} != {tuple(site.gw.meta['val'].shape)}")
+        if site.gw is not None:
+            s = seq_len if isinstance(seq_len, int) else site.layout.source.meta["val"].shape[
+                site.layout.axis]
+            seq_first = bool(site.layout is not None and site.layout.seq_first)
+            xq, xs = fake_run(ABC_OP, (site.x, rank, config.gw_bits, config.block, s,
+                                       seq_first, config.kernels), fake_mode)
+            with fake_mode:
+                gw = HLA_OP(site.grad.meta["val"], xq, xs, rank, config.gw_bits, config.block,
+                            s, seq_first, "", config.kernels)
+            want = tuple(site.gw.meta["val"].shape)
+            if tuple(gw.shape) != (want[::-1] if site.gw_t else want):
+                raise RuntimeError(f"g_W shape {tuple(gw.shape)} != {want}")
         if site.gx is not None:
-            gx = fake_run(HQ_OP, (site.grad, site.gx.args[1], config.gx_bits, config.block,
-                                  config.gx_scale, site.key, config.kernels), fake_mode)
-            if tuple(gx.shape) != tuple(site.gx.meta["val"].shape):
+            with fake_mode:
+                w = site.wt.meta["val"].t()
+                gx = HQ_OP(site.grad.meta["val"], w, config.gx_bits, config.gx_w_bits,
+                           config.block, config.gx_scale, "", config.kernels)
+            want = tuple(site.gx.meta["val"].shape)
+            if tuple(gx.shape) != (want[::-1] if site.gx_t else want):
                 raise RuntimeError("g_x shape mismatch")
     except Exception as e:  # noqa: BLE001 - any surprise means: leave the site exact
         site.reason = f"shape check failed: {type(e).__name__}: {e}"
 
 
-def rewrite_joint_graph(graph: Graph, config) -> List[LinearSite]:
+def rewrite_joint_graph(graph: Graph, config, params: Optional[Set[Node]] = None,
+                        plan: Optional[RankPlan] = None) -> List[LinearSite]:
     """The joint-graph pass. Mutates ``graph``; returns every site found, with verdicts."""
-    sites = find_linear_sites(graph, config)
+    plan = plan or RankPlan(config, "-")
+    labels = AxisLabels(graph, is_forward)
+    sites = find_linear_sites(graph, config, params, labels)
     fake_mode = fake_mode_of(graph)
     if fake_mode is None:
         for s in sites:
             s.reason = s.reason or "graph has no fake tensors to check shapes against"
         return sites
+    groups = group_by_base([s for s in sites if s.eligible])
+    choice: Dict[str, tuple] = {}
+    for group in groups.values():
+        lead = group[0]
+        rank, layered, measure = plan.for_group(lead)
+        choice[lead.key] = (rank, layered, measure)
+        for s in group:
+            s.layout = lead.layout
+            _precheck(s, config, fake_mode, rank, _fake_seq_len(s, layered))
+            s.rank = rank
     for s in sites:
-        if s.eligible:
-            _precheck(s, config, fake_mode)
+        if s.eligible and s.gw is None and s.gx is not None:
+            _precheck(s, config, fake_mode, config.block, 0)
     todo = [s for s in sites if s.eligible]
     if not todo:
         return sites
-    buffers = compress_inputs(graph, todo, config, fake_mode)
+    groups = {k: [s for s in g if s.eligible] for k, g in groups.items()}
+    groups = {k: g for k, g in groups.items() if g}
+    seq_args: Dict[str, tuple] = {}
+
+    def layout_args(group, anchor, tag):
+        rank, layered, _ = choice[group[0].key]
+        lay = group[0].layout
+        seq = _seq_len_arg(graph, lay, anchor, tag, fake_mode) if layered else 0
+        seq_args[group[0].key] = (rank, seq, bool(layered and lay.seq_first))
+        return seq_args[group[0].key]
+
+    buffers = compress_inputs(graph, groups, config, fake_mode, layout_args)
+    for group in groups.values():
+        lead = group[0]
+        rank, seq, seq_first = seq_args[lead.key]
+        measure = choice[lead.key][2]
+        if measure:
+            RANK.register(measure, config.block)
+        xq, xs = buffers[lead.key]
+        for s in group:
+            gw = add_node(graph, HLA_OP, (s.grad, xq, xs, rank, config.gw_bits, config.block,
+                                          seq, seq_first, measure, config.kernels),
+                          before=s.gw, tag="is_backward", like=s.gw, fake_mode=fake_mode)
+            s.rewritten_gw = gw
+            if s.gw_t:   # the graph's mm computed g_W^T (the gradient of wt)
+                gw = add_node(graph, aten.permute.default, (gw, [1, 0]), before=s.gw,
+                              tag="is_backward", like=s.gw, fake_mode=fake_mode)
+            s.gw.replace_all_uses_with(gw)
     for s in todo:
-        xq, xs = buffers[s.x]
-        gw = add_node(graph, HLA_OP, (s.grad, xq, xs, config.rank, config.hla_select,
-                                      config.gw_bits, config.block, config.kernels),
-                      before=s.gw, tag="is_backward", like=s.gw, fake_mode=fake_mode)
-        s.rewritten_gw = gw
-        if s.w_in_out:   # the graph wants g_W as (I, O)
-            gw = add_node(graph, torch.ops.aten.permute.default, (gw, [1, 0]), before=s.gw,
-                          tag="is_backward", like=s.gw, fake_mode=fake_mode)
-        s.gw.replace_all_uses_with(gw)
-        if s.gx is not None:
-            gx = add_node(graph, HQ_OP, (s.grad, s.gx.args[1], config.gx_bits, config.block,
-                                         config.gx_scale, s.key, config.kernels),
-                          before=s.gx, tag="is_backward", like=s.gx, fake_mode=fake_mode)
-            s.gx.replace_all_uses_with(gx)
-            s.rewritten_gx = gx
-            LQS.register(s.key, config.lqs_calibration_steps, config.lqs_ratio,
-                         config.lqs_recalibrate_every, config.lqs_file,
-                         forced=None if config.gx_scale == "lqs" else config.gx_scale)
+        if s.gx is None:
+            continue
+        w = s.gx.args[1] if not s.gx_t else add_node(
+            graph, aten.permute.default, (s.wt, [1, 0]), before=s.gx, tag="is_backward",
+            like=s.gx, fake_mode=fake_mode)
+        key = plan.key(s.key)
+        gx = add_node(graph, HQ_OP, (s.grad, w, config.gx_bits, config.gx_w_bits, config.block,
+                                     config.gx_scale, key, config.kernels),
+                      before=s.gx, tag="is_backward", like=s.gx, fake_mode=fake_mode)
+        s.rewritten_gx = gx
+        if s.gx_t:
+            gx = add_node(graph, aten.permute.default, (gx, [1, 0]), before=s.gx,
+                          tag="is_backward", like=s.gx, fake_mode=fake_mode)
+        s.gx.replace_all_uses_with(gx)
+        LQS.register(key, config.lqs_calibration_steps, config.lqs_ratio,
+                     config.lqs_recalibrate_every, config.lqs_file,
+                     forced=None if config.gx_scale == "lqs" else config.gx_scale)
     for s in todo:
         for old in (s.gx, s.gw):
             if old is not None and not old.users:
@@ -84,3 +173,8 @@ def rewrite_joint_graph(graph: Graph, config) -> List[LinearSite]:
     graph.eliminate_dead_code()
     graph.lint()
     return sites
+
+
+def _fake_seq_len(site: LinearSite, layered: bool):
+    return site.layout.seq_len if layered and isinstance(site.layout.seq_len, int) else \
+        (None if layered else 0)

@@ -7,7 +7,15 @@ never recompiles anything.
 
 Rule (HOT paper): on real gradients, e_tok = ||g - Q_tok(g)||, e_ten = ||g - Q_ten(g)||
 (quantization at the path's bit width, measured on the Hadamard-transformed gradient that
-is actually quantized); choose per-token iff e_tok < ratio * e_ten. Unlike the authors'
+is actually quantized, with the op's own stochastic rounding: scoring with round-to-nearest,
+as the authors' code does, favours per-tensor on outlier-token gradients where the op's
+stochastic per-tensor levels are 2-2.5x worse); choose per-token iff e_tok < ratio * e_ten.
+
+Keys: one entry per (backend instance, compiled graph, site), so two models in one
+process, or one model compiled twice with different configs, never share a choice.
+Blocks that Dynamo serves from one compiled graph (per-block compile) share that graph's
+entry: its choice is pooled over all of them. ``lqs_file`` stores choices by the site's
+name within its graph and is written by distributed rank 0 only. Unlike the authors'
 code (one batch before training) the errors are accumulated over the first
 ``calibration_steps`` backward passes of the real compiled run, optionally re-measured
 every ``recalibrate_every`` steps, and can be saved/loaded as JSON.
@@ -49,15 +57,23 @@ class SiteChoice:
         return (self.err_token / n) ** 0.5, (self.err_tensor / n) ** 0.5
 
 
-def quantization_errors(g: torch.Tensor, bits: int, block: int) -> tuple[float, float]:
-    """Squared relative errors of per-token and per-tensor RTN quantization of H-transformed g."""
+def quantization_errors(g: torch.Tensor, bits: int, block: int, seed=None) -> tuple[float, float]:
+    """Squared relative errors of per-token and per-tensor quantization of H-transformed g,
+    with the op's stochastic rounding (same Philox bits for both candidates)."""
     gh = ref.block_fwht(ref.pad_cols(g.detach().float(), block), block)
     norm = gh.square().sum().clamp_min(1e-30)
+    if seed is None:
+        seed = int(torch.randint(0, 2 ** 62, (), device="cpu"))
     out = []
     for per_row in (True, False):
-        q, s = ref.quantize(gh, bits, per_row=per_row, stochastic=False)
+        q, s = ref.quantize(gh, bits, per_row=per_row, stochastic=True, seed=seed)
         out.append(float((gh - ref.dequantize(q, s)).square().sum() / norm))
     return out[0], out[1]
+
+
+def _is_rank0() -> bool:
+    dist = torch.distributed
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
 def capturing(g: torch.Tensor) -> bool:
@@ -66,11 +82,14 @@ def capturing(g: torch.Tensor) -> bool:
 
 
 class LQSTable:
-    """Process-wide map site key -> SiteChoice, consulted by hot::hq_grad_input."""
+    """Map of runtime key -> SiteChoice, consulted by hot::hq_grad_input.
+
+    Runtime keys are ``"<backend>/<graph>/<site>"`` (see ``runtime_key``); files store the
+    site part only, so a restarted run (new backend ids) reuses them."""
 
     def __init__(self):
         self.sites: Dict[str, SiteChoice] = {}
-        self.files: Dict[str, str] = {}        # site -> JSON file to save into
+        self.files: Dict[str, str] = {}        # runtime key -> JSON file to save into
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ setup
@@ -139,7 +158,7 @@ class LQSTable:
         e_tok, e_ten = c.errors()
         c.per_token = e_tok < c.ratio * e_ten
         c.source = "calibrated"
-        if site in self.files:
+        if site in self.files and _is_rank0():
             self.save(self.files[site])
 
     # ------------------------------------------------------------------ persistence
@@ -149,7 +168,7 @@ class LQSTable:
             if c.per_token is None:
                 continue
             e_tok, e_ten = c.errors()
-            out[k] = {"choice": c.choice, "err_token": e_tok, "err_tensor": e_ten,
+            out[file_key(k)] = {"choice": c.choice, "err_token": e_tok, "err_tensor": e_ten,
                       "source": c.source}
         return out
 
@@ -168,9 +187,12 @@ class LQSTable:
         with open(path) as f:
             data = json.load(f)
         n = 0
+        wanted = None if only is None else {file_key(k): k for k in only}
         for k, rec in data.items():
-            if only is not None and k not in only:
-                continue
+            if wanted is not None:
+                if k not in wanted:
+                    continue
+                k = wanted[k]
             if rec.get("choice") not in ("token", "tensor"):
                 raise ValueError(f"{path}: site {k!r} has invalid choice {rec.get('choice')!r}")
             c = self.sites.setdefault(k, SiteChoice())
@@ -184,6 +206,16 @@ class LQSTable:
     def clear(self) -> None:
         self.sites.clear()
         self.files.clear()
+
+
+def runtime_key(backend_id: int, graph_index: int, site_key: str) -> str:
+    """The key of one site of one compiled graph of one backend instance."""
+    return f"{backend_id}/{graph_index}/{site_key}"
+
+
+def file_key(key: str) -> str:
+    """The part of a runtime key stored in files: the site's name within its graph."""
+    return key.split("/", 2)[-1]
 
 
 TABLE = LQSTable()
