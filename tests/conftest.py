@@ -11,8 +11,11 @@ os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "0")
 def _fresh_state():
     """Each test starts with empty Dynamo caches and an empty LQS table."""
     from hotcompile.runtime.lqs import TABLE
+    from hotcompile.runtime import rank
     torch._dynamo.reset()
     TABLE.clear()
+    rank.clear()
     yield
     torch._dynamo.reset()
     TABLE.clear()
+    rank.clear()
