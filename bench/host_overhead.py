@@ -91,10 +91,9 @@ def main(argv=None):
         "fused.hq_grad_input": lambda: fused.hq_grad_input(g, w, 4, True, seed),
         "fused.abc_compress": lambda: fused.abc_compress(x, 8),
         "fused.hla_grad_weight": lambda: fused.hla_grad_weight(g, xq, xs, 8, seed=seed),
-        "hot::hq_grad_input": lambda: torch.ops.hot.hq_grad_input(g, w, 4, 16, "lqs", "site", "auto"),
-        "hot::abc_compress": lambda: torch.ops.hot.abc_compress(x, 8, "1d", 8, 16, "auto"),
-        "hot::hla_grad_weight": lambda: torch.ops.hot.hla_grad_weight(g, xq, xs, 8, "1d", 8, 16,
-                                                                       "auto"),
+        "hot::hq_grad_input": lambda: torch.ops.hot.hq_grad_input(g, w, 4, 4, 16, "lqs", "site", "auto"),
+        "hot::abc_compress": lambda: torch.ops.hot.abc_compress(x, 8, 8, 16, 0, False, "auto"),
+        "hot::hla_grad_weight": lambda: torch.ops.hot.hla_grad_weight(g, xq, xs, 8, 8, 16, 0, False, "", "auto"),
     }
     print(f"host microseconds per call (L={L}, O={O}, I={I}, n={a.n}, "
           f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__})")

@@ -180,7 +180,7 @@ def test_dynamic_shapes_and_no_graph_break():
 def test_pass_failure_falls_back(monkeypatch):
     import hotcompile.entry as B
 
-    def boom(graph, config):
+    def boom(graph, config, *args):
         raise RuntimeError("synthetic failure")
     monkeypatch.setattr(B, "rewrite_joint_graph", boom)
     torch.manual_seed(0)

@@ -19,6 +19,10 @@ BENCH = os.path.join(REPO, "bench")
 TIMEOUT = 900
 
 sklearn = importlib.util.find_spec("sklearn") is not None
+ACC_CORPORA = ("stdlib", "torchsrc")
+ACC_BYTES = 200_000
+ACC_VARIANT = "rank=16,gx_bits=8"
+ACC_HOT_MODES = ("hot", f"hot[{ACC_VARIANT}]")
 
 
 def _load(name):
@@ -52,8 +56,11 @@ def smoke(tmp_path_factory):
     jobs = {
         "train": [sys.executable, os.path.join(BENCH, "train.py"), "--suite", "smoke",
                   "--device", "cpu", "--out", str(root / "train")],
+        # two corpora (tiny caps) and two hot variants: every mode on every corpus
         "accuracy": [sys.executable, os.path.join(BENCH, "accuracy.py"), "--suite", "smoke",
-                     "--device", "cpu", "--out", str(root / "accuracy")],
+                     "--device", "cpu", "--out", str(root / "accuracy"),
+                     "--lm-corpora", ",".join(ACC_CORPORA), "--lm-max-bytes", str(ACC_BYTES),
+                     "--hot-variants", "default;" + ACC_VARIANT, "--fidelity-variants", "all"],
         "isolated": [sys.executable, os.path.join(BENCH, "train.py"), "--models", "tiny_gpt",
                      "--modes", "fp32", "--isolate", "process", "--steps", "2", "--warmup", "1",
                      "--device", "cpu", "--out", str(root / "isolated")],
@@ -124,33 +131,121 @@ def test_accuracy_smoke(smoke):
     rc, text, folder = smoke["accuracy"]
     assert rc == 0, text[-4000:]
     path, res = _json(folder, "accuracy")
-    lm = {r["mode"]: r for r in res["lm"]["runs"]}
-    assert set(lm) == {"fp32", "inductor", "hot"}
-    for r in lm.values():
-        assert r["status"] == "ok", r
-        assert _finite(r["final_val_loss"]) and _finite(r["final_train_loss"])
-        assert len(r["val_curve"]) >= 2 and all(_finite(v) for _, v in r["val_curve"])
-    assert lm["hot"]["hot_sites_rewritten"] >= 1
-    assert _finite(res["lm"]["gap"]["hot_vs_inductor"])
-    assert res["lm"]["data"]["train_files"] > res["lm"]["data"]["val_files"] > 0
+    corpora = res["lm"]["corpora"]
+    assert list(corpora) == list(ACC_CORPORA)
+    for name, ent in corpora.items():
+        d = ent["data"]
+        assert d["corpus"] == name and d["train_files"] > d["val_files"] > 0
+        assert d["train_bytes"] == ACC_BYTES and d["val_bytes"] == ACC_BYTES // 10
+        lm = {r["mode"]: r for r in ent["runs"]}
+        assert list(lm) == ["fp32", "inductor", *ACC_HOT_MODES]
+        for r in lm.values():
+            assert r["status"] == "ok", r
+            assert r["corpus"] == name
+            assert _finite(r["final_val_loss"]) and _finite(r["final_train_loss"])
+            assert len(r["val_curve"]) >= 2 and all(_finite(v) for _, v in r["val_curve"])
+        for m in ACC_HOT_MODES:
+            assert lm[m]["hot_sites_rewritten"] >= 1, lm[m]
+            assert _finite(ent["gap"][f"{m}_vs_inductor"])
+        # the default variant is HOTConfig() (what backend="hot" uses), the other one on top
+        assert lm["hot"]["hot_config"]["rank"] == "auto"
+        assert lm["hot"]["variant"] == {}
+        cfg = lm[ACC_HOT_MODES[1]]["hot_config"]
+        assert cfg["rank"] == 16 and cfg["gx_bits"] == 8 and "hla_select" not in cfg
+        assert lm["inductor"].get("hot_config") is None
+    # one "within 1%" row per corpus, then digits
+    assert [t["what"].split(":")[0] for t in res["targets"]] == \
+        [f"byte-level GPT on {c}" for c in ACC_CORPORA] + \
+        ["digits ViT test accuracy, fp32 minus hot"]
     dg = {r["mode"]: r for r in res["digits"]["runs"]}
-    assert set(dg) == {"fp32", "hot"}
+    assert list(dg) == ["fp32", *ACC_HOT_MODES]
     for r in dg.values():
         assert r["status"] == "ok" and 0 <= r["test_acc"] <= 100
-    (fi,) = res["fidelity"]["models"]
-    assert fi["status"] == "ok", fi
-    assert fi["summary"]["rewritten"] >= 1
-    for s in fi["sites"]:
-        for k in ("gx_cos", "gx_rel", "gw_cos", "gw_rel", "base_gx_rel", "base_gw_rel"):
-            assert _finite(s[k]), (s["site"], k, s[k])
-        if s["site"].endswith("head"):  # excluded and last: plain fp32 up to rounding
-            assert s["path"] == "exact" and s["gw_cos"] > 0.999999
-        else:                          # a HOT site: an approximation, but a correlated one
-            assert 0.3 < s["gw_cos"] < 1 and 0.5 < s["gx_cos"] < 1
+    fis = res["fidelity"]["models"]
+    assert [(f["model"], f["variant"]) for f in fis] == [("tiny_gpt", m) for m in ACC_HOT_MODES]
+    for fi in fis:
+        assert fi["status"] == "ok", fi
+        s = fi["summary"]
+        assert s["rewritten"] >= 1
+        # rank="auto" (the default variant): its 2 calibration passes + the recompiling one
+        assert fi["warmup"] >= (3 if fi["variant"] == "hot" else 2)
+        assert fi["recompiled_while_measuring"] == 0
+        for k in ("gx_cos_median", "gw_cos_median", "gx_cos_min", "gw_cos_min",
+                  "base_gx_cos_median", "base_gw_cos_median", "base_gx_cos_min",
+                  "base_gw_cos_min"):
+            assert _finite(s[k]), (fi["variant"], k, s[k])
+        for site in fi["sites"]:
+            for k in ("gx_cos", "gx_rel", "gw_cos", "gw_rel", "base_gx_rel", "base_gw_rel",
+                      "gx_cos_med", "gx_cos_min", "gw_cos_med", "gw_cos_min"):
+                assert _finite(site[k]), (site["site"], k, site[k])
+            assert site["gx_cos_min"] <= site["gx_cos_med"]
+            if site["site"].endswith("head"):  # excluded and last: plain fp32 up to rounding
+                assert site["path"] == "exact" and site["gw_cos"] > 0.999999
+                assert site["rank"] is None
+            else:                          # a HOT site: an approximation, but a correlated one
+                assert site["path"] == "hot"
+                assert 0.3 < site["gw_cos"] < 1 and 0.5 < site["gx_cos"] < 1
+                if fi["variant"] != "hot" and site["rank"] is not None:
+                    assert site["rank"] == 16
     assert {t["verdict"] for t in res["targets"]} <= {"PASS", "FAIL", "n/a"}
-    assert os.path.exists(path[:-5] + ".md")
+    md = open(path[:-5] + ".md").read()
+    for c in ACC_CORPORA:
+        assert f"### Byte-level GPT on `{c}`" in md
+    assert "HLA rank" in md and f"hot[{ACC_VARIANT}]" in md
     if importlib.util.find_spec("matplotlib"):
         assert os.path.exists(path[:-5] + "_lm.png")
+
+
+def test_accuracy_cli_helpers():
+    """Mode / variant parsing, --hot values, old result files, the gate suite's content."""
+    A = _load("accuracy")
+    assert A.variant_modes("default;rank=16,gx_bits=8;gx_w_bits=4") == \
+        ["hot", "hot[rank=16,gx_bits=8]", "hot[gx_w_bits=4]"]
+    assert A.variant_modes(None) is None
+    assert A.split_mode("hot[rank=16,gx_bits=8]") == ("hot", {"rank": 16, "gx_bits": 8})
+    assert A.split_mode("hot[exclude=head,lm_head]") == \
+        ("hot", {"exclude": ("head", "lm_head")})
+    assert A.split_mode("inductor") == ("inductor", {})
+    assert A._mode_list("inductor,hot[rank=8,gx_bits=8],fp32") == \
+        ["inductor", "hot[rank=8,gx_bits=8]", "fp32"]
+    assert A.expand_modes(["fp32", "hot"], ["hot", "hot[rank=16]"]) == \
+        ["fp32", "hot", "hot[rank=16]"]
+    assert A.expand_modes(["inductor", "hot"], None) == ["inductor", "hot"]
+    C = sys.modules["common"]
+    assert C.parse_overrides(["rank=auto", "gx_bits=8", "gx_w_bits=8"]) == \
+        {"rank": "auto", "gx_bits": 8, "gx_w_bits": 8}
+    assert C.parse_overrides(["rank=16", "rank_tolerance=0.05"]) == \
+        {"rank": 16, "rank_tolerance": 0.05}
+    # the runs reject a bad override before training
+    with pytest.raises(SystemExit):
+        A.check_modes(["hot[rank=3x]"], {}, "lm")
+    with pytest.raises(SystemExit):
+        A.check_modes(["inductor[rank=16]"], {}, "lm")
+    A.check_modes(["hot[rank=auto,gx_w_bits=8]", "hot[rank=16]"], {"gx_bits": 8}, "lm")
+    # a result written before corpora were keyed reads as one stdlib corpus
+    run = {"mode": "hot", "status": "ok", "final_val_loss": 1.005, "final_train_loss": 1.0,
+           "val_curve": [[1, 1.005]]}
+    old = {"kind": "accuracy", "env": {}, "lm": {
+        "config": {"d": 8, "layers": 1, "heads": 1, "batch": 1, "seq": 8, "steps": 1,
+                   "lr": 1e-3, "warmup": 1, "val_windows": 1},
+        "data": {"train_files": 2, "val_files": 1},
+        "runs": [dict(run, mode="inductor", final_val_loss=1.0), run]}}
+    merged = A.merge_results([old, old])
+    assert list(merged["lm"]["corpora"]) == ["stdlib"]
+    assert abs(merged["lm"]["corpora"]["stdlib"]["gap"]["hot_vs_inductor"] - 0.005) < 1e-9
+    assert merged["targets"][0]["verdict"] == "PASS"
+    assert "### Byte-level GPT on `stdlib`" in A.markdown(merged)
+    # the gate suite: exactly the acceptance runs
+    args = A.parse_args(["--suite", "gate", "--estimate", "--device", "cpu"])
+    est = A.run_suite(args)["estimate_s"]
+    assert list(est["lm"]) == ["stdlib", "torchsrc"]
+    assert list(est["fidelity"]) == ["vit_b16", "gpt2_linear"]
+    g = A.SUITES["gate"]
+    assert g["lm"]["steps"] == 1000 and g["lm"]["modes"] == ["inductor", "hot"]
+    assert g["digits"]["seeds"] == 3 and g["digits"]["modes"] == ["fp32", "hot"]
+    assert "fp32" not in A.SUITES["full"]["lm"]["modes"]
+    assert {"vit_b16", "gpt2_linear"} <= set(A.SUITES["full"]["fidelity"]["models"])
+    assert est["total"] < 600
 
 
 def test_docs_sections_only_touch_their_markers(smoke, tmp_path):

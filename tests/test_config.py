@@ -7,11 +7,13 @@ from hotcompile import HOTConfig
 @pytest.mark.parametrize("kw,field", [
     ({"block": 12}, "block"), ({"block": 1}, "block"), ({"rank": 0}, "rank"),
     ({"rank": 17}, "rank"), ({"gx_bits": 2}, "gx_bits"), ({"gw_bits": 16}, "gw_bits"),
-    ({"gx_scale": "row"}, "gx_scale"), ({"hla_select": "3d"}, "hla_select"),
+    ({"gx_scale": "row"}, "gx_scale"), ({"gx_w_bits": 6}, "gx_w_bits"),
+    ({"rank": "full"}, "rank"), ({"rank_tolerance": 0}, "rank_tolerance"),
+    ({"rank_calibration_steps": 0}, "rank_calibration_steps"),
     ({"kernels": "cuda"}, "kernels"), ({"exclude": "head"}, "exclude"),
     ({"include": [1]}, "include"), ({"min_features": -1}, "min_features"),
     ({"lqs_ratio": 0}, "lqs_ratio"), ({"lqs_calibration_steps": 0}, "lqs_calibration_steps"),
-    ({"rank": 4.0}, "rank"), ({"abc": 1}, "abc"), ({"block": 32, "hla_select": "2d"}, "hla_select"),
+    ({"rank": 4.0}, "rank"), ({"abc": 1}, "abc")
 ])
 def test_bad_values_name_the_field(kw, field):
     with pytest.raises(ValueError, match=rf"HOTConfig\.{field}\b"):
@@ -20,7 +22,10 @@ def test_bad_values_name_the_field(kw, field):
 
 def test_defaults_and_frozen():
     c = HOTConfig()
-    assert (c.rank, c.block, c.gx_bits, c.gw_bits, c.kernels) == (8, 16, 4, 8, "auto")
+    assert (c.rank, c.block, c.gx_bits, c.gx_w_bits, c.gw_bits, c.kernels) == \
+        ("auto", 16, 4, 8, 8, "auto")
+    p = HOTConfig.paper()
+    assert (p.rank, p.gx_bits, p.gx_w_bits, p.gx_scale) == (8, 4, 4, "lqs")
     with pytest.raises(Exception):
         c.rank = 4
     assert HOTConfig(exclude=["a", "b"]).exclude == ("a", "b")

@@ -18,7 +18,7 @@ from hotcompile import HOTConfig
 from hotcompile.debug import dump
 from helpers import Block, capture_graphs
 
-ALL = dict(min_features=0, exclude=())
+ALL = dict(min_features=0, exclude=("out",), rank=8)   # the frozen out layer stays exact
 NODE = re.compile(r'^\s*"([^"]+)" \[(.*)\];$')
 EDGE = re.compile(r'^\s*"([^"]+)" -> "([^"]+)";$')
 ATTR = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
@@ -131,7 +131,7 @@ def test_block_graph_details(dumped):
     comp = block["compiled"]["backward"]
     assert 0 < comp["saved_hot_bytes"] < comp["saved_activation_bytes"]
     out = next(g for g in report["graphs"] if len(g["sites"]) == 1)["sites"][0]
-    assert not out["rewritten"] and "frozen" in out["reason"]
+    assert not out["rewritten"] and "excluded" in out["reason"]
     # the user's hook saw exactly the graphs that were dumped
     dumped_files = sum(len(g["compiled"]) for g in report["graphs"])
     assert len(user_graphs) == dumped_files == 4
@@ -158,7 +158,7 @@ def test_cost_model(dumped):
 def test_report_md_and_cli(dumped):
     root, report, _ = dumped
     md = (root / "report.md").read_text()
-    assert "| block.qkv |" in md and "frozen" in md
+    assert "| block.qkv |" in md and "excluded" in md
     res = subprocess.run([sys.executable, "-m", "hotcompile.debug", str(root)],
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
@@ -166,8 +166,8 @@ def test_report_md_and_cli(dumped):
     for g in report["graphs"]:
         assert f"[{g['folder']}]" in out
     assert "4/5 linear sites rewritten in 2 graph(s)" in out
-    assert re.search(r"1x weight has no gradient \(frozen\).*: out \(graph \d+\)", out)
-    assert "HQ int4" in out and "HLA r=8/16 int8" in out and "linear inputs saved" in out
+    assert re.search(r"1x excluded by name.*: out \(graph \d+\)", out)
+    assert "HQ g4/w8" in out and "HLA r=8/16 int8" in out and "linear inputs saved" in out
     assert "LQS" in out
 
 

@@ -170,8 +170,8 @@ def _instrument(record: dict) -> None:
 
     find = rewrite.find_linear_sites
 
-    def logged(graph, config):
-        sites = find(graph, config)
+    def logged(graph, config, *args, **kwargs):
+        sites = find(graph, config, *args, **kwargs)
         for s in sites:
             x, kind = s.x, "computed"
             while x.op == "call_function" and x.target in (torch.ops.aten.view.default,

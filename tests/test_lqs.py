@@ -47,7 +47,7 @@ def test_lqs_picks_per_token_only_for_outlier_gradients():
     cfg = HOTConfig(min_features=0, gx_scale="lqs", lqs_calibration_steps=3)
     be = hotcompile.backend(cfg)
     train(TwoHeads(), be, steps=4)
-    spiky, flat = TABLE.sites["spiky"], TABLE.sites["flat"]
+    spiky, flat = TABLE.by_name("spiky"), TABLE.by_name("flat")
     assert spiky.choice == "token" and flat.choice == "tensor"
     assert spiky.window == 3 and spiky.steps == 4 and spiky.source == "calibrated"
     e_tok, e_ten = spiky.errors()
@@ -69,7 +69,7 @@ def test_changing_choices_never_recompiles():
     seen = []
     for s in range(8):
         cm(*batch(s)).backward()
-        seen.append(TABLE.sites["spiky"].choice)
+        seen.append(TABLE.by_name("spiky").choice)
         if s == 4:
             TABLE.set("spiky", False)              # by hand
     TABLE.recalibrate("flat")
@@ -77,8 +77,8 @@ def test_changing_choices_never_recompiles():
     assert CountingBackend.calls == 1               # one compile, whatever the table did
     # calibrated after 2 passes, re-opened at step 4 (every 3), then forced at step 4
     assert seen[:4] == ["calibrating", "token", "token", "calibrating"]
-    assert seen[5:] == ["tensor"] * 3 and TABLE.sites["spiky"].source == "forced"
-    assert TABLE.sites["flat"].choice == "calibrating"
+    assert seen[5:] == ["tensor"] * 3 and TABLE.by_name("spiky").source == "forced"
+    assert TABLE.by_name("flat").choice == "calibrating"
 
 
 def test_choices_saved_and_reused_by_a_restarted_run(tmp_path):
@@ -92,13 +92,13 @@ def test_choices_saved_and_reused_by_a_restarted_run(tmp_path):
     TABLE.clear()
     torch._dynamo.reset()
     train(TwoHeads(), hotcompile.backend(cfg), steps=1, seed0=100)
-    assert TABLE.sites["spiky"].source == "file" and TABLE.sites["spiky"].choice == "token"
-    assert TABLE.sites["flat"].choice == "tensor"
+    assert TABLE.by_name("spiky").source == "file" and TABLE.by_name("spiky").choice == "token"
+    assert TABLE.by_name("flat").choice == "tensor"
 
 
 def test_forced_scale_skips_calibration():
     train(TwoHeads(), hotcompile.backend(HOTConfig(min_features=0, gx_scale="tensor")), steps=1)
-    assert TABLE.sites["spiky"].choice == "tensor" and TABLE.sites["spiky"].window == 0
+    assert TABLE.by_name("spiky").choice == "tensor" and TABLE.by_name("spiky").window == 0
 
 
 def test_cuda_graph_capture_decides_from_warmup_windows(monkeypatch):
@@ -110,11 +110,11 @@ def test_cuda_graph_capture_decides_from_warmup_windows(monkeypatch):
     TABLE.register("warm", calibration_steps=3)
     TABLE.register("cold", calibration_steps=3)
     assert TABLE.per_token("warm", g_out, 4, 16) is True        # eager warm-up: 1 window
-    assert TABLE.sites["warm"].per_token is None
+    assert TABLE.by_name("warm").per_token is None
     monkeypatch.setattr(lqs, "capturing", lambda g: True)
     monkeypatch.setattr(lqs, "quantization_errors",
                         lambda *a: (_ for _ in ()).throw(AssertionError("measured in capture")))
     assert TABLE.per_token("warm", g_out, 4, 16) is True
-    assert TABLE.sites["warm"].source == "calibrated" and TABLE.sites["warm"].window == 1
+    assert TABLE.by_name("warm").source == "calibrated" and TABLE.by_name("warm").window == 1
     assert TABLE.per_token("cold", g_out, 4, 16) is True
-    assert TABLE.sites["cold"].per_token is None
+    assert TABLE.by_name("cold").per_token is None

@@ -9,29 +9,29 @@ from hotcompile.kernels import ops  # noqa: F401
 def test_opcheck(L, O, I):
     g, w, x = torch.randn(L, O), torch.randn(O, I), torch.randn(L, I)
     torch.library.opcheck(torch.ops.hot.hq_grad_input.default,
-                          (g, w, 4, 16, "token", "site", "reference"),
+                          (g, w, 4, 4, 16, "token", "site", "reference"),
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
-    xq, xs = torch.ops.hot.abc_compress(x, 8, "1d", 8, 16, "reference")
-    torch.library.opcheck(torch.ops.hot.abc_compress.default, (x, 8, "1d", 8, 16, "reference"))
+    xq, xs = torch.ops.hot.abc_compress(x, 8, 8, 16, 0, False, "reference")
+    torch.library.opcheck(torch.ops.hot.abc_compress.default, (x, 8, 8, 16, 0, False, "reference"))
     torch.library.opcheck(torch.ops.hot.hla_grad_weight.default,
-                          (g, xq, xs, 8, "1d", 8, 16, "reference"),
+                          (g, xq, xs, 8, 8, 16, 0, False, "", "reference"),
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
     assert xq.shape == ((L + 15) // 16 * 8, I) and xq.dtype == torch.int8
-    assert torch.ops.hot.hla_grad_weight(g, xq, xs, 8, "1d", 8, 16, "reference").shape == (O, I)
+    assert torch.ops.hot.hla_grad_weight(g, xq, xs, 8, 8, 16, 0, False, "", "reference").shape == (O, I)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_output_dtypes_follow_the_gradient(dtype):
     g, w, x = torch.randn(32, 32, dtype=dtype), torch.randn(32, 16, dtype=dtype), torch.randn(32, 16)
-    assert torch.ops.hot.hq_grad_input(g, w, 4, 16, "tensor", "s", "auto").dtype == dtype
-    xq, xs = torch.ops.hot.abc_compress(x.to(dtype), 8, "1d", 8, 16, "auto")
-    assert torch.ops.hot.hla_grad_weight(g, xq, xs, 8, "1d", 8, 16, "auto").dtype == dtype
+    assert torch.ops.hot.hq_grad_input(g, w, 4, 4, 16, "tensor", "s", "auto").dtype == dtype
+    xq, xs = torch.ops.hot.abc_compress(x.to(dtype), 8, 8, 16, 0, False, "auto")
+    assert torch.ops.hot.hla_grad_weight(g, xq, xs, 8, 8, 16, 0, False, "", "auto").dtype == dtype
 
 
 def test_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(RuntimeError, match="kernels='triton'"):
-        torch.ops.hot.hq_grad_input(torch.randn(32, 32), torch.randn(32, 16), 4, 16, "token",
+        torch.ops.hot.hq_grad_input(torch.randn(32, 32), torch.randn(32, 16), 4, 4, 16, "token",
                                     "s", "triton")
 
 

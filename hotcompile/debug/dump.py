@@ -98,7 +98,8 @@ def site_cost(rec, config) -> Optional[dict]:
             "flops_detail": None, "bytes_detail": None, "gy_fused_saving": 0}
     if r["reason"] is not None:
         return cost
-    n, rank, q = config["block"], config["rank"], 1
+    n, q = config["block"], 1
+    rank = r.get("rank") if isinstance(r.get("rank"), int) else n   # calibrating: full rank
     logn = math.log2(n)
     Lc = -(-L // n) * rank
     fl = {"gemm_gw": 2 * Lc * O * I,

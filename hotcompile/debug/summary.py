@@ -100,10 +100,12 @@ def _warnings(graphs: List[dict]) -> List[str]:
             out.append(f"{where}: an inference (no-grad) compile: there is no backward to "
                        f"rewrite, so every site reads as having no gradient")
         n_rw = sum(s["rewritten"] for s in g["sites"])
+        n_hla = sum(s["rewritten"] and str(s.get("gw_path", "")).startswith("HLA")
+                    for s in g["sites"])     # frozen weights: HQ only, no g_W
         for kind, info in g.get("compiled", {}).items():
-            if kind.startswith("backward") and info["hot_ops"]["hla"] != n_rw:
+            if kind.startswith("backward") and info["hot_ops"]["hla"] != n_hla:
                 out.append(f"{where}: {info['file']} has {info['hot_ops']['hla']} "
-                           f"hla_grad_weight ops but {n_rw} sites were rewritten")
+                           f"hla_grad_weight ops but {n_hla} sites have an HLA g_W")
         if g.get("joint_dumped") and n_rw and not any(k.startswith("backward")
                                                       for k in g.get("compiled", {})):
             out.append(f"{where}: no backward graph dumped (backward not run yet, or the "
@@ -174,7 +176,7 @@ def _md_table(rows: List[List[str]]) -> List[str]:
 
 
 def _config_line(cfg: dict) -> str:
-    keys = ("rank", "block", "gx_bits", "gw_bits", "gx_scale", "hla_select", "kernels",
+    keys = ("rank", "block", "gx_bits", "gw_bits", "gx_w_bits", "gx_scale", "kernels",
             "min_features", "include", "exclude", "abc")
     return " ".join(f"{k}={cfg.get(k)!r}" for k in keys if k in cfg)
 

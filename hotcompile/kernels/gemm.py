@@ -142,8 +142,8 @@ def _scaled_mm_kernel(a_ptr, bt_ptr, out_ptr, rs_ptr, cs_ptr, alpha, M, N, K, ld
         STEPS: tl.constexpr = K_CHUNK // BK
         hi = tl.zeros((BM, BN), dtype=tl.int32)
         # one flat loop with a runtime-conditional carry, not a loop over chunks around a
-        # loop over K steps: that nested form measured 6-17x slower on the H100 (its inner
-        # loop lost the software pipelining); this one runs at the plain loop's speed
+        # loop over K steps: that nested form measured 6-17x slower on the H100 (presumably
+        # its inner loop is not software-pipelined); this one runs at the plain loop's speed
         for k in range(0, tl.cdiv(K, BK)):
             a, b = _load_k_step(a_ptrs, b_ptrs, offs_k, K, k, BK, EVEN_K)
             acc = tl.dot(a, b, acc, out_dtype=tl.int32)

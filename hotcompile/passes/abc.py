@@ -84,7 +84,7 @@ def group_by_base(sites: List[LinearSite]) -> Dict[tuple, List[LinearSite]]:
     for s in sites:
         if s.gw is None:
             continue
-        shape = tuple(s.x.meta["val"].shape)
+        shape = tuple(str(d) for d in s.x.meta["val"].shape)
         groups.setdefault((base_of(s.x), shape), []).append(s)
     for group in groups.values():
         for s in group:

@@ -109,15 +109,29 @@ class LQSTable:
             self.load(lqs_file, only=[site])
         return c
 
+    def keys_of(self, site: str) -> list:
+        """Runtime keys of a site given by runtime key or by name (every graph holding it)."""
+        return [k for k in self.sites if k == site or file_key(k) == site]
+
+    def by_name(self, site: str) -> SiteChoice:
+        """The entry of a site named as in the report (the first graph holding it)."""
+        keys = self.keys_of(site)
+        if not keys:
+            raise KeyError(site)
+        return self.sites[keys[0]]
+
     def set(self, site: str, per_token: bool) -> None:
-        """Force a site's choice by hand (takes effect at the next backward, no recompile)."""
-        c = self.sites.setdefault(site, SiteChoice())
-        c.per_token, c.source = per_token, "forced"
+        """Force a site's choice by hand, by runtime key or by name (takes effect at the
+        next backward, no recompile)."""
+        for key in self.keys_of(site) or [site]:
+            c = self.sites.setdefault(key, SiteChoice())
+            c.per_token, c.source = per_token, "forced"
 
     def recalibrate(self, site: Optional[str] = None) -> None:
-        """Start a new calibration window now (one site, or all)."""
+        """Start a new calibration window now (one site by key or name, or all)."""
+        wanted = None if site is None else set(self.keys_of(site))
         for key, c in self.sites.items():
-            if site is None or key == site:
+            if wanted is None or key in wanted:
                 if c.source != "forced":
                     c.per_token, c.window, c.err_token, c.err_tensor = None, 0, 0.0, 0.0
 
