@@ -43,7 +43,7 @@ class HOTConfig:
     dump_dir: write graphs and reports here (env ``HOT_DUMP`` does the same).
     """
 
-    rank: Union[int, str] = "auto"
+    rank: Union[int, str] = 16
     block: int = 16
     gx_bits: int = 4
     gx_w_bits: int = 8

@@ -23,7 +23,7 @@ def test_bad_values_name_the_field(kw, field):
 def test_defaults_and_frozen():
     c = HOTConfig()
     assert (c.rank, c.block, c.gx_bits, c.gx_w_bits, c.gw_bits, c.kernels) == \
-        ("auto", 16, 4, 8, 8, "auto")
+        (16, 16, 4, 8, 8, "auto")
     p = HOTConfig.paper()
     assert (p.rank, p.gx_bits, p.gx_w_bits, p.gx_scale) == (8, 4, 4, "lqs")
     with pytest.raises(Exception):
