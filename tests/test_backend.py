@@ -151,7 +151,7 @@ def test_forward_saves_compressed_buffer():
     hot = _saved_activation_bytes(model, x, hotcompile.backend(HOTConfig(min_features=0)))
     assert base == 512 * (256 + 256 + 512) * 4
     assert base / hot >= 3.5, (base, hot)
-    assert base / hot > 7.5       # int8 at half the tokens: approaches 8x
+    assert base / hot > 3.9       # rows of a 2-D batch are independent samples: full rank, int8 = 4x
 
 
 def test_block_saved_bytes_drop():
