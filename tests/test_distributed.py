@@ -309,7 +309,7 @@ def check_engine(kind: str, n_sites: int):
         print(f"{kind} rank {rank}: worst rel(update dist-hot, single-hot) = {err:.4f} ({name}); "
               f"hot vs exact = {gap:.3f}")
         assert err < TOL, (rank, name, err)
-        assert gap > 3 * TOL, gap
+        assert gap > 0.005, gap   # full rank now (2-D rows are independent samples): small but non-zero
     # seeds: every rank drew its own
     s0, s1 = (set(r["hot"]["seeds"]) for r in results)
     assert s0 and s1 and not (s0 & s1)
