@@ -148,7 +148,7 @@ def test_accuracy_smoke(smoke):
             assert lm[m]["hot_sites_rewritten"] >= 1, lm[m]
             assert _finite(ent["gap"][f"{m}_vs_inductor"])
         # the default variant is HOTConfig() (what backend="hot" uses), the other one on top
-        assert lm["hot"]["hot_config"]["rank"] == "auto"
+        assert lm["hot"]["hot_config"]["rank"] == 16   # the default
         assert lm["hot"]["variant"] == {}
         cfg = lm[ACC_HOT_MODES[1]]["hot_config"]
         assert cfg["rank"] == 16 and cfg["gx_bits"] == 8 and "hla_select" not in cfg
@@ -168,7 +168,7 @@ def test_accuracy_smoke(smoke):
         s = fi["summary"]
         assert s["rewritten"] >= 1
         # rank="auto" (the default variant): its 2 calibration passes + the recompiling one
-        assert fi["warmup"] >= (3 if fi["variant"] == "hot" else 2)
+        assert fi["warmup"] >= 2
         assert fi["recompiled_while_measuring"] == 0
         for k in ("gx_cos_median", "gw_cos_median", "gx_cos_min", "gw_cos_min",
                   "base_gx_cos_median", "base_gw_cos_median", "base_gx_cos_min",
