@@ -190,8 +190,12 @@ def find_linear_sites(graph: Graph, config, params: Optional[Set[Node]] = None,
         # g_W: mm(G^T, x) -> (O, I), or mm(x^T, G) -> (I, O) when wt was row-major
         gw_a = [mm for mm in bwd_mms if mm.args[1] is x and is_transpose(mm.args[0])]
         gw_b = [mm for mm in bwd_mms if is_transpose(mm.args[0]) and mm.args[0].args[0] is x]
+        wv0 = _val(wt)
+        io = tuple(wv0.shape) if wv0 is not None else None          # (I, O)
+        oi = io[::-1] if io is not None else None
         gx, why_x = _pick([(m, False) for m in gx_a] + [(m, True) for m in gx_b], seq, "g_x")
-        gw, why_w = _pick([(m, False) for m in gw_a] + [(m, True) for m in gw_b], seq, "g_W")
+        gw, why_w = _pick([(m, False) for m in gw_a if _shape_is(m, oi)]
+                          + [(m, True) for m in gw_b if _shape_is(m, io)], seq, "g_W")
         if gx is not None:
             site.gx, site.gx_t = gx
             site.grad = site.gx.args[1].args[0] if site.gx_t else site.gx.args[0]
@@ -214,8 +218,31 @@ def find_linear_sites(graph: Graph, config, params: Optional[Set[Node]] = None,
         if site.reason is None and site.gw is not None and labels is not None:
             site.layout = labels.layout(x)
         sites.append(site)
+    _drop_shared_claims(sites)
     _assign_keys(sites)
     return sites
+
+
+def _shape_is(n: Node, shape) -> bool:
+    v = _val(n)
+    return shape is None or v is None or tuple(v.shape) == tuple(shape)
+
+
+def _drop_shared_claims(sites: List[LinearSite]) -> None:
+    """A backward GEMM claimed by two forward GEMMs: a layer that created no autograd node
+    (frozen weight, input needing no grad) carries its neighbour's seq_nr. Neither claim can
+    be proven, so both layers keep that GEMM exact."""
+    for attr in ("gw", "gx"):
+        owners: dict = {}
+        for s in sites:
+            n = getattr(s, attr)
+            if n is not None:
+                owners.setdefault(n, []).append(s)
+        for n, claim in owners.items():
+            if len(claim) > 1:
+                for s in claim:
+                    s.reason = s.reason or (f"cannot tell which of {len(claim)} layers sharing "
+                                            f"seq_nr {n.meta.get('seq_nr')} owns {n.name}")
 
 
 def _pick(cands: List[tuple], seq, what: str):
