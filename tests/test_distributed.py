@@ -54,7 +54,16 @@ WORLD = 2
 BATCH, SEQ = 2, 16              # per rank: 32 tokens, a multiple of HLA's 16-token block
 STEPS, LR = 3, 0.2
 TOL = 0.06
-HOT_CFG = dict(gx_bits=8, gx_scale="token", min_features=0, exclude=())
+HOT_CFG = dict(rank=8, gx_bits=8, gx_scale="token", min_features=0, exclude=())
+
+
+def hot_cfg(kind: str) -> dict:
+    """rank=8 forced, so HLA's low-pass really acts (hot vs exact far above TOL). Not under
+    DDP: its bucket split (bucket_cap_mb=1) leaves pieces without the attention that proves
+    the token layout, so those pieces keep full rank while the single-process graph gets
+    rank 8 (measured: fc1.weight differs by 0.96). Known limitation: layouts are not carried
+    across graph pieces. DDP therefore runs the default (full rank) config."""
+    return {k: v for k, v in HOT_CFG.items() if not (kind == "ddp" and k == "rank")}
 HOT_SEED = 1234                 # HOT's rounding seeds: torch.manual_seed(HOT_SEED + rank)
 
 
@@ -202,7 +211,7 @@ def _worker(rank: int, kind: str, init_file: str, out_dir: str) -> None:
             record = {"calls": collections.Counter(), "seeds": [], "x_kinds": []}
             if name == "hot":
                 _instrument(record)
-                be = hotcompile.backend(hotcompile.HOTConfig(**HOT_CFG))
+                be = hotcompile.backend(hotcompile.HOTConfig(**hot_cfg(kind)))
             else:
                 be = "inductor"
             model = make_model(kind)
@@ -282,7 +291,8 @@ def check_engine(kind: str, n_sites: int):
     results = run_distributed(kind)
     init = {n: p.detach().clone() for n, p in make_model(kind).named_parameters()}
     exact = updates(single_process(kind, None), init)
-    hot_single = updates(single_process(kind, hotcompile.backend(hotcompile.HOTConfig(**HOT_CFG))),
+    hot_single = updates(single_process(kind, hotcompile.backend(
+        hotcompile.HOTConfig(**hot_cfg(kind)))),
                          init)
     for rank, res in enumerate(results):
         ind, hot = res["inductor"], res["hot"]
@@ -309,7 +319,8 @@ def check_engine(kind: str, n_sites: int):
         print(f"{kind} rank {rank}: worst rel(update dist-hot, single-hot) = {err:.4f} ({name}); "
               f"hot vs exact = {gap:.3f}")
         assert err < TOL, (rank, name, err)
-        assert gap > 0.005, gap   # full rank now (2-D rows are independent samples): small but non-zero
+        # full rank (ddp): only 8-bit noise, measured 0.038; rank 8: 0.63-0.68
+        assert gap > (0.02 if kind == "ddp" else 3 * TOL), gap
     # seeds: every rank drew its own
     s0, s1 = (set(r["hot"]["seeds"]) for r in results)
     assert s0 and s1 and not (s0 & s1)

@@ -103,8 +103,8 @@ def _dequant_epilogue(acc, rs_ptr, cs_ptr, alpha, offs_m, offs_n, M, N,
 
 @triton.jit
 def _load_k_step(a_ptrs, b_ptrs, offs_k, K, k, BK: tl.constexpr, EVEN_K: tl.constexpr):
-    """The A and Bt tiles of K step ``k`` (the pointers already point at it); the chunked
-    loop's load, the same masked/unmasked load as the plain loop's."""
+    """The A and Bt tiles of K step ``k`` (the pointers already point at it), masked past K
+    unless K is a multiple of BK."""
     if EVEN_K:
         a = tl.load(a_ptrs)
         b = tl.load(b_ptrs)
@@ -157,15 +157,9 @@ def _scaled_mm_kernel(a_ptr, bt_ptr, out_ptr, rs_ptr, cs_ptr, alpha, M, N, K, ld
         # one rounding of the exact hi * 2**16 + lo (both parts exact in fp32, module doc)
         acc = hi.to(tl.float32) * 65536.0 + acc.to(tl.float32)
     else:
-        # the un-chunked loop, kept verbatim: the common case compiles as before the guard
+        # the un-chunked loop: the common case, as before the guard
         for k in range(0, tl.cdiv(K, BK)):
-            if EVEN_K:
-                a = tl.load(a_ptrs)
-                b = tl.load(b_ptrs)
-            else:
-                k_left = K - k * BK
-                a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0)
-                b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0)
+            a, b = _load_k_step(a_ptrs, b_ptrs, offs_k, K, k, BK, EVEN_K)
             if FP8:
                 a = a.to(tl.float8e4nv, bitcast=True)
                 b = b.to(tl.float8e4nv, bitcast=True)

@@ -87,13 +87,6 @@ def _(g, w, bits, w_bits, block, scale, site, kernels):
     return g.new_empty((g.shape[0], w.shape[1]))
 
 
-def _rows(L, rank: int, block: int, seq_len):
-    """Rows of the projected tensors (``reference.hla_rows``), SymInt-safe."""
-    if isinstance(seq_len, int) and seq_len == 0:
-        return (L + block - 1) // block * rank
-    return (L // seq_len) * ((seq_len + block - 1) // block) * rank
-
-
 # ----------------------------------------------------------------------- ABC (forward)
 @torch.library.custom_op("hot::abc_compress", mutates_args=())
 def abc_compress(x: Tensor, rank: int, bits: int, block: int, seq_len: int, seq_first: bool,
@@ -110,7 +103,7 @@ def abc_compress(x: Tensor, rank: int, bits: int, block: int, seq_len: int, seq_
 
 @abc_compress.register_fake
 def _(x, rank, bits, block, seq_len, seq_first, kernels):
-    rows = _rows(x.shape[0], rank, block, seq_len)
+    rows = ref.hla_rows(x.shape[0], rank, block, seq_len)
     return (x.new_empty((rows, x.shape[1]), dtype=torch.int8),
             x.new_empty((), dtype=torch.float32))
 
@@ -134,7 +127,7 @@ def hla_grad_weight(g: Tensor, xq: Tensor, x_scale: Tensor, rank: int, bits: int
 
 @hla_grad_weight.register_fake
 def _(g, xq, x_scale, rank, bits, block, seq_len, seq_first, measure, kernels):
-    torch._check(xq.shape[0] == _rows(g.shape[0], rank, block, seq_len),
+    torch._check(xq.shape[0] == ref.hla_rows(g.shape[0], rank, block, seq_len),
                  lambda: "hla_grad_weight: compressed buffer rows disagree with g")
     return g.new_empty((g.shape[1], xq.shape[1]))
 

@@ -139,11 +139,12 @@ def sequence_blocks(x: torch.Tensor, block: int, seq_len: int = 0,
     return x3.reshape(-1, block, C)
 
 
-def hla_rows(L: int, rank: int, block: int = 16, seq_len: int = 0) -> int:
-    """Rows of the projected tensor: ``rank`` per block of ``block`` tokens of one sequence."""
-    if seq_len in (0, None):
-        return -(-L // block) * rank
-    return (L // seq_len) * (-(-seq_len // block)) * rank
+def hla_rows(L, rank: int, block: int = 16, seq_len=0):
+    """Rows of the projected tensor: ``rank`` per block of ``block`` tokens of one sequence.
+    SymInt-safe (the ops' fake implementations call it with symbolic sizes)."""
+    if isinstance(seq_len, int) and seq_len == 0:
+        return (L + block - 1) // block * rank
+    return (L // seq_len) * ((seq_len + block - 1) // block) * rank
 
 
 def hla_project(x: torch.Tensor, rank: int, select: str = "1d", block: int = 16, *,

@@ -190,8 +190,8 @@ def find_linear_sites(graph: Graph, config, params: Optional[Set[Node]] = None,
         # g_W: mm(G^T, x) -> (O, I), or mm(x^T, G) -> (I, O) when wt was row-major
         gw_a = [mm for mm in bwd_mms if mm.args[1] is x and is_transpose(mm.args[0])]
         gw_b = [mm for mm in bwd_mms if is_transpose(mm.args[0]) and mm.args[0].args[0] is x]
-        wv0 = _val(wt)
-        io = tuple(wv0.shape) if wv0 is not None else None          # (I, O)
+        wv = _val(wt)
+        io = tuple(wv.shape) if wv is not None else None            # (I, O)
         oi = io[::-1] if io is not None else None
         gx, why_x = _pick([(m, False) for m in gx_a] + [(m, True) for m in gx_b], seq, "g_x")
         gw, why_w = _pick([(m, False) for m in gw_a if _shape_is(m, oi)]
@@ -207,12 +207,12 @@ def find_linear_sites(graph: Graph, config, params: Optional[Set[Node]] = None,
             site.grad = g
         site.reason = why_x or why_w
         site.name = module_name(fwd, site.gx, site.gw)
-        xv, wv = _val(x), _val(wt)
+        xv = _val(x)
         if xv is not None and xv.dim() == 2:
             site.L = hint(xv.shape[0])
             site.dtype = xv.dtype
-        if wv is not None and wv.dim() == 2:
-            site.I, site.O = hint(wv.shape[0]), hint(wv.shape[1])
+        if io is not None and len(io) == 2:
+            site.I, site.O = hint(io[0]), hint(io[1])
         if site.reason is None:
             site.reason = _verdict(site, config, params)
         if site.reason is None and site.gw is not None and labels is not None:

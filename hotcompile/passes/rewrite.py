@@ -57,7 +57,7 @@ class RankPlan:
         return r, r < block, ""
 
 
-def _seq_len_arg(graph: Graph, lay, anchor: Node, tag: str, fake_mode):
+def _seq_len_arg(graph: Graph, lay, anchor: Node, tag: str):
     """The sequence length as an op argument: an int, or a sym_size node under dynamic shapes."""
     if isinstance(lay.seq_len, int):
         return lay.seq_len
@@ -66,13 +66,14 @@ def _seq_len_arg(graph: Graph, lay, anchor: Node, tag: str, fake_mode):
                     val=size)
 
 
-def _precheck(site: LinearSite, config, fake_mode, rank: int, seq_len) -> None:
+def _precheck(site: LinearSite, config, fake_mode, rank: int, layered: bool) -> None:
     """Run the planned ops on fake tensors; on failure the site stays exact with the error."""
     try:
         if site.gw is not None:
-            s = seq_len if isinstance(seq_len, int) else site.layout.source.meta["val"].shape[
-                site.layout.axis]
-            seq_first = bool(site.layout is not None and site.layout.seq_first)
+            lay = site.layout
+            s = (lay.seq_len if isinstance(lay.seq_len, int)
+                 else lay.source.meta["val"].shape[lay.axis]) if layered else 0
+            seq_first = layered and lay.seq_first
             xq, xs = fake_run(ABC_OP, (site.x, rank, config.gw_bits, config.block, s,
                                        seq_first, config.kernels), fake_mode)
             with fake_mode:
@@ -112,11 +113,11 @@ def rewrite_joint_graph(graph: Graph, config, params: Optional[Set[Node]] = None
         choice[lead.key] = (rank, layered, measure)
         for s in group:
             s.layout = lead.layout
-            _precheck(s, config, fake_mode, rank, _fake_seq_len(s, layered))
+            _precheck(s, config, fake_mode, rank, layered)
             s.rank = rank
     for s in sites:
         if s.eligible and s.gw is None and s.gx is not None:
-            _precheck(s, config, fake_mode, config.block, 0)
+            _precheck(s, config, fake_mode, config.block, False)
     todo = [s for s in sites if s.eligible]
     if not todo:
         return sites
@@ -127,7 +128,7 @@ def rewrite_joint_graph(graph: Graph, config, params: Optional[Set[Node]] = None
     def layout_args(group, anchor, tag):
         rank, layered, _ = choice[group[0].key]
         lay = group[0].layout
-        seq = _seq_len_arg(graph, lay, anchor, tag, fake_mode) if layered else 0
+        seq = _seq_len_arg(graph, lay, anchor, tag) if layered else 0
         seq_args[group[0].key] = (rank, seq, bool(layered and lay.seq_first))
         return seq_args[group[0].key]
 
@@ -174,7 +175,3 @@ def rewrite_joint_graph(graph: Graph, config, params: Optional[Set[Node]] = None
     graph.lint()
     return sites
 
-
-def _fake_seq_len(site: LinearSite, layered: bool):
-    return site.layout.seq_len if layered and isinstance(site.layout.seq_len, int) else \
-        (None if layered else 0)

@@ -37,10 +37,6 @@ class RankState:
     acc: Optional[torch.Tensor] = None     # (block + 2,): sum err^2 of rank 1..block, ||full||^2, count
     errors: Dict[int, float] = dataclasses.field(default_factory=dict)
     chosen: Optional[int] = None
-    steps_seen: int = 0                    # host-side count of measured calls (eager ones)
-
-    def measured_steps(self) -> int:
-        return 0 if self.acc is None else int(self.acc[-1].item())
 
 
 STATES: Dict[str, RankState] = {}
@@ -75,7 +71,6 @@ def measure(key: str, g: torch.Tensor, xq: torch.Tensor, x_scale: torch.Tensor, 
         st.acc[:block] += torch.stack(errs).double()
         st.acc[block] += full.square().sum().double()
         st.acc[block + 1] += 1
-    st.steps_seen += 1
 
 
 def decide(keys: List[str], tolerance: float, steps: int) -> Optional[Dict[str, int]]:
