@@ -250,7 +250,7 @@ def _ranks_text(hist: Optional[dict]) -> str:
 
 
 _CFG_KEYS = ("rank", "block", "gx_bits", "gx_w_bits", "gw_bits", "gx_scale", "rank_tolerance",
-             "rank_calibration_steps", "abc", "min_features", "kernels")
+             "rank_calibration_steps", "rank_calibration_start", "abc", "min_features", "kernels")
 
 
 def _cfg_text(cfg: Optional[dict]) -> str:
@@ -518,7 +518,8 @@ def warmup_passes(cfg, requested: int) -> int:
     happens on the next call; LQS: its calibration passes)."""
     n = requested
     if getattr(cfg, "rank", None) == "auto":
-        n = max(n, int(getattr(cfg, "rank_calibration_steps", 0)) + 1)
+        n = max(n, int(getattr(cfg, "rank_calibration_start", 0))
+                + int(getattr(cfg, "rank_calibration_steps", 0)) + 1)
     if getattr(cfg, "gx_scale", None) == "lqs":
         n = max(n, int(getattr(cfg, "lqs_calibration_steps", 0)))
     return n

@@ -20,10 +20,14 @@ class HOTConfig:
     """Configuration of the HOT backward.
 
     rank / block: HLA keeps ``rank`` of every ``block`` Hadamard coefficients along the
-    tokens of one sequence. ``rank="auto"`` measures, per site, on the real gradients of the
-    first ``rank_calibration_steps`` backward passes, g_W's relative error at every rank
+    tokens of one sequence. ``rank="auto"`` runs full rank for ``rank_calibration_start``
+    steps, then measures, per site, on the real gradients of the next
+    ``rank_calibration_steps`` backward passes, g_W's relative error at every rank
     against full rank and keeps the smallest rank within ``rank_tolerance`` (one recompile
-    per graph when the choice is made). A site whose sequence layout the pass cannot prove
+    per graph when the choice is made). Why not from step 0: at initialisation the
+    gradients are nearly constant over tokens (a byte-level GPT measures r=1..2 within
+    10%), so a choice made there is wrong once the model learns what varies along the
+    sequence (the same run ends at val loss 2.74 against 0.91). A site whose sequence layout the pass cannot prove
     gets full rank whatever ``rank`` says (blocks must hold neighbouring tokens).
     gx_bits: bits of the output gradient g_y on the g_x path (HQ); gx_w_bits: bits of the
     weight operand there. gw_bits: bits of the g_W path (HLA) and of ABC.
@@ -51,6 +55,7 @@ class HOTConfig:
     gx_scale: str = "token"
     rank_tolerance: float = 0.1
     rank_calibration_steps: int = 2
+    rank_calibration_start: int = 100
     kernels: str = "auto"
     include: Optional[Tuple[str, ...]] = None
     exclude: Tuple[str, ...] = ("head", "lm_head")
@@ -69,7 +74,8 @@ class HOTConfig:
         if self.rank != "auto" and (isinstance(self.rank, bool) or not isinstance(self.rank, int)):
             bad("rank", "must be an int or 'auto'")
         for f in ("block", "gx_bits", "gx_w_bits", "gw_bits", "min_features",
-                  "lqs_calibration_steps", "lqs_recalibrate_every", "rank_calibration_steps"):
+                  "lqs_calibration_steps", "lqs_recalibrate_every", "rank_calibration_steps",
+                  "rank_calibration_start"):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int):
                 bad(f, "must be an int")
@@ -87,6 +93,8 @@ class HOTConfig:
             bad("rank_tolerance", "must be a number in (0, 1)")
         if self.rank_calibration_steps < 1:
             bad("rank_calibration_steps", "must be >= 1")
+        if self.rank_calibration_start < 0:
+            bad("rank_calibration_start", "must be >= 0")
         if self.kernels not in _KERNELS:
             bad("kernels", f"must be one of {_KERNELS}")
         for f in ("include", "exclude"):

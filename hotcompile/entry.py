@@ -157,8 +157,9 @@ def _symbolic(gm: torch.fx.GraphModule) -> bool:
 class _AutoRankGraph:
     """A compiled graph whose HLA ranks are still being measured (``rank="auto"``).
 
-    Runs the calibration compile (full rank, measuring) for ``rank_calibration_steps``
-    calls; at the next call reads the measurements once (``runtime.rank.decide``), compiles
+    Runs the calibration compile (full rank) for ``rank_calibration_start`` calls, opens
+    the measuring window for the next ``rank_calibration_steps``; at the next call reads
+    the measurements once (``runtime.rank.decide``), compiles
     the graph once more with the chosen ranks and runs that from then on. Graphs with
     symbolic shapes keep full rank: a recompile outside Dynamo would specialise them.
     """
@@ -173,7 +174,9 @@ class _AutoRankGraph:
         if self.pending:
             self.calls += 1
             cfg = self.backend.config
-            if self.calls > cfg.rank_calibration_steps:
+            if self.calls == cfg.rank_calibration_start + 1:
+                RANK.open_window(self.groups, _device_of(a))
+            elif self.calls > cfg.rank_calibration_start + cfg.rank_calibration_steps:
                 chosen = RANK.decide(self.groups, cfg.rank_tolerance, cfg.rank_calibration_steps)
                 if chosen is not None:
                     self.pending = False
@@ -192,6 +195,11 @@ class _AutoRankGraph:
                         self._boxed_call = getattr(self.compiled, "_boxed_call", False)
                         del args
         return self.compiled(*a)
+
+
+def _device_of(args) -> torch.device:
+    flat = args[0] if len(args) == 1 and isinstance(args[0], list) else args
+    return next((t.device for t in flat if isinstance(t, torch.Tensor)), torch.device("cpu"))
 
 
 def backend(config: Optional[HOTConfig] = None) -> HotBackend:

@@ -250,8 +250,8 @@ def test_auto_rank_from_measured_fidelity_with_one_recompile(smooth, expect_low)
         x = torch.randn(B, 1, D) + 0.01 * torch.sin(3 * t) * torch.randn(B, 1, D)
     else:
         x = torch.randn(B, S, D)
-    cfg = HOTConfig(rank="auto", rank_calibration_steps=2, rank_tolerance=0.1,
-                    min_features=0, kernels="reference")
+    cfg = HOTConfig(rank="auto", rank_calibration_steps=2, rank_calibration_start=0,
+                    rank_tolerance=0.1, min_features=0, kernels="reference")
     be = hotcompile.backend(cfg)
     compiles = []
     orig = be._compile
@@ -268,6 +268,31 @@ def test_auto_rank_from_measured_fidelity_with_one_recompile(smooth, expect_low)
     assert rec.rank_errors[16] < 1e-6
 
 
+def test_auto_rank_measures_only_after_the_warm_up():
+    """Steps before ``rank_calibration_start`` run full rank and measure nothing; the
+    window opens after them and the choice is made right after the window."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 64, 32)
+    cfg = HOTConfig(rank="auto", rank_calibration_steps=2, rank_calibration_start=3,
+                    min_features=0, kernels="reference")
+    be = hotcompile.backend(cfg)
+    compiles = []
+    orig = be._compile
+    be._compile = lambda *a, **k: compiles.append(1) or orig(*a, **k)
+    cm = torch.compile(SmoothOrNoisy(32), backend=be)
+    seen = []
+    for _ in range(7):
+        cm(x).square().mean().backward()
+        st = next((v for k, v in rank_mod.STATES.items() if k.startswith(f"{be.id}/")), None)
+        seen.append((len(compiles), None if st is None or st.acc is None else int(st.acc[-1])))
+    # calls 1-3: warm-up (no accumulator); 4-5: window (1, 2 measured); 6: decides, recompiles
+    assert [c for c, _ in seen] == [1, 1, 1, 1, 1, 2, 2], seen
+    assert [n for _, n in seen[:5]] == [None, None, None, 1, 2], seen
+    rec = be.report.layers[0]
+    rec.refresh_lqs()
+    assert isinstance(rec.rank, int) and rec.rank_errors
+
+
 def test_hla_measurement_errors_match_direct_low_rank():
     """err(r) from the cumulative per-coefficient products equals || gW_r - gW_16 || / || gW_16 ||."""
     from hotcompile.kernels import reference as R
@@ -275,6 +300,9 @@ def test_hla_measurement_errors_match_direct_low_rank():
     g, x = torch.randn(64, 24), torch.randn(64, 40)
     xq, xs = R.abc_compress(x, 16, "1d", 8, 16, seq_len=32)
     rank_mod.clear()
+    rank_mod.register("k", 16)
+    rank_mod.measure("k", g, xq, xs, 16, 32, False)      # window not open: not counted
+    rank_mod.open_window(["k"], g.device)
     rank_mod.measure("k", g, xq, xs, 16, 32, False)
     rank_mod.measure("k", g, xq, xs, 16, 32, False)
     chosen = rank_mod.decide(["k"], 0.5, 2)

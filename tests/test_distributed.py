@@ -156,6 +156,26 @@ def _owner(model, name):
     return mod
 
 
+def wrap_engine(model, kind: str, be):
+    """(wrapped, callable, params) of ``model`` under the engine ``kind``, compiled with ``be``."""
+    import torch.distributed as dist
+    if kind == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        wrapped = DDP(model, bucket_cap_mb=1)
+        return wrapped, torch.compile(wrapped, backend=be), wrapped.parameters()
+    if kind == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        mesh = init_device_mesh("cpu", (WORLD,))
+        for blk in model:
+            fully_shard(blk, mesh=mesh)
+            blk.compile(backend=be)
+        wrapped = fully_shard(model, mesh=mesh)
+        return wrapped, wrapped, model.parameters()
+    wrapped = gather_inside(model, dist.group.WORLD)        # "gathered"
+    return wrapped, torch.compile(wrapped, backend=be), wrapped.parameters()
+
+
 # ----------------------------------------------------------------------- the worker
 def _instrument(record: dict) -> None:
     """Count the hot ops' reference bodies (what the compiled graphs really call) and
@@ -215,24 +235,7 @@ def _worker(rank: int, kind: str, init_file: str, out_dir: str) -> None:
             else:
                 be = "inductor"
             model = make_model(kind)
-            if kind == "ddp":
-                from torch.nn.parallel import DistributedDataParallel as DDP
-                wrapped = DDP(model, bucket_cap_mb=1)
-                run = torch.compile(wrapped, backend=be)
-                params = wrapped.parameters()
-            elif kind == "fsdp":
-                from torch.distributed.device_mesh import init_device_mesh
-                from torch.distributed.fsdp import fully_shard
-                mesh = init_device_mesh("cpu", (WORLD,))
-                for blk in model:
-                    fully_shard(blk, mesh=mesh)
-                    blk.compile(backend=be)
-                wrapped = run = fully_shard(model, mesh=mesh)
-                params = model.parameters()
-            else:   # "gathered"
-                wrapped = gather_inside(model, dist.group.WORLD)
-                run = torch.compile(wrapped, backend=be)
-                params = wrapped.parameters()
+            wrapped, run, params = wrap_engine(model, kind, be)
             scale, sync = 1.0, None
             if kind == "gathered":
                 # the in-graph reduce-scatter sums shard grads: scale the loss by 1/world to
@@ -254,10 +257,48 @@ def _worker(rank: int, kind: str, init_file: str, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def run_distributed(kind: str) -> list:
+AUTO_CFG = dict(rank="auto", rank_calibration_start=1, rank_calibration_steps=1,
+                gx_bits=8, min_features=0, exclude=())
+
+
+def _auto_worker(rank: int, kind: str, init_file: str, out_dir: str) -> None:
+    """rank="auto" under the engine: step 1 warm-up, step 2 measures, step 3 decides
+    (all-reduced) and runs the recompiled graphs."""
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    torch._inductor.config.compile_threads = 1
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=WORLD)
+    try:
+        import hotcompile
+        x, y = global_batch(kind)
+        # different data per rank: a rank-local decision would differ between ranks
+        x = x[rank * BATCH:(rank + 1) * BATCH]
+        y = y[rank * BATCH:(rank + 1) * BATCH]
+        be = hotcompile.backend(hotcompile.HOTConfig(**AUTO_CFG))
+        compiles = []
+        orig = be._compile
+        be._compile = lambda *a, **k: compiles.append(a[2]) or orig(*a, **k)
+        model = make_model(kind)
+        wrapped, run, params = wrap_engine(model, kind, be)
+        torch.manual_seed(HOT_SEED + rank)
+        train(model, run, x, y, params)
+        for r in be.report.layers:
+            r.refresh_lqs()
+        torch.save({"compiles": compiles,
+                    "report": [(r.graph, r.name, r.reason, r.rank, r.rank_errors)
+                               for r in be.report.layers],
+                    "finite": all(bool(torch.isfinite(t).all())
+                                  for t in full_state(wrapped, kind).values())},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(kind: str, worker=None) -> list:
     import torch.multiprocessing as mp
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_worker, args=(kind, os.path.join(tmp, "rdzv"), tmp),
+        mp.start_processes(worker or _worker, args=(kind, os.path.join(tmp, "rdzv"), tmp),
                            nprocs=WORLD, start_method="spawn")
         return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False)
                 for r in range(WORLD)]
@@ -347,6 +388,28 @@ def test_params_gathered_inside_graph_hot_matches_single_process():
     """SimpleFSDP-style: W = wait_tensor(all_gather_into_tensor(shard)) in the graph,
     g_W reduce-scattered in the graph after HLA."""
     check_engine("gathered", n_sites=8)
+
+
+@pytest.mark.slow      # 2 processes x 2 engines' compiles
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_auto_rank_decides_alike_on_every_rank(kind):
+    """rank="auto" under DDP (graph pieces) and FSDP2 (per-block compile): every graph
+    decides once, from measurements all-reduced over ranks (ranks see different data, so a
+    local decision would differ), recompiles once, and training goes on finite."""
+    r0, r1 = run_distributed(kind, _auto_worker)
+    for res in (r0, r1):
+        assert res["finite"]
+        counts = collections.Counter(res["compiles"])
+        assert res["report"] and all(r[2] is None for r in res["report"]), res["report"]
+        measured = {r[0] for r in res["report"] if r[4]}
+        # DDP pieces whose layout cannot be proven keep full rank and measure nothing
+        assert measured and all(isinstance(r[3], int) and (r[4] or r[3] == 16)
+                                for r in res["report"]), res["report"]
+        # calibration + final compile for each measuring graph, one compile for the others
+        assert all(counts[g] == (2 if g in measured else 1) for g in counts), (counts, measured)
+    pick = lambda res: sorted((r[0], r[1], r[3], r[4] and round(r[4][1], 9))
+                              for r in res["report"])
+    assert pick(r0) == pick(r1)
 
 
 @pytest.mark.parametrize("rank,select,per_rank,exact", [

@@ -120,3 +120,46 @@ def test_block_trains_under_reduce_overhead():
             assert torch.isfinite(h).all()
             assert rel(h, e) < 1.5 * rel(p, e) + 0.05, (step, rel(h, e), rel(p, e))
     assert len(be.report.rewritten) == 4
+
+
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_auto_rank_decides_under_each_compile_mode(mode):
+    """rank="auto" under CUDA graphs: the window's measurements are captured kernels that
+    replays keep running into the same accumulator; the choice is made once, the graph is
+    recompiled once, and the measured errors agree with the default mode's."""
+    from hotcompile.runtime import rank as rank_mod
+    torch.manual_seed(0)
+    model = Block(d=256, heads=4).cuda()
+    x = torch.randn(8, 256, 256, device="cuda")
+    cfg = HOTConfig(rank="auto", rank_calibration_start=2, rank_calibration_steps=2,
+                    min_features=0, exclude=())
+    torch._dynamo.reset()
+    be = hotcompile.backend(cfg)
+    compiles = []
+    orig = be._compile
+    be._compile = lambda *a, **k: compiles.append(1) or orig(*a, **k)
+    fn = torch.compile(model, backend=be, mode=None if mode == "default" else mode)
+    for step in range(8):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = fn(x)
+        (out.float() * torch.linspace(-1, 1, out.shape[-1], device="cuda")).sum().backward()
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+    assert len(compiles) == 2, compiles
+    recs = be.report.layers
+    for r in recs:
+        r.refresh_lqs()
+    assert recs and all(isinstance(r.rank, int) and r.rank_errors for r in recs), recs
+    keys = {r.rank_key for r in recs}
+    assert all(int(rank_mod.STATES[k].acc[-1]) >= 2 for k in keys)
+    errs = {r.name: r.rank_errors for r in recs}
+    if mode == "default":
+        _AUTO_ERRS.update(errs)
+    elif _AUTO_ERRS:
+        for name, e in errs.items():
+            for r in (1, 4, 8, 12):
+                assert abs(e[r] - _AUTO_ERRS[name][r]) < 0.02 + 0.1 * _AUTO_ERRS[name][r], (
+                    name, r, e[r], _AUTO_ERRS[name][r])
+
+
+_AUTO_ERRS: dict = {}

@@ -4,9 +4,11 @@ Why measured: HLA keeps the low-pass Hadamard coefficients of each block of 16
 neighbouring tokens. Where neighbouring tokens are alike (image patches) a few
 coefficients carry almost all of g_W; where they are not (bytes of text) the low-pass
 rows drop most of it (byte-level GPT: r=8 val loss +94..192%). No fixed rank is right
-for both, and the model can tell us: during the first ``rank_calibration_steps`` backward
-passes a graph runs every auto site at full rank and measures, on the real g_y and x of
-the step, the relative error of every rank r against full rank:
+for both, and the model can tell us: a graph runs every auto site at full rank; after
+``rank_calibration_start`` steps (gradients at initialisation are nearly constant over
+tokens and would pick r=1..2 even for text) it opens a window of ``rank_calibration_steps``
+backward passes that measure, on the real g_y and x of the step, the relative error of
+every rank r against full rank:
 
     P_j = g~_j^T x~_j  (the contribution of coefficient j, in sequency order)
     err(r) = || sum_{j >= r} P_j ||_F / || sum_j P_j ||_F
@@ -27,6 +29,7 @@ from typing import Dict, List, Optional
 import torch
 
 from ..kernels import reference as ref
+from .lqs import capturing
 
 
 @dataclasses.dataclass
@@ -35,6 +38,7 @@ class RankState:
 
     block: int = 16
     acc: Optional[torch.Tensor] = None     # (block + 2,): sum err^2 of rank 1..block, ||full||^2, count
+    active: bool = False                   # the measuring window is open
     errors: Dict[int, float] = dataclasses.field(default_factory=dict)
     chosen: Optional[int] = None
 
@@ -49,11 +53,29 @@ def register(key: str, block: int) -> RankState:
     return st
 
 
+def open_window(keys: List[str], device: torch.device) -> None:
+    """Start measuring these groups from the next backward on (called by the graph wrapper,
+    outside any CUDA-graph capture, so the accumulator lives outside capture pools and a
+    captured graph's replays keep writing into the same memory)."""
+    for key in keys:
+        st = STATES[key]
+        if st.acc is None or st.acc.device != device:
+            st.acc = torch.zeros(st.block + 2, dtype=torch.float64, device=device)
+        else:
+            st.acc.zero_()
+        st.active = True
+
+
 def measure(key: str, g: torch.Tensor, xq: torch.Tensor, x_scale: torch.Tensor, block: int,
             seq_len: int, seq_first: bool) -> None:
     """Accumulate err(r)^2 for r = 1..block of this backward's g_W (xq: full-rank levels)."""
     st = register(key, block)
-    if st.chosen is not None:
+    if st.chosen is not None or st.acc is None:
+        return
+    # Outside the window the measurement is skipped, except while a CUDA graph is captured:
+    # replays run the captured kernels every step, and the window's opening zeroes what
+    # they accumulated before it.
+    if not (st.active or capturing(g)):
         return
     with torch.no_grad():
         gb = ref.sequence_blocks(g.float(), block, seq_len, seq_first)        # (nb, 16, O)
@@ -66,8 +88,6 @@ def measure(key: str, g: torch.Tensor, xq: torch.Tensor, x_scale: torch.Tensor, 
         for j in range(block):
             part += gt[:, j].t() @ xt[:, j]
             errs.append((full - part).square().sum())
-        if st.acc is None:
-            st.acc = torch.zeros(block + 2, dtype=torch.float64, device=g.device)
         st.acc[:block] += torch.stack(errs).double()
         st.acc[block] += full.square().sum().double()
         st.acc[block + 1] += 1
@@ -79,7 +99,7 @@ def decide(keys: List[str], tolerance: float, steps: int) -> Optional[Dict[str, 
     One host sync; under ``torch.distributed`` the sums are all-reduced first, so every
     rank decides the same (all ranks call this at the same step of the same graph)."""
     states = [STATES.get(k) for k in keys]
-    if any(st is None or st.acc is None for st in states):
+    if any(st is None or st.acc is None or not st.active for st in states):
         return None
     acc = torch.stack([st.acc for st in states])
     dist = torch.distributed
@@ -96,6 +116,7 @@ def decide(keys: List[str], tolerance: float, steps: int) -> Optional[Dict[str, 
         st.errors = {r: (math.sqrt(max(float(row[r - 1]), 0.0) / norm) if norm > 0 else 0.0)
                      for r in range(1, st.block + 1)}
         st.chosen = min(r for r, e in st.errors.items() if e <= tolerance or r == st.block)
+        st.active = False
         out[key] = st.chosen
     return out
 
