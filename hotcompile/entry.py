@@ -174,8 +174,10 @@ class _AutoRankGraph:
         if self.pending:
             self.calls += 1
             cfg = self.backend.config
+            if self.calls == 1:
+                RANK.prepare(self.groups, _device_of(a))
             if self.calls == cfg.rank_calibration_start + 1:
-                RANK.open_window(self.groups, _device_of(a))
+                RANK.open_window(self.groups)
             elif self.calls > cfg.rank_calibration_start + cfg.rank_calibration_steps:
                 chosen = RANK.decide(self.groups, cfg.rank_tolerance, cfg.rank_calibration_steps)
                 if chosen is not None:

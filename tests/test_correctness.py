@@ -285,9 +285,9 @@ def test_auto_rank_measures_only_after_the_warm_up():
         cm(x).square().mean().backward()
         st = next((v for k, v in rank_mod.STATES.items() if k.startswith(f"{be.id}/")), None)
         seen.append((len(compiles), None if st is None or st.acc is None else int(st.acc[-1])))
-    # calls 1-3: warm-up (no accumulator); 4-5: window (1, 2 measured); 6: decides, recompiles
+    # calls 1-3: warm-up (nothing counted); 4-5: window (1, 2 measured); 6: decides, recompiles
     assert [c for c, _ in seen] == [1, 1, 1, 1, 1, 2, 2], seen
-    assert [n for _, n in seen[:5]] == [None, None, None, 1, 2], seen
+    assert [n for _, n in seen[:5]] == [0, 0, 0, 1, 2], seen
     rec = be.report.layers[0]
     rec.refresh_lqs()
     assert isinstance(rec.rank, int) and rec.rank_errors
@@ -301,8 +301,9 @@ def test_hla_measurement_errors_match_direct_low_rank():
     xq, xs = R.abc_compress(x, 16, "1d", 8, 16, seq_len=32)
     rank_mod.clear()
     rank_mod.register("k", 16)
+    rank_mod.prepare(["k"], g.device)
     rank_mod.measure("k", g, xq, xs, 16, 32, False)      # window not open: not counted
-    rank_mod.open_window(["k"], g.device)
+    rank_mod.open_window(["k"])
     rank_mod.measure("k", g, xq, xs, 16, 32, False)
     rank_mod.measure("k", g, xq, xs, 16, 32, False)
     chosen = rank_mod.decide(["k"], 0.5, 2)

@@ -39,6 +39,7 @@ class RankState:
     block: int = 16
     acc: Optional[torch.Tensor] = None     # (block + 2,): sum err^2 of rank 1..block, ||full||^2, count
     active: bool = False                   # the measuring window is open
+    h: Optional[torch.Tensor] = None       # Hadamard rows in sequency order, on the device
     errors: Dict[int, float] = dataclasses.field(default_factory=dict)
     chosen: Optional[int] = None
 
@@ -53,17 +54,24 @@ def register(key: str, block: int) -> RankState:
     return st
 
 
-def open_window(keys: List[str], device: torch.device) -> None:
-    """Start measuring these groups from the next backward on (called by the graph wrapper,
-    outside any CUDA-graph capture, so the accumulator lives outside capture pools and a
-    captured graph's replays keep writing into the same memory)."""
+def prepare(keys: List[str], device: torch.device) -> None:
+    """Allocate the accumulators of these groups. Called by the graph wrapper at its first
+    call, outside any CUDA-graph capture: the accumulator lives outside capture pools, and
+    a graph captured before the window opens already holds the measuring kernels, whose
+    replays keep writing into the same memory."""
     for key in keys:
         st = STATES[key]
         if st.acc is None or st.acc.device != device:
             st.acc = torch.zeros(st.block + 2, dtype=torch.float64, device=device)
-        else:
-            st.acc.zero_()
-        st.active = True
+            # built here: a host-to-device copy is illegal inside a capture
+            st.h = ref.hla_matrix(st.block, "1d", st.block, device=device)
+
+
+def open_window(keys: List[str]) -> None:
+    """Count measurements from the next backward on (what replays added before is zeroed)."""
+    for key in keys:
+        STATES[key].acc.zero_()
+        STATES[key].active = True
 
 
 def measure(key: str, g: torch.Tensor, xq: torch.Tensor, x_scale: torch.Tensor, block: int,
@@ -79,8 +87,7 @@ def measure(key: str, g: torch.Tensor, xq: torch.Tensor, x_scale: torch.Tensor, 
         return
     with torch.no_grad():
         gb = ref.sequence_blocks(g.float(), block, seq_len, seq_first)        # (nb, 16, O)
-        h = ref.hla_matrix(block, "1d", block, device=g.device)                # sequency order
-        gt = torch.einsum("rk,bkc->brc", h, gb)                                # (nb, 16, O)
+        gt = torch.einsum("rk,bkc->brc", st.h, gb)     # (nb, 16, O), sequency order
         xt = ref.dequantize(xq, x_scale.float()).reshape(gt.shape[0], block, -1)
         full = gt.reshape(-1, gt.shape[2]).t() @ xt.reshape(-1, xt.shape[2])
         part = torch.zeros_like(full)
