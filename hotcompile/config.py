@@ -27,7 +27,9 @@ class HOTConfig:
     per graph when the choice is made). Why not from step 0: at initialisation the
     gradients are nearly constant over tokens (a byte-level GPT measures r=1..2 within
     10%), so a choice made there is wrong once the model learns what varies along the
-    sequence (the same run ends at val loss 2.74 against 0.91). A site whose sequence layout the pass cannot prove
+    sequence (the same run ends at val loss 2.74 against 0.91). Not the default: even
+    after the warm-up it keeps r=13..15 on some text sites, and the byte-level GPT ends
+    +11% (docs/BENCHMARKS.md); a one-step error tolerance does not predict the final loss. A site whose sequence layout the pass cannot prove
     gets full rank whatever ``rank`` says (blocks must hold neighbouring tokens).
     gx_bits: bits of the output gradient g_y on the g_x path (HQ); gx_w_bits: bits of the
     weight operand there. gw_bits: bits of the g_W path (HLA) and of ABC.
