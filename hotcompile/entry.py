@@ -7,8 +7,12 @@ backward GEMMs can be swapped and the saved input replaced by the compressed buf
 ``aot_module_simplified``'s keyword arguments differ between torch 2.11 and 2.13; this
 entry point is the same on both.
 
-The pass is a plain callable on purpose: Inductor then bypasses its FX/AOT caches for the
-graph, so the pass (and its report, dumps and LQS registrations) runs on every compile.
+The pass is a ``CustomGraphPass`` whose ``uuid()`` covers hotcompile's code and the
+config, so Inductor's FX graph and AOTAutograd caches keep working: a second process
+compiling the same model loads the compiled graphs instead of re-running the pass and
+Inductor. A cache hit runs no pass, so each pass run stores its report records and
+run-time registrations (``compile_cache``) and a hit loads them back. With ``dump_dir``
+set the caches are off for hot's compiles: dumps are written by the pass itself.
 
 Roles are proven here: the backend sees which example inputs are ``nn.Parameter``s and
 hands the pass the matching joint-graph placeholders; only those can be a linear's weight.
@@ -17,6 +21,7 @@ window is measured, compiled once more with the chosen ranks (``_AutoRankGraph``
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import traceback
@@ -24,10 +29,13 @@ from typing import List, Optional, Set
 
 import torch
 
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from . import compile_cache
 from .config import HOTConfig
-from .debug.report import Report, record_site
+from .debug.report import Report, SiteRecord, record_site
 from .kernels import ops as _ops  # noqa: F401  registers torch.ops.hot.*
-from .passes.rewrite import RankPlan, rewrite_joint_graph
+from .passes.rewrite import RankPlan, register_runtime, registrations, rewrite_joint_graph
 from .runtime import rank as RANK
 
 log = logging.getLogger("hotcompile")
@@ -64,14 +72,29 @@ def parameter_positions(gm: torch.fx.GraphModule, example_inputs: List) -> Set[i
     return pos
 
 
-class JointPass:
-    """The callable handed to Inductor; records what it did into ``sink``."""
+class JointPass(CustomGraphPass):
+    """The joint-graph pass handed to Inductor; records what it did into ``sink``.
+
+    ``uuid()`` covers everything the rewritten graph depends on besides the graph itself:
+    the package's code, the config (its dump folder aside), which inputs are parameters,
+    the runtime-key prefix and the chosen ranks. ``store_key`` names where the records of
+    this run are kept for cache hits (``compile_cache``)."""
 
     def __init__(self, config: HOTConfig, sink: Report, graph_index: int,
-                 param_positions: Optional[Set[int]] = None, plan: Optional[RankPlan] = None):
+                 param_positions: Optional[Set[int]] = None, plan: Optional[RankPlan] = None,
+                 store_key: Optional[str] = None):
         self.config, self.sink, self.graph_index = config, sink, graph_index
         self.param_positions, self.plan = param_positions, plan
+        self.store_key = store_key
         self.sites: List = []
+        self.ran = False
+        self.regs: dict = {"lqs": [], "rank": []}
+
+    def uuid(self) -> str:
+        cfg = {k: v for k, v in self.config.to_dict().items() if k != "dump_dir"}
+        plan = (self.plan.prefix, sorted((self.plan.chosen or {}).items())) if self.plan else None
+        return compile_cache.code_hash() + "-" + repr(
+            (sorted(cfg.items(), key=str), sorted(self.param_positions or ()), plan))
 
     def _params(self, graph: torch.fx.Graph):
         if self.param_positions is None:
@@ -80,6 +103,7 @@ class JointPass:
         return {primals[i] for i in self.param_positions if i < len(primals)}
 
     def __call__(self, graph: torch.fx.Graph) -> None:
+        self.ran = True
         before = str(graph) if self.config.dump_dir else None
         try:
             sites = rewrite_joint_graph(graph, self.config, self._params(graph), self.plan)
@@ -93,12 +117,35 @@ class JointPass:
                 dump_joint(self.config, self.graph_index, before, graph, [], [])
             return
         self.sites = sites
+        self.regs = registrations(sites)
         records = [record_site(s, self.graph_index, self.config, self.plan) for s in sites]
-        self.sink.layers[:] = [r for r in self.sink.layers if r.graph != self.graph_index]
-        self.sink.layers.extend(records)
+        self._publish(records)
+        if self.store_key:
+            compile_cache.save(self.store_key, records, self.regs)
         if self.config.dump_dir:
             from .debug.dump import dump_joint
             dump_joint(self.config, self.graph_index, before, graph, sites, records)
+
+
+    def _publish(self, records: List[SiteRecord]) -> None:
+        self.sink.layers[:] = [r for r in self.sink.layers if r.graph != self.graph_index]
+        self.sink.layers.extend(records)
+
+    def restore(self) -> bool:
+        """After a compile that did not run the pass (a cache hit): the stored records into
+        the report and the stored registrations into the run-time tables."""
+        payload = compile_cache.load(self.store_key) if self.store_key else None
+        if payload is None:
+            return False
+        self.regs = payload["registrations"]
+        register_runtime(self.config, self.regs)
+        fields = {f.name for f in dataclasses.fields(SiteRecord)}
+        records = [SiteRecord(graph=self.graph_index, **{k: v for k, v in d.items() if k in fields})
+                   for d in payload["records"]]
+        for r in records:
+            r.refresh_lqs()
+        self._publish(records)
+        return True
 
 
 class HotBackend:
@@ -122,9 +169,7 @@ class HotBackend:
         positions = parameter_positions(gm, example_inputs)
         plan = RankPlan(self.config, f"{self.id}/{graph_index}")
         compiled, joint = self._compile(gm, example_inputs, graph_index, positions, plan, kwargs)
-        groups = sorted({plan.key(s.group) for s in joint.sites
-                         if s.eligible and s.gw is not None and s.rewritten_gw is not None
-                         and s.rewritten_gw.args[8]})
+        groups = list(joint.regs.get("rank", ()))
         if not groups:
             return compiled
         return _AutoRankGraph(self, gm, graph_index, positions, kwargs, compiled, groups)
@@ -133,16 +178,27 @@ class HotBackend:
         from torch._inductor.compile_fx import compile_fx
 
         joint = JointPass(self.config, self.report, graph_index, positions, plan)
+        joint.store_key = compile_cache.graph_key(gm, example_inputs, joint.uuid())
         patches = {"joint_custom_pre_pass": joint}
         mode, options = kwargs.get("mode"), kwargs.get("options")
         if mode and mode != "default":
             patches.update(torch._inductor.list_mode_options(mode, kwargs.get("dynamic")))
         if options:
             patches.update(options)
+        caches = True
         if self.config.dump_dir:
             from .debug.dump import fw_bw_dump_patches
             patches.update(fw_bw_dump_patches(self.config, graph_index))
-        return compile_fx(gm, example_inputs, config_patches=patches), joint
+            patches["fx_graph_cache"] = caches = False      # dumps come from the pass itself
+        with torch._functorch.config.patch(enable_autograd_cache=caches
+                                           and torch._functorch.config.enable_autograd_cache):
+            compiled = compile_fx(gm, example_inputs, config_patches=patches)
+        if not joint.ran and not joint.restore():
+            msg = (f"graph {graph_index}: served from Inductor's cache, but its site records "
+                   "were not found in hotcompile's store; the report omits its layers")
+            log.warning("hotcompile: %s", msg)
+            self.report.notes.append(msg)
+        return compiled, joint
 
 
 def _symbolic(gm: torch.fx.GraphModule) -> bool:

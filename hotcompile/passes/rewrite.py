@@ -137,8 +137,6 @@ def rewrite_joint_graph(graph: Graph, config, params: Optional[Set[Node]] = None
         lead = group[0]
         rank, seq, seq_first = seq_args[lead.key]
         measure = choice[lead.key][2]
-        if measure:
-            RANK.register(measure, config.block)
         xq, xs = buffers[lead.key]
         for s in group:
             gw = add_node(graph, HLA_OP, (s.grad, xq, xs, rank, config.gw_bits, config.block,
@@ -164,14 +162,31 @@ def rewrite_joint_graph(graph: Graph, config, params: Optional[Set[Node]] = None
             gx = add_node(graph, aten.permute.default, (gx, [1, 0]), before=s.gx,
                           tag="is_backward", like=s.gx, fake_mode=fake_mode)
         s.gx.replace_all_uses_with(gx)
-        LQS.register(key, config.lqs_calibration_steps, config.lqs_ratio,
-                     config.lqs_recalibrate_every, config.lqs_file,
-                     forced=None if config.gx_scale == "lqs" else config.gx_scale)
     for s in todo:
         for old in (s.gx, s.gw):
             if old is not None and not old.users:
                 graph.erase_node(old)
     graph.eliminate_dead_code()
     graph.lint()
+    register_runtime(config, registrations(sites))
     return sites
+
+
+def registrations(sites: List[LinearSite]) -> Dict[str, List[str]]:
+    """The run-time table entries the rewritten graph's ops look up: LQS keys of HQ sites,
+    rank-measurement keys of calibrating HLA groups (stored with the compile-cache
+    records, so a cache hit registers the same)."""
+    lqs = [s.rewritten_gx.args[6] for s in sites if s.rewritten_gx is not None]
+    rank = sorted({s.rewritten_gw.args[8] for s in sites
+                   if s.rewritten_gw is not None and s.rewritten_gw.args[8]})
+    return {"lqs": lqs, "rank": rank}
+
+
+def register_runtime(config, regs: Dict[str, List[str]]) -> None:
+    for key in regs.get("lqs", ()):
+        LQS.register(key, config.lqs_calibration_steps, config.lqs_ratio,
+                     config.lqs_recalibrate_every, config.lqs_file,
+                     forced=None if config.gx_scale == "lqs" else config.gx_scale)
+    for key in regs.get("rank", ()):
+        RANK.register(key, config.block)
 
