@@ -59,7 +59,15 @@ LAYERS = [  # (group, name, L, I, O)
 # Acceptance shapes of issue 3: HOT >= 2x bf16 and >= 1.5x unfused on these.
 TARGET_LAYERS = {("ViT-B/16 bs64", "fc1"), ("ViT-B/16 bs64", "fc2"), ("GPT d=4096", "fc1"),
                  ("GPT d=4096", "fc2")}
-RANK, GX_BITS, GW_BITS = 8, 4, 8
+def _defaults():
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from hotcompile import HOTConfig
+    c = HOTConfig()
+    return c.block if c.rank == "auto" else c.rank, c.gx_bits, c.gx_w_bits, c.gw_bits
+
+
+# the default configuration's settings (rank "auto" is timed at full rank)
+RANK, GX_BITS, GX_W_BITS, GW_BITS = _defaults()
 
 
 # ============================================================================ timing
@@ -187,8 +195,8 @@ def check_layer(L, I, O, R, F, H, HL, seed):
     out["bf16_gw"] = rel(g.t() @ x, gw_exact)
     for tok in (True, False):
         tag = "tok" if tok else "ten"
-        ref = R.hq_grad_input(g, w, GX_BITS, tok, s)
-        fus = F.hq_grad_input(g, w, GX_BITS, tok, s)
+        ref = R.hq_grad_input(g, w, GX_BITS, tok, s, w_bits=GX_W_BITS)
+        fus = F.hq_grad_input(g, w, GX_BITS, tok, s, w_bits=GX_W_BITS)
         out[f"ref_gx_{tag}"] = rel(ref, gx_exact)
         out[f"fused_gx_{tag}"] = rel(fus, gx_exact)
         out[f"gx_{tag}_fused_vs_ref"] = rel(fus, ref)
@@ -245,19 +253,19 @@ def run_layer(group, name, L, I, O, args, copies):
 
     def bwd_hot(tok):
         def fn(x, w, g, i):
-            F.hq_grad_input(g, w, GX_BITS, tok, seed)
+            F.hq_grad_input(g, w, GX_BITS, tok, seed, w_bits=GX_W_BITS)
             F.hla_grad_weight(g, abc_f[i][0], abc_f[i][1], RANK, "1d", GW_BITS, seed)
         return fn
 
     def bwd_ref(x, w, g, i):
-        R.hq_grad_input(g, w, GX_BITS, True, seed)
+        R.hq_grad_input(g, w, GX_BITS, True, seed, w_bits=GX_W_BITS)
         R.hla_grad_weight(g, abc_r[i][0], abc_r[i][1], RANK, "1d", GW_BITS, seed)
 
     # warm-up: compile, autotune, pick GEMM formats
     bwd_hot(True)(*fsets[0])
     bwd_hot(False)(*fsets[0])
     torch.cuda.synchronize()
-    res["gemm_format_hq"] = G.choose_format(L, I, o_pad, GX_BITS, torch.device("cuda"))
+    res["gemm_format_hq"] = G.choose_format(L, I, o_pad, max(GX_BITS, GX_W_BITS), torch.device("cuda"))
 
     t["bf16"] = bench(bwd_bf16, fsets)
     t["hot_tok"] = bench(bwd_hot(True), fsets)
@@ -286,7 +294,7 @@ def run_layer(group, name, L, I, O, args, copies):
     specs = [
         ("hq_g_token", lambda g: H.hq_act_quant(g, GX_BITS, True, seed), gsets, 2 * L * O + L * o_pad),
         ("hq_g_tensor", lambda g: H.hq_act_quant(g, GX_BITS, False, seed), gsets, 2 * L * O + L * o_pad),
-        ("hq_w", lambda w: H.hq_weight_quant(w, GX_BITS), [(w,) for _, w, _ in sets], 2 * O * I + I * o_pad),
+        ("hq_w", lambda w: H.hq_weight_quant(w, GX_W_BITS), [(w,) for _, w, _ in sets], 2 * O * I + I * o_pad),
         ("hla_g", lambda g: HL.hla_quant(g, RANK, "1d", GW_BITS, stochastic=True, seed=seed,
                                          transposed=True, pad_to=16), gsets, 2 * L * O + lr * O),
         ("abc_x", lambda x: HL.hla_quant(x, RANK, "1d", GW_BITS, stochastic=False),

@@ -43,6 +43,10 @@ class HOTConfig:
     include / exclude: module-name components (``head``) or ``fnmatch`` globs of the full
     name (``blocks.*.fc2``) to restrict / skip.
     min_features: a linear with in- or out-features below this stays exact (too small to win).
+    min_speedup: the cost gate (``passes/cost.py``): on a GPU, a site is rewritten only when
+    its predicted exact backward time is at least this multiple of HOT's (1.0: never
+    slower; 0: gate off, every eligible site rewritten for HOT's memory savings). CPU
+    runs the reference kernels and is not gated.
     abc: save the compressed activation instead of x (False: compress in backward).
     lqs_*: calibration steps, per-token threshold ratio, re-calibration period (0 = never),
     and a JSON file to load/save the choices so a restarted run reuses them.
@@ -62,6 +66,7 @@ class HOTConfig:
     include: Optional[Tuple[str, ...]] = None
     exclude: Tuple[str, ...] = ("head", "lm_head")
     min_features: int = 256
+    min_speedup: float = 1.0
     abc: bool = True
     lqs_calibration_steps: int = 3
     lqs_ratio: float = 0.5
@@ -108,6 +113,9 @@ class HOTConfig:
             object.__setattr__(self, f, tuple(v))
         if self.min_features < 0:
             bad("min_features", "must be >= 0")
+        if (isinstance(self.min_speedup, bool) or not isinstance(self.min_speedup, (int, float))
+                or not 0 <= self.min_speedup < float("inf")):
+            bad("min_speedup", "must be a finite number >= 0 (0 turns the cost gate off)")
         if not isinstance(self.abc, bool):
             bad("abc", "must be a bool")
         if self.lqs_calibration_steps < 1:

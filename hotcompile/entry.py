@@ -227,7 +227,9 @@ class _AutoRankGraph:
         self._boxed_call = getattr(compiled, "_boxed_call", False)
 
     def __call__(self, *a):
-        if self.pending:
+        # DDPOptimizer runs each compiled piece on fake tensors while compiling the next:
+        # that is not a training step
+        if self.pending and not _fake(a):
             self.calls += 1
             cfg = self.backend.config
             if self.calls == 1:
@@ -253,6 +255,12 @@ class _AutoRankGraph:
                         self._boxed_call = getattr(self.compiled, "_boxed_call", False)
                         del args
         return self.compiled(*a)
+
+
+def _fake(args) -> bool:
+    from torch._guards import detect_fake_mode
+    flat = args[0] if len(args) == 1 and isinstance(args[0], list) else args
+    return detect_fake_mode(list(flat)) is not None
 
 
 def _device_of(args) -> torch.device:

@@ -70,8 +70,13 @@ def test_a_second_backend_in_process_never_reuses_the_first_ones_graph(monkeypat
     hit across two backends of one process would make them share LQS/rank state. Their
     uuids differ, so the second compile runs the pass and gets its own keys."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", True)
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", True)
+    # config.patch, not monkeypatch: Torch's config modules do not survive a setattr undo
+    with torch._functorch.config.patch(enable_autograd_cache=True), \
+            torch._inductor.config.patch(fx_graph_cache=True):
+        _two_backends(monkeypatch)
+
+
+def _two_backends(monkeypatch):
     from cache_worker import MLP
     cfg = HOTConfig(min_features=0, kernels="reference")
     ran, keys = [], []

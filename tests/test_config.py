@@ -36,3 +36,9 @@ def test_hot_dump_env(monkeypatch, tmp_path):
     monkeypatch.setenv("HOT_DUMP", str(tmp_path))
     assert HOTConfig().dump_dir == str(tmp_path)
     assert HOTConfig(dump_dir="x").dump_dir == "x"
+
+
+@pytest.mark.parametrize("value", [-1, float("inf"), "1", True, None])
+def test_min_speedup_is_validated(value):
+    with pytest.raises(ValueError, match="min_speedup"):
+        HOTConfig(min_speedup=value)

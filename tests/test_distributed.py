@@ -89,10 +89,11 @@ def global_batch(kind: str):
     return x, y
 
 
-def train(model, step_fn_model, x, y, params=None, loss_scale=1.0, after_backward=None):
-    """STEPS of SGD on MSE; ``step_fn_model`` is what is called (compiled / wrapped)."""
+def train(model, step_fn_model, x, y, params=None, loss_scale=1.0, after_backward=None,
+          steps=STEPS):
+    """``steps`` of SGD on MSE; ``step_fn_model`` is what is called (compiled / wrapped)."""
     opt = torch.optim.SGD(params if params is not None else model.parameters(), lr=LR)
-    for _ in range(STEPS):
+    for _ in range(steps):
         opt.zero_grad(set_to_none=True)
         (F.mse_loss(step_fn_model(x), y) * loss_scale).backward()
         if after_backward is not None:
@@ -262,8 +263,9 @@ AUTO_CFG = dict(rank="auto", rank_calibration_start=1, rank_calibration_steps=1,
 
 
 def _auto_worker(rank: int, kind: str, init_file: str, out_dir: str) -> None:
-    """rank="auto" under the engine: step 1 warm-up, step 2 measures, step 3 decides
-    (all-reduced) and runs the recompiled graphs."""
+    """rank="auto" under the engine: call 1 of each graph warms up, call 2 measures, call 3
+    decides (all-reduced) and runs the recompiled graph. 6 steps: Dynamo may compile a
+    DDP piece anew after the first step (a new graph counts its calls from 1)."""
     import torch.distributed as dist
     torch.set_num_threads(1)
     torch._inductor.config.compile_threads = 1
@@ -282,7 +284,7 @@ def _auto_worker(rank: int, kind: str, init_file: str, out_dir: str) -> None:
         model = make_model(kind)
         wrapped, run, params = wrap_engine(model, kind, be)
         torch.manual_seed(HOT_SEED + rank)
-        train(model, run, x, y, params)
+        train(model, run, x, y, params, steps=6)
         for r in be.report.layers:
             r.refresh_lqs()
         torch.save({"compiles": compiles,

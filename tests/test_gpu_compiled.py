@@ -38,7 +38,7 @@ def test_fused_kernels_run_in_the_compiled_graph(monkeypatch):
     torch.manual_seed(0)
     model = Block(d=256, heads=4).cuda()
     x = torch.randn(8, 256, 256, device="cuda")
-    cfg = HOTConfig(min_features=0, exclude=())
+    cfg = HOTConfig(min_features=0, min_speedup=0, exclude=())
     be = hotcompile.backend(cfg)
     hot = _grads(model, x, be)
     assert len(be.report.rewritten) == 4
@@ -47,7 +47,7 @@ def test_fused_kernels_run_in_the_compiled_graph(monkeypatch):
     assert expl.graph_break_count == 0
 
     torch._dynamo.reset()
-    ref = _grads(model, x, hotcompile.backend(HOTConfig(min_features=0, exclude=(),
+    ref = _grads(model, x, hotcompile.backend(HOTConfig(min_features=0, min_speedup=0, exclude=(),
                                                          kernels="reference")))
     exact = _grads(model.double(), x.double(), None, autocast=False)
     model.float()
@@ -102,7 +102,7 @@ def test_block_trains_under_reduce_overhead():
     model = Block(d=256, heads=4).cuda()
     x = torch.randn(8, 256, 256, device="cuda")
     # LQS still calibrating when the graph is captured, and deciding per-tensor there
-    cfg = HOTConfig(min_features=0, exclude=(), lqs_calibration_steps=3, lqs_ratio=1e-6)
+    cfg = HOTConfig(min_features=0, min_speedup=0, exclude=(), lqs_calibration_steps=3, lqs_ratio=1e-6)
     plain = _grads(model, x, hotcompile.backend(cfg))
     exact = _grads(model.double(), x.double(), None, autocast=False)
     model.float()
@@ -131,7 +131,7 @@ def test_auto_rank_decides_under_each_compile_mode(mode):
     torch.manual_seed(0)
     model = Block(d=256, heads=4).cuda()
     x = torch.randn(8, 256, 256, device="cuda")
-    cfg = HOTConfig(rank="auto", rank_calibration_start=2, rank_calibration_steps=2,
+    cfg = HOTConfig(rank="auto", min_speedup=0, rank_calibration_start=2, rank_calibration_steps=2,
                     min_features=0, exclude=())
     torch._dynamo.reset()
     be = hotcompile.backend(cfg)

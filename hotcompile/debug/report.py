@@ -37,6 +37,8 @@ class SiteRecord:
     rank: Optional[object] = None          # HLA rank used (int), "auto (calibrating)", or None
     rank_errors: Optional[dict] = None     # rank="auto": measured g_W error per rank
     layout: Optional[str] = None           # token layout of x's rows (or why unknown)
+    predicted_ms: Optional[list] = None    # cost gate: [exact, HOT] backward ms (GPU only)
+    cost_model: Optional[str] = None       # which calibration predicted it
 
     @property
     def rewritten(self) -> bool:
@@ -95,6 +97,9 @@ def record_site(site: LinearSite, graph_index: int, config, plan=None) -> SiteRe
                      saved_after=after, reason=site.reason,
                      rank="auto (calibrating)" if measuring else rank,
                      layout=site.layout.describe() if site.layout is not None else None,
+                     predicted_ms=[round(site.cost[0], 4), round(site.cost[1], 4)]
+                     if site.cost else None,
+                     cost_model=site.cost[2] if site.cost else None,
                      runtime_key=f"{prefix}/{site.key}" if prefix else site.key,
                      rank_key=site.rewritten_gw.args[8] if measuring else
                      (f"{prefix}/{site.group}" if prefix and site.group else ""))
@@ -143,7 +148,7 @@ class Report:
         for r in self.layers:
             r.refresh_lqs()
         head = ("graph", "layer", "L", "I", "O", "dtype", "g_x", "g_W", "ABC", "saved x",
-                "LQS", "why exact")
+                "LQS", "pred. ms exact/HOT", "why exact")
         rows = [head]
         for r in self.layers:
             saved = "-" if r.saved_before is None else \
@@ -153,7 +158,8 @@ class Report:
                 lqs += f" (e_tok {r.lqs_err_token:.3f}, e_ten {r.lqs_err_tensor:.3f})"
             rows.append((str(r.graph), r.name, str(r.L), str(r.I), str(r.O), r.dtype,
                          r.gx_path, r.gw_path, r.abc.split(" (")[0], saved, lqs,
-                         r.reason or ""))
+                         "-" if not r.predicted_ms else
+                         f"{r.predicted_ms[0]:.3f}/{r.predicted_ms[1]:.3f}", r.reason or ""))
         widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))

@@ -54,6 +54,7 @@ class LinearSite:
     O: object = None
     dtype: Optional[torch.dtype] = None
     reason: Optional[str] = None  # why the site stays exact (None: rewritable)
+    cost: Optional[tuple] = None  # (exact ms, HOT ms, model) predicted by the cost gate
     key: str = ""                 # site key within its graph (runtime tables, report)
     abc: str = "-"                # "forward" | "backward" | "-"
     layout: object = None         # tokens.TokenLayout of x's rows

@@ -21,6 +21,7 @@ from torch.fx import Graph, Node
 
 from ..runtime import rank as RANK
 from ..runtime.lqs import TABLE as LQS
+from . import cost
 from .abc import compress_inputs, group_by_base
 from .find import LinearSite, find_linear_sites, is_forward
 from .graph_utils import add_node, fake_mode_of, fake_run
@@ -94,6 +95,29 @@ def _precheck(site: LinearSite, config, fake_mode, rank: int, layered: bool) -> 
         site.reason = f"shape check failed: {type(e).__name__}: {e}"
 
 
+def _cost_gate(sites: List[LinearSite], groups, config) -> None:
+    """Predict each eligible site's backward both ways (``passes/cost.py``) and leave it
+    exact where HOT is not predicted to be ``config.min_speedup`` times faster."""
+    graphs = bool(torch._inductor.config.triton.cudagraphs)   # mode="reduce-overhead"
+    size = {s.key: len(g) for g in groups.values() for s in g}
+    for s in sites:
+        if not s.eligible:
+            continue
+        val = s.grad.meta.get("val") if s.grad is not None else None
+        model = cost.model_for(val.device) if isinstance(val, torch.Tensor) else None
+        dims = [cost.hint(v) for v in (s.L, s.I, s.O)]
+        if model is None or None in dims:
+            continue
+        rank = s.rank if isinstance(s.rank, int) else config.block
+        exact, hot = model.predict(*dims, rank, config.block, s.gx is not None,
+                                   s.gw is not None, 1.0 / size.get(s.key, 1), graphs)
+        s.cost = (exact, hot, model.name)
+        if config.min_speedup > 0 and exact < config.min_speedup * hot:
+            s.reason = (f"cost gate: predicted backward {hot:.3f} ms with HOT vs {exact:.3f} ms "
+                        f"exact ({exact / hot:.2f}x < min_speedup {config.min_speedup:g}; "
+                        f"{'CUDA graphs' if graphs else 'default mode, host time included'})")
+
+
 def rewrite_joint_graph(graph: Graph, config, params: Optional[Set[Node]] = None,
                         plan: Optional[RankPlan] = None) -> List[LinearSite]:
     """The joint-graph pass. Mutates ``graph``; returns every site found, with verdicts."""
@@ -118,6 +142,7 @@ def rewrite_joint_graph(graph: Graph, config, params: Optional[Set[Node]] = None
     for s in sites:
         if s.eligible and s.gw is None and s.gx is not None:
             _precheck(s, config, fake_mode, config.block, False)
+    _cost_gate(sites, groups, config)
     todo = [s for s in sites if s.eligible]
     if not todo:
         return sites

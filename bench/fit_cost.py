@@ -1,0 +1,74 @@
+"""Fit the cost gate's per-kernel model (hotcompile/passes/cost.py) to a bench/layers.py run.
+
+Every kernel of a HOT site and each bf16 GEMM is modelled as ``t = fixed + work / rate``:
+``work`` is the bytes a transform kernel reads and writes, or the FLOPs of a GEMM. One
+(fixed, rate) pair per kernel, least squares over the run's shapes (non-negative fixed
+cost). Prints the table to paste into cost.py and the model's error per layer against the
+measured CUDA-graph replays (no launch overhead) of the whole backward.
+
+    python bench/fit_cost.py bench/results/layers_<date>_h100-80gb-hbm3.json
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from hotcompile.passes.cost import H100, KERNELS, CostModel, work  # noqa: E402
+
+
+def fit(points):
+    """Least-squares (fixed_ms, ms per unit) of t = fixed + x * slope, fixed >= 0."""
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(t for _, t in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    slope = sum((x - mx) * (t - my) for x, t in points) / sxx
+    fixed = my - slope * mx
+    if fixed < 0:     # through the origin
+        fixed, slope = 0.0, sum(x * t for x, t in points) / sum(x * x for x, _ in points)
+    return fixed, slope
+
+
+def main(path: str) -> None:
+    res = json.load(open(path))
+    rows = res["layers"]
+    table = {}
+    for k in KERNELS:
+        pts = []
+        for r in rows:
+            ms = (r["kernels"].get(k, {}) or {}).get("ms") if k not in r["gemm_ms"] else r["gemm_ms"][k]
+            if ms is not None:
+                pts.append((work(k, r["L"], r["I"], r["O"], 16, 16), ms))
+        table[k] = fit(pts)
+    # per-kernel timings carry a launch gap each that CUDA-graph replays of the whole
+    # backward do not: scale the HOT kernels' fixed costs by one factor fitted on those
+    hot_k = [k for k in KERNELS if "bf16" not in k]
+    num = den = 0.0
+    for r in rows:
+        fixed = sum(table[k][0] for k in hot_k)
+        var = sum(table[k][1] * work(k, r["L"], r["I"], r["O"], 16, 16) for k in hot_k)
+        meas = r["times_ms"]["hot_tok_graph"] + r["times_ms"]["abc"]
+        num += fixed * (meas - var)
+        den += fixed * fixed
+    lam = max(0.0, num / den)
+    print(f"fixed costs scaled by {lam:.3f} (fitted on whole-backward replays)")
+    table = {k: ((c * lam, s) if k in hot_k else (c, s)) for k, (c, s) in table.items()}
+    model = CostModel(name=os.path.basename(path), kernels=table,
+                      host_hot_ms=H100.host_hot_ms, host_exact_ms=H100.host_exact_ms)
+    print("kernels = {")
+    for k, (c, s) in table.items():
+        print(f'    "{k}": ({c:.4f}, {s:.4e}),')
+    print("}")
+    print(f"\n{'layer':<20} {'exact meas':>10} {'model':>7} {'hot meas':>9} {'model':>7}")
+    for r in rows:
+        e, h = model.gpu_ms(r["L"], r["I"], r["O"], 16, 16)
+        t = r["times_ms"]
+        print(f"{r['group'] + ' ' + r['name']:<20} {t['bf16_graph']:>10.3f} {e:>7.3f} "
+              f"{t['hot_tok_graph']:>9.3f} {h:>7.3f}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

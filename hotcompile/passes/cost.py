@@ -1,0 +1,122 @@
+"""The cost gate: predicted backward time of a linear site, exact vs HOT, per shape.
+
+Why: HOT pays memory-bound passes over g_y, W and x (Hadamard + quantize, transposes) and,
+in default compile mode, the host time of its ops, to make two GEMMs cheaper. At ViT-B
+sizes that costs more than the GEMMs save (H100: a fc1 backward 0.40 ms with HOT vs
+0.17 ms in bf16); at Llama d4096 sizes it wins (5.4 vs 6.2 ms). ``backend="hot"`` must not
+slow a model down, so a site is rewritten only when the model predicts
+``exact / hot >= HOTConfig.min_speedup``.
+
+The model: every kernel of a site is ``t = fixed + work / rate`` with ``work`` the bytes a
+transform kernel moves or the FLOPs of a GEMM, one (fixed, slope) pair per kernel, fitted
+by ``bench/fit_cost.py`` on the per-kernel timings of a ``bench/layers.py`` run (12 shapes
+of ViT-B and GPT d2048/d4096 layers). Against the run's CUDA-graph replays of whole
+backwards it is within 10% from GPT d2048 up and over-estimates HOT at ViT-B sizes (by up
+to 65%: per-kernel tails), so it errs towards leaving small layers exact, which they
+should be anyway (HOT measured 2.3x slower there). In default compile mode each HOT site also costs host
+time (Python dispatch of its ops, Triton's launcher for ~12 kernels) that the GPU cannot
+hide when the site's GPU work is shorter: there the prediction is
+``max(gpu, host)``; under CUDA graphs (``reduce-overhead``) only the GPU time counts.
+Calibrated on the H100 only; other CUDA devices use the H100 table (the report names it),
+CPU has no model (the reference kernels are not a performance path) and is not gated.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, Optional, Tuple
+
+import torch
+
+# one entry per kernel of a HOT site, plus the two bf16 GEMMs of the exact backward
+KERNELS = ("hq_g_token", "hq_w", "hq_int8", "hla_g", "transpose_xq", "hla_int8", "abc_x",
+           "gx_bf16", "gw_bf16")
+
+
+def work(kernel: str, L: int, I: int, O: int, rank: int, block: int) -> float:
+    """Bytes (transform kernels) or FLOPs (GEMMs) of one kernel at shape (L, I, O)."""
+    o_pad = -(-O // 16) * 16
+    lr = -(-L // block) * rank                       # tokens kept by HLA
+    return {
+        "hq_g_token": 2 * L * O + L * o_pad,         # g_y bf16 in, levels out
+        "hq_w": 2 * O * I + I * o_pad,
+        "hq_int8": 2 * L * I * o_pad,
+        "hla_g": 2 * L * O + lr * O,
+        "transpose_xq": 2 * lr * I,
+        "hla_int8": 2 * O * I * lr,
+        "abc_x": 2 * L * I + lr * I,                 # forward: x in, compressed x out
+        "gx_bf16": 2 * L * I * O,
+        "gw_bf16": 2 * L * I * O,
+    }[kernel]
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+    name: str
+    kernels: Dict[str, Tuple[float, float]]   # kernel -> (fixed ms, ms per unit of work)
+    host_hot_ms: float                        # host time of one HOT site's ops, default mode
+    host_exact_ms: float                      # the same for the two exact GEMMs
+
+    def kernel_ms(self, k: str, L: int, I: int, O: int, rank: int, block: int) -> float:
+        fixed, slope = self.kernels[k]
+        return fixed + slope * work(k, L, I, O, rank, block)
+
+    def gpu_ms(self, L: int, I: int, O: int, rank: int, block: int, gx: bool = True,
+               gw: bool = True, abc_share: float = 1.0) -> Tuple[float, float]:
+        """(exact, HOT) GPU time of the site's backward (+ its share of the ABC kernel)."""
+        t = lambda k: self.kernel_ms(k, L, I, O, rank, block)  # noqa: E731
+        exact = (t("gx_bf16") if gx else 0.0) + (t("gw_bf16") if gw else 0.0)
+        hot = 0.0
+        if gx:
+            hot += t("hq_g_token") + t("hq_w") + t("hq_int8")
+        if gw:
+            hot += t("hla_g") + t("transpose_xq") + t("hla_int8") + abc_share * t("abc_x")
+        return exact, hot
+
+    def predict(self, L: int, I: int, O: int, rank: int, block: int, gx: bool, gw: bool,
+                abc_share: float, graphs: bool) -> Tuple[float, float]:
+        """(exact, HOT) predicted ms; ``graphs``: the step replays a CUDA graph (no host)."""
+        exact, hot = self.gpu_ms(L, I, O, rank, block, gx, gw, abc_share)
+        if not graphs:
+            share = (int(gx) + int(gw)) / 2
+            exact = max(exact, self.host_exact_ms * share)
+            hot = max(hot, self.host_hot_ms * share)
+        return exact, hot
+
+
+# Fitted by bench/fit_cost.py on bench/results/layers_2026-11-23T201819_h100-80gb-hbm3.json
+# (defaults: g_y 4-bit per token, W 8-bit, HLA rank 16, INT8 Triton GEMMs). Host times from
+# the same run: the eager HOT backward of the smallest layer (ViT-B proj, GPU 0.14 ms)
+# takes 0.275 ms, the exact one is GPU-bound (2 cuBLAS launches).
+H100 = CostModel(
+    name="H100 (layers_2026-11-23T201819)",
+    kernels={
+        "hq_g_token": (0.0100, 4.7497e-10),
+        "hq_w": (0.0421, 7.2330e-10),
+        "hq_int8": (0.0243, 8.6296e-13),
+        "hla_g": (0.0287, 1.0215e-09),
+        "transpose_xq": (0.0064, 3.9544e-10),
+        "hla_int8": (0.0355, 9.0535e-13),
+        "abc_x": (0.0414, 5.2676e-10),
+        "gx_bf16": (0.0000, 1.4750e-12),
+        "gw_bf16": (0.0000, 1.5155e-12),
+    },
+    host_hot_ms=0.30,
+    host_exact_ms=0.01,
+)
+
+
+def model_for(device: torch.device) -> Optional[CostModel]:
+    """The cost model of ``device``; None where HOT's speed is not modelled (CPU)."""
+    if device.type != "cuda":
+        return None
+    return H100
+
+
+def hint(v) -> Optional[int]:
+    """An int for a size, through the size hint of a symbolic one; None if unknown."""
+    if isinstance(v, int):
+        return v
+    try:
+        return int(v.node.hint) if v.node.hint is not None else None
+    except AttributeError:
+        return None
