@@ -21,6 +21,7 @@ window is measured, compiled once more with the chosen ranks (``_AutoRankGraph``
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import logging
@@ -130,6 +131,7 @@ class JointPass(CustomGraphPass):
     def _publish(self, records: List[SiteRecord]) -> None:
         self.sink.layers[:] = [r for r in self.sink.layers if r.graph != self.graph_index]
         self.sink.layers.extend(records)
+        log_summary(self.graph_index, records)
 
     def restore(self) -> bool:
         """After a compile that did not run the pass (a cache hit): the stored records into
@@ -146,6 +148,25 @@ class JointPass(CustomGraphPass):
             r.refresh_lqs()
         self._publish(records)
         return True
+
+
+def _short(reason: str) -> str:
+    """A reason without its numbers, to count alike reasons together."""
+    head = reason.split(":")[0] if reason.startswith(("cost gate", "shape check")) else reason
+    return head.split(" (")[0]
+
+
+def log_summary(graph_index: int, records: List[SiteRecord]) -> None:
+    """One line per compiled graph: INFO when layers were rewritten, WARNING when a graph
+    with linear layers got none (``backend="hot"`` would otherwise do nothing silently)."""
+    if not records:
+        return
+    done = sum(r.rewritten for r in records)
+    why = collections.Counter(_short(r.reason) for r in records if not r.rewritten)
+    exact = ", ".join(f"{n} {w}" for w, n in why.most_common(3))
+    msg = (f"hot: graph {graph_index}: {done}/{len(records)} linear layers rewritten"
+           + (f" ({len(records) - done} exact: {exact})" if why else ""))
+    log.log(logging.INFO if done else logging.WARNING, msg)
 
 
 class HotBackend:

@@ -91,3 +91,20 @@ def test_cpu_is_not_gated():
     be = hotcompile.backend(HOTConfig(min_features=0, exclude=(), kernels="reference"))
     torch.compile(Two(), backend=be)(torch.randn(2, 32, 64)).sum().backward()
     assert all(r.reason is None and r.predicted_ms is None for r in be.report.layers)
+
+
+def test_one_log_line_per_graph_and_a_warning_when_nothing_is_rewritten(monkeypatch, caplog):
+    import logging
+    caplog.set_level(logging.INFO, logger="hotcompile")
+    _compile(HOTConfig(min_features=0, exclude=(), kernels="reference"), monkeypatch,
+             lambda device: cost.H100)
+    warn = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warn) == 1, caplog.text
+    assert "0/2 linear layers rewritten (2 exact: 2 cost gate)" in warn[0].getMessage()
+    caplog.clear()
+    torch._dynamo.reset()
+    _compile(HOTConfig(min_features=0, exclude=(), kernels="reference", min_speedup=0),
+             monkeypatch, lambda device: cost.H100)
+    info = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO
+            and "linear layers rewritten" in r.getMessage()]
+    assert len(info) == 1 and "2/2 linear layers rewritten" in info[0], caplog.text

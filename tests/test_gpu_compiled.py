@@ -163,3 +163,21 @@ def test_auto_rank_decides_under_each_compile_mode(mode):
 
 
 _AUTO_ERRS: dict = {}
+
+
+def test_default_config_cost_gate_keeps_small_layers_exact_on_the_gpu():
+    """With the default min_speedup the H100 model predicts a d=256 block's layers slower
+    with HOT: they stay exact (reason names the gate and both predictions), and the
+    gradients are exactly the Inductor ones."""
+    torch.manual_seed(0)
+    model = Block(d=256, heads=4).cuda()
+    x = torch.randn(8, 256, 256, device="cuda")
+    be = hotcompile.backend(HOTConfig(min_features=0, exclude=()))
+    hot = _grads(model, x, be)
+    torch._dynamo.reset()
+    ind = _grads(model, x, "inductor")
+    recs = be.report.layers
+    assert len(recs) == 4 and all(r.reason.startswith("cost gate") and r.predicted_ms
+                                  for r in recs), recs
+    for h, i in zip(hot, ind):
+        assert torch.equal(h, i)
