@@ -108,8 +108,10 @@ class HOTConfig:
             v = getattr(self, f)
             if v is None and f == "include":
                 continue
-            if isinstance(v, str) or not all(isinstance(s, str) for s in v):
-                bad(f, "must be a tuple of strings")
+            if (v is None or isinstance(v, str) or not hasattr(v, "__iter__")
+                    or not all(isinstance(s, str) for s in v)):
+                bad(f, "must be a tuple of strings" + (" (use () for none)" if f == "exclude"
+                                                      else " or None (every layer)"))
             object.__setattr__(self, f, tuple(v))
         if self.min_features < 0:
             bad("min_features", "must be >= 0")
@@ -126,6 +128,26 @@ class HOTConfig:
             bad("lqs_ratio", "must be a positive number")
         if self.dump_dir is None and os.environ.get("HOT_DUMP"):
             object.__setattr__(self, "dump_dir", os.environ["HOT_DUMP"])
+        for f in ("dump_dir", "lqs_file"):
+            v = getattr(self, f)
+            if v is not None:
+                if not isinstance(v, (str, os.PathLike)) or not str(v):
+                    bad(f, "must be a path (str or os.PathLike) or None")
+                object.__setattr__(self, f, os.fspath(v))
+        if self.kernels == "triton":
+            self._check_triton_usable()
+
+    def _check_triton_usable(self) -> None:
+        """``kernels="triton"`` needs triton and a CUDA device (or ``TRITON_INTERPRET=1``):
+        an impossible choice fails here, not at the first forward."""
+        try:
+            import triton  # noqa: F401
+        except ImportError as e:
+            raise ValueError("HOTConfig.kernels: 'triton' but triton is not importable") from e
+        import torch
+        if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("HOTConfig.kernels: 'triton' needs a CUDA device (or "
+                             "TRITON_INTERPRET=1 to run the kernels on CPU); use 'auto'")
 
     @classmethod
     def paper(cls, **overrides) -> "HOTConfig":

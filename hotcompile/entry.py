@@ -176,14 +176,6 @@ class HotBackend:
         self.config = config or HOTConfig()
         self.report = Report()
         self.id = next(_BACKEND_IDS)
-        self._check_kernels()
-
-    def _check_kernels(self) -> None:
-        if self.config.kernels == "triton":
-            try:
-                import triton  # noqa: F401
-            except ImportError as e:
-                raise ValueError("HOTConfig.kernels='triton' but triton is not importable") from e
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: List, **kwargs):
         graph_index = next(_GRAPH_IDS)

@@ -2,8 +2,11 @@
 
 Why a fresh compile: the report is made by the joint-graph pass, which runs at compile
 time. Only the forward is run (that compiles forward *and* backward); no gradient is
-accumulated, and the global RNG state is restored so calling explain() changes nothing
-about the user's run.
+accumulated. explain() changes nothing about the user's run: the global RNG states
+(dropout draws) and every buffer (BatchNorm running statistics, ``num_batches_tracked``)
+are restored, parameters are only read, and it compiles with grad enabled even when called
+under ``torch.no_grad()`` or ``torch.inference_mode()`` (otherwise every layer would look
+frozen).
 """
 from __future__ import annotations
 
@@ -23,11 +26,16 @@ def explain(model: torch.nn.Module, *example_inputs, config: Optional[HOTConfig]
     be = HotBackend(config)
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    with torch.inference_mode(False), torch.no_grad():
+        buffers = [(b, b.detach().clone()) for b in model.buffers()]
     try:
-        with torch.enable_grad():
+        with torch.inference_mode(False), torch.enable_grad():
             compiled = torch.compile(model, backend=be)
             compiled(*example_inputs, **example_kwargs)
     finally:
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)

@@ -204,6 +204,50 @@ def test_explain_reports_without_side_effects():
     assert len(default.rewritten) == 0 and "min_features=256" in str(default)
 
 
+class BNDrop(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(64, 64)
+        self.bn = torch.nn.BatchNorm1d(64)
+        self.drop = torch.nn.Dropout(0.3)
+        self.fc2 = torch.nn.Linear(64, 64)
+
+    def forward(self, x):
+        return self.fc2(self.drop(self.bn(self.fc1(x))))
+
+
+@pytest.mark.parametrize("context", ["plain", "no_grad", "inference_mode"])
+def test_explain_leaves_buffers_params_rng_and_optimizer_alone(context):
+    """BatchNorm in train mode and dropout: explain() must not move running statistics,
+    ``num_batches_tracked``, parameters, RNG or optimizer state, under any grad context."""
+    torch.manual_seed(0)
+    model = BNDrop().train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(32, 64)).sum().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    opt_before = {k: {n: t.clone() if torch.is_tensor(t) else t for n, t in st.items()}
+                  for k, st in opt.state.items()}
+    x = torch.randn(32, 64)
+    rng = torch.get_rng_state()
+    ctx = {"plain": torch.enable_grad, "no_grad": torch.no_grad,
+           "inference_mode": torch.inference_mode}[context]
+    with ctx():
+        report = hotcompile.explain(model, x, config=ALL)
+    assert len(report.rewritten) == 2, str(report)
+    after = model.state_dict()
+    assert before.keys() == after.keys()
+    for k in before:
+        assert torch.equal(before[k], after[k]), k
+    assert int(after["bn.num_batches_tracked"]) == 1
+    assert torch.equal(rng, torch.get_rng_state())
+    assert all(p.grad is None for p in model.parameters())
+    for k, st in opt.state.items():
+        for n, t in st.items():
+            assert torch.equal(t, opt_before[k][n]) if torch.is_tensor(t) else t == opt_before[k][n]
+
+
 def test_seeded_runs_reproduce():
     def grads():
         torch.manual_seed(0)

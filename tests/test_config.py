@@ -13,7 +13,9 @@ from hotcompile import HOTConfig
     ({"kernels": "cuda"}, "kernels"), ({"exclude": "head"}, "exclude"),
     ({"include": [1]}, "include"), ({"min_features": -1}, "min_features"),
     ({"lqs_ratio": 0}, "lqs_ratio"), ({"lqs_calibration_steps": 0}, "lqs_calibration_steps"),
-    ({"rank": 4.0}, "rank"), ({"abc": 1}, "abc")
+    ({"rank": 4.0}, "rank"), ({"abc": 1}, "abc"), ({"exclude": None}, "exclude"),
+    ({"exclude": 3}, "exclude"), ({"dump_dir": 123}, "dump_dir"), ({"lqs_file": 3}, "lqs_file"),
+    ({"dump_dir": ""}, "dump_dir"),
 ])
 def test_bad_values_name_the_field(kw, field):
     with pytest.raises(ValueError, match=rf"HOTConfig\.{field}\b"):
@@ -42,3 +44,18 @@ def test_hot_dump_env(monkeypatch, tmp_path):
 def test_min_speedup_is_validated(value):
     with pytest.raises(ValueError, match="min_speedup"):
         HOTConfig(min_speedup=value)
+
+
+def test_paths_accept_pathlike(tmp_path):
+    c = HOTConfig(dump_dir=tmp_path, lqs_file=tmp_path / "lqs.json")
+    assert c.dump_dir == str(tmp_path) and c.lqs_file == str(tmp_path / "lqs.json")
+
+
+def test_triton_without_cuda_fails_at_construction(monkeypatch):
+    import torch
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"HOTConfig\.kernels: 'triton' needs a CUDA device"):
+        HOTConfig(kernels="triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert HOTConfig(kernels="triton").kernels == "triton"
