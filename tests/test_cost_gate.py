@@ -90,7 +90,10 @@ def test_cpu_is_not_gated():
     assert cost.model_for(torch.device("cpu")) is None
     be = hotcompile.backend(HOTConfig(min_features=0, exclude=(), kernels="reference"))
     torch.compile(Two(), backend=be)(torch.randn(2, 32, 64)).sum().backward()
-    assert all(r.reason is None and r.predicted_ms is None for r in be.report.layers)
+    assert all(r.reason is None and r.predicted_ms is None
+               and r.cost_model == "not gated: no cost model for cpu" for r in be.report.layers)
+    assert ("cost gate not applied: no cost model for cpu (min_speedup applies on GPUs)"
+            in str(be.report))
 
 
 def test_one_log_line_per_graph_and_a_warning_when_nothing_is_rewritten(monkeypatch, caplog):

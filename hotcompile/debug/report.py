@@ -98,7 +98,7 @@ def record_site(site: LinearSite, graph_index: int, config, plan=None) -> SiteRe
                      rank="auto (calibrating)" if measuring else rank,
                      layout=site.layout.describe() if site.layout is not None else None,
                      predicted_ms=[round(site.cost[0], 4), round(site.cost[1], 4)]
-                     if site.cost else None,
+                     if site.cost and site.cost[0] is not None else None,
                      cost_model=site.cost[2] if site.cost else None,
                      runtime_key=f"{prefix}/{site.key}" if prefix else site.key,
                      rank_key=site.rewritten_gw.args[8] if measuring else
@@ -167,6 +167,10 @@ class Report:
         lines.append(f"{len(self.rewritten)}/{len(self.layers)} linear layers rewritten; "
                      f"linear inputs saved for backward: {_fmt_bytes(b)} -> {_fmt_bytes(a)}"
                      + (f" ({b / a:.1f}x smaller)" if a else ""))
+        ungated = sorted({r.cost_model for r in self.layers
+                          if r.cost_model and r.cost_model.startswith("not gated")})
+        lines += [f"cost gate not applied: {u.split(': ', 1)[1]} (min_speedup applies on GPUs)"
+                  for u in ungated]
         lines += [f"pass failed, left to Inductor: {e}" for e in self.errors]
         lines += self.notes
         return "\n".join(lines)

@@ -107,6 +107,9 @@ def _cost_gate(sites: List[LinearSite], groups, config) -> None:
         model = cost.model_for(val.device) if isinstance(val, torch.Tensor) else None
         dims = [cost.hint(v) for v in (s.L, s.I, s.O)]
         if model is None or None in dims:
+            dev = val.device.type if isinstance(val, torch.Tensor) else "?"
+            s.cost = (None, None, f"not gated: no cost model for {dev}" if model is None
+                      else "not gated: unknown sizes")
             continue
         rank = s.rank if isinstance(s.rank, int) else config.block
         exact, hot = model.predict(*dims, rank, config.block, s.gx is not None,
