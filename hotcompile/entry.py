@@ -127,7 +127,6 @@ class JointPass(CustomGraphPass):
             from .debug.dump import dump_joint
             dump_joint(self.config, self.graph_index, before, graph, sites, records)
 
-
     def _publish(self, records: List[SiteRecord]) -> None:
         self.sink.layers[:] = [r for r in self.sink.layers if r.graph != self.graph_index]
         self.sink.layers.extend(records)
@@ -270,15 +269,19 @@ class _AutoRankGraph:
         return self.compiled(*a)
 
 
+def _flat(args) -> list:
+    """A compiled graph's arguments, boxed (one list) or not."""
+    return list(args[0] if len(args) == 1 and isinstance(args[0], list) else args)
+
+
 def _fake(args) -> bool:
     from torch._guards import detect_fake_mode
-    flat = args[0] if len(args) == 1 and isinstance(args[0], list) else args
-    return detect_fake_mode(list(flat)) is not None
+    return detect_fake_mode(_flat(args)) is not None
 
 
 def _device_of(args) -> torch.device:
-    flat = args[0] if len(args) == 1 and isinstance(args[0], list) else args
-    return next((t.device for t in flat if isinstance(t, torch.Tensor)), torch.device("cpu"))
+    return next((t.device for t in _flat(args) if isinstance(t, torch.Tensor)),
+                torch.device("cpu"))
 
 
 def backend(config: Optional[HOTConfig] = None) -> HotBackend:

@@ -111,12 +111,3 @@ def model_for(device: torch.device) -> Optional[CostModel]:
         return None
     return H100
 
-
-def hint(v) -> Optional[int]:
-    """An int for a size, through the size hint of a symbolic one; None if unknown."""
-    if isinstance(v, int):
-        return v
-    try:
-        return int(v.node.hint) if v.node.hint is not None else None
-    except AttributeError:
-        return None
