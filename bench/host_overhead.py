@@ -94,13 +94,16 @@ def main(argv=None):
         "hot::hq_grad_input": lambda: torch.ops.hot.hq_grad_input(g, w, 4, 4, 16, "lqs", "site", "auto"),
         "hot::abc_compress": lambda: torch.ops.hot.abc_compress(x, 8, 8, 16, 0, False, "auto"),
         "hot::hla_grad_weight": lambda: torch.ops.hot.hla_grad_weight(g, xq, xs, 8, 8, 16, 0, False, "", "auto"),
+        "fused.linear_backward": lambda: fused.linear_backward(g, w, xq, xs, 8, 4, 8, 8, True, seed),
+        "hot::linear_backward": lambda: torch.ops.hot.linear_backward(
+            g, xq, xs, 8, 8, 16, 0, False, "", "auto", w, 4, 8, "lqs", "site"),
     }
     print(f"host microseconds per call (L={L}, O={O}, I={I}, n={a.n}, "
           f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__})")
     for name, fn in cases.items():
         print(f"  {name:40s} {host_us(fn, a.n):8.1f}")
     if a.cprofile:
-        for name in ("hot::hq_grad_input", "hot::hla_grad_weight"):
+        for name in ("hot::hq_grad_input", "hot::hla_grad_weight", "hot::linear_backward"):
             pr = cProfile.Profile()
             fn = cases[name]
             pr.enable()

@@ -6,8 +6,11 @@ g_x = g W and g_W = g^T x. Variants, timed side by side in one run on random bf1
   fp32          two torch.mm in fp32 (TF32 off)
   bf16          two torch.mm in bf16 (cuBLAS)
   hot_ref       reference.hq_grad_input + reference.hla_grad_weight (unfused torch ops)
-  hot_tok       fused.hq_grad_input (per-token scales) + fused.hla_grad_weight
-  hot_ten       the same with per-tensor scales for g_x (two reads of g)
+  hot_tok       fused.linear_backward, per-token g_x scales: the site's one-op backward
+                (g read by one kernel pair for both operands, W quantized, two GEMMs)
+  hot_ten       the same with a per-tensor g_x scale
+  hot_sep       fused.hq_grad_input + fused.hla_grad_weight, per token (before 2026-11-23:
+                g read three times)
   abc_ref/abc   the forward-side cost of ABC (abc_compress), timed separately
 
 plus CUDA-graph replays of bf16 and hot_tok (no launch overhead), each transform kernel
@@ -234,7 +237,7 @@ def check_layer(L, I, O, R, F, H, HL, seed):
 
 
 def run_layer(group, name, L, I, O, args, copies):
-    from hotcompile.kernels import fused as F, gemm as G, hadamard as H, hla as HL
+    from hotcompile.kernels import fused as F, gemm as G, grad_out as GO, hadamard as H, hla as HL
     from hotcompile.kernels import reference as R
     o_pad, lr = -(-O // 16) * 16, -(-L // 16) * RANK
     set_bytes = 2 * (L * I + O * I + L * O)
@@ -253,9 +256,13 @@ def run_layer(group, name, L, I, O, args, copies):
 
     def bwd_hot(tok):
         def fn(x, w, g, i):
-            F.hq_grad_input(g, w, GX_BITS, tok, seed, w_bits=GX_W_BITS)
-            F.hla_grad_weight(g, abc_f[i][0], abc_f[i][1], RANK, "1d", GW_BITS, seed)
+            F.linear_backward(g, w, abc_f[i][0], abc_f[i][1], RANK, GX_BITS, GX_W_BITS, GW_BITS,
+                              tok, seed)
         return fn
+
+    def bwd_sep(x, w, g, i):
+        F.hq_grad_input(g, w, GX_BITS, True, seed, w_bits=GX_W_BITS)
+        F.hla_grad_weight(g, abc_f[i][0], abc_f[i][1], RANK, "1d", GW_BITS, seed)
 
     def bwd_ref(x, w, g, i):
         R.hq_grad_input(g, w, GX_BITS, True, seed, w_bits=GX_W_BITS)
@@ -270,6 +277,7 @@ def run_layer(group, name, L, I, O, args, copies):
     t["bf16"] = bench(bwd_bf16, fsets)
     t["hot_tok"] = bench(bwd_hot(True), fsets)
     t["hot_ten"] = bench(bwd_hot(False), fsets)
+    t["hot_sep"] = bench(bwd_sep, fsets)
     if args.reference:
         t["hot_ref"] = bench(bwd_ref, fsets, rep_ms=30)
     if args.fp32:
@@ -286,6 +294,7 @@ def run_layer(group, name, L, I, O, args, copies):
         t["bf16_graph"] = bench_graph(bwd_bf16, fsets)
         t["hot_tok_graph"] = bench_graph(bwd_hot(True), fsets)
         t["hot_ten_graph"] = bench_graph(bwd_hot(False), fsets)
+        t["hot_sep_graph"] = bench_graph(bwd_sep, fsets)
     res["times_ms"] = t
 
     # each transform kernel alone, against a copy of the same bytes (bytes in + bytes out)
@@ -295,6 +304,9 @@ def run_layer(group, name, L, I, O, args, copies):
         ("hq_g_token", lambda g: H.hq_act_quant(g, GX_BITS, True, seed), gsets, 2 * L * O + L * o_pad),
         ("hq_g_tensor", lambda g: H.hq_act_quant(g, GX_BITS, False, seed), gsets, 2 * L * O + L * o_pad),
         ("hq_w", lambda w: H.hq_weight_quant(w, GX_W_BITS), [(w,) for _, w, _ in sets], 2 * O * I + I * o_pad),
+        ("grad_out", lambda g: GO.grad_out_quant(g, GX_BITS, True, seed, RANK, "1d", GW_BITS, seed,
+                                                 hla_seed_add=1), gsets,
+         2 * L * O + L * o_pad + lr * O),
         ("hla_g", lambda g: HL.hla_quant(g, RANK, "1d", GW_BITS, stochastic=True, seed=seed,
                                          transposed=True, pad_to=16), gsets, 2 * L * O + lr * O),
         ("abc_x", lambda x: HL.hla_quant(x, RANK, "1d", GW_BITS, stochastic=False),
@@ -382,17 +394,19 @@ def speedups(r):
 
 def tables(data):
     head = ["layer", "L", "I->O", "fp32", "bf16", "bf16 best", "HOT unfused", "HOT fused tok",
-            "HOT fused ten", "x bf16 best (tok)", "x unfused (tok)", "bf16 graph", "fused tok graph",
-            "x graph", "abc fused", "abc unfused"]
+            "HOT fused ten", "HOT separate ops tok", "x bf16 best (tok)", "x unfused (tok)",
+            "bf16 graph", "fused tok graph", "x graph", "separate graph", "abc fused",
+            "abc unfused"]
     rows = []
     for r in data["layers"]:
         t, s = r["times_ms"], speedups(r)
         rows.append([f"{r['group']} {r['name']}", r["L"], f"{r['I']}->{r['O']}",
                      C.fmt(t.get("fp32"), 3), C.fmt(t.get("bf16"), 3), C.fmt(bf16_best(r), 3),
                      C.fmt(t.get("hot_ref"), 3), C.fmt(t.get("hot_tok"), 3), C.fmt(t.get("hot_ten"), 3),
+                     C.fmt(t.get("hot_sep"), 3),
                      C.fmt(s.get("hot_tok_vs_bf16"), 2), C.fmt(s.get("hot_tok_vs_ref"), 2),
                      C.fmt(t.get("bf16_graph"), 3), C.fmt(t.get("hot_tok_graph"), 3),
-                     C.fmt(s.get("hot_tok_graph_vs_bf16"), 2),
+                     C.fmt(s.get("hot_tok_graph_vs_bf16"), 2), C.fmt(t.get("hot_sep_graph"), 3),
                      C.fmt(t.get("abc"), 3), C.fmt(t.get("abc_ref"), 3)])
     khead = ["layer", "kernel", "ms", "GB/s", "copy ms", "% of copy"]
     krows = [[f"{r['group']} {r['name']}", k, C.fmt(v["ms"], 4), C.fmt(v["gbps"], 0),

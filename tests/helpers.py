@@ -5,7 +5,8 @@ import torch
 import torch.nn.functional as F
 
 HOT_OPS = {"hq": torch.ops.hot.hq_grad_input.default, "hla": torch.ops.hot.hla_grad_weight.default,
-           "abc": torch.ops.hot.abc_compress.default}
+           "abc": torch.ops.hot.abc_compress.default,
+           "unit": torch.ops.hot.linear_backward.default}
 
 
 class MLP(torch.nn.Module):
@@ -47,7 +48,10 @@ def capture_graphs():
 
 
 def count_ops(graph, op) -> int:
-    return sum(1 for n in graph.nodes if n.op == "call_function" and n.target == op)
+    """Calls of ``op``. For HOT_OPS["hq"] / ["hla"]: the sites with an HQ g_x / HLA g_W,
+    whether alone or inside a site's one-op backward (hot::linear_backward does both)."""
+    ops = {op, HOT_OPS["unit"]} if op in (HOT_OPS["hq"], HOT_OPS["hla"]) else {op}
+    return sum(1 for n in graph.nodes if n.op == "call_function" and n.target in ops)
 
 
 def is_bw(graph) -> bool:

@@ -99,15 +99,21 @@ def test_counts_agree_across_joint_bw_report_and_dot(dumped):
         bw, fw = (d / "backward.txt").read_text(), (d / "forward.txt").read_text()
         nodes, edges = parse_dot((d / "sites.dot").read_text())
         hot = [a["hot"] for a in nodes.values() if "hot" in a]
-        assert count_calls(before, "hla_grad_weight") == 0
-        assert count_calls(after, "hla_grad_weight") == len(rewritten) == hot.count("hla")
-        assert count_calls(bw, "hla_grad_weight") == len(rewritten)
-        assert count_calls(after, "hq_grad_input") == len(with_hq) == hot.count("hq")
-        assert count_calls(bw, "hq_grad_input") == len(with_hq)
+        # a site with both gradients is one linear_backward op; HQ or HLA alone otherwise
+        units = len(with_hq)
+        unit = "hq+hla (linear_backward)"
+        assert count_calls(before, "hla_grad_weight") == count_calls(before, "linear_backward") == 0
+        for text in (after, bw):
+            assert count_calls(text, "linear_backward") == units
+            assert count_calls(text, "hla_grad_weight") == len(rewritten) - units
+            assert count_calls(text, "hq_grad_input") == 0
+        assert hot.count(unit) == units and hot.count("hla") == len(rewritten) - units
+        assert hot.count("hq") == 0
         n_abc = count_calls(after, "abc_compress")
         assert n_abc == hot.count("abc") == count_calls(fw, "abc_compress") + \
             count_calls(bw, "abc_compress")
-        assert g["compiled"]["backward"]["hot_ops"]["hla"] == len(rewritten)
+        ops = g["compiled"]["backward"]["hot_ops"]
+        assert ops["hla"] + ops["unit"] == len(rewritten) and ops["unit"] == units
         assert all(a in nodes and b in nodes for a, b in edges)
         # every exact site shows up, greyed, with its reason
         for s in g["sites"]:

@@ -69,14 +69,16 @@ def _assert_same(a, b, what):
     assert torch.equal(_bits(a), _bits(b)), what
 
 
-def _check(g, hq_bits, per_token, hq_seed, rank, select, hla_bits, hla_seed, fp8=False):
+def _check(g, hq_bits, per_token, hq_seed, rank, select, hla_bits, hla_seed, fp8=False,
+           seed_add=0, seq_len=0, seq_first=False):
     """grad_out_quant against the separate pair; returns the combined outputs."""
+    lay = dict(seq_len=seq_len, seq_first=seq_first)
     out = GO.grad_out_quant(g, hq_bits, per_token, hq_seed, rank, select, hla_bits, hla_seed,
-                            fp8=fp8)
+                            fp8=fp8, hla_seed_add=seed_add, **lay)
     hq_q, hq_s = H.hq_act_quant(g, hq_bits, per_token, hq_seed, fp8)
-    hla_q, hla_s = HL.hla_quant(g, rank, select, hla_bits, stochastic=True, seed=hla_seed,
-                                transposed=True, pad_to=16)
-    rows = -(-g.shape[0] // 16) * rank                   # L': the defined HLA columns
+    hla_q, hla_s = HL.hla_quant(g, rank, select, hla_bits, stochastic=True,
+                                seed=hla_seed + seed_add, transposed=True, pad_to=16, **lay)
+    rows = HL.token_layout(g.shape[0], seq_len, seq_first)[4] * rank   # L': defined columns
     _assert_same(out[0], hq_q, "hq levels")
     _assert_same(out[1], hq_s, "hq scale")
     assert out[2].shape == hla_q.shape and out[2].dtype == hla_q.dtype
@@ -139,6 +141,31 @@ def test_nonfinite_inputs_propagate_like_separate_kernels(poison, bad, per_token
     assert not torch.isfinite(hq_s).all()
     if per_token:
         assert torch.isfinite(hq_s[torch.arange(37) != 3]).all()   # other rows unaffected
+
+
+@cpu
+@pytest.mark.parametrize("seq_len,seq_first,per_token", [(13, False, True), (13, True, False),
+                                                          (20, False, False), (20, True, True)])
+def test_sequence_blocks(poison, seq_len, seq_first, per_token):
+    """Blocks of 16 neighbouring positions of one sequence (13: one padded block per
+    sequence; 20: a full and a padded one), batch-first and sequence-first rows: the
+    padding positions must not leak into the HQ operand, which covers every row once."""
+    torch.manual_seed(seq_len + seq_first)
+    g = _randn(3 * seq_len, 40, dtype=torch.bfloat16)
+    _check(g, 4, per_token, 31, 8, "1d", 8, 32, seq_len=seq_len, seq_first=seq_first)
+
+
+@cpu
+def test_one_seed_tensor_for_both_halves(poison):
+    """hla_seed_add: the HLA half reads the HQ seed tensor plus an offset (the fused
+    backward op draws one seed per site), equal to the separate kernel with seed + 1."""
+    torch.manual_seed(9)
+    g = _randn(37, 40, dtype=torch.bfloat16)
+    seed = torch.tensor(41)
+    a = _check(g, 4, True, seed, 8, "1d", 8, seed, seed_add=1)
+    b = GO.grad_out_quant(g, 4, True, seed, 8, "1d", 8, seed)
+    assert not torch.equal(a[2][:, :24], b[2][:, :24])   # another key: other HLA bits
+    _assert_same(a[0], b[0], "hq levels")
 
 
 @cpu

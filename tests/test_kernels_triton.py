@@ -185,6 +185,47 @@ def test_fused_ops_match_reference(poison, dtype, L, O, I):
 
 
 @cpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("L,O,I,seq_len,seq_first,per_token", [
+    (37, 40, 24, 0, False, True), (64, 48, 32, 0, False, False),
+    (39, 40, 24, 13, False, False), (60, 24, 40, 20, True, True)])
+def test_linear_backward_is_the_two_ops_in_one(poison, dtype, L, O, I, seq_len, seq_first,
+                                               per_token):
+    """The site's one-op backward (g read by one kernel pair for both operands) gives
+    bit for bit what the two separate fused ops give with seeds s and s + 1, for flat,
+    batch-first and sequence-first token blocks; and it follows the reference twin."""
+    g, w, x = _randn(L, O, dtype=dtype), _randn(O, I, dtype=dtype), _randn(L, I, dtype=dtype)
+    lay = dict(seq_len=seq_len, seq_first=seq_first)
+    xq, xs = R.abc_compress(x, 8, "1d", 8, **lay)
+    seed = torch.tensor(4242)
+    gx, gw = F.linear_backward(g, w, xq, xs, 8, 4, 8, 8, per_token, seed, **lay)
+    assert torch.equal(gx, F.hq_grad_input(g, w, 4, per_token, seed, w_bits=8))
+    assert torch.equal(gw, F.hla_grad_weight(g, xq, xs, 8, "1d", 8, seed + 1, **lay))
+    rx, rw = R.linear_backward(g, w, xq, xs, 8, 4, 8, 8, per_token, seed, **lay)
+    assert torch.equal(gx, rx)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2        # HLA: butterfly vs einsum order
+    assert float((gw.double() - rw.double()).norm() / rw.double().norm()) < tol
+    assert gx.dtype == gw.dtype == dtype and gx.shape == (L, I) and gw.shape == (O, I)
+
+
+@cpu
+def test_linear_backward_nonfinite_and_fallback(poison):
+    """NaN in g poisons both gradients (never a silently finite result); block 8 (no fused
+    kernels) falls back to the separate reference pieces with the same seeds."""
+    g, w, x = _randn(37, 40), _randn(40, 24), _randn(37, 24)
+    xq, xs = R.abc_compress(x, 8)
+    bad = g.clone()
+    bad[3, 5] = float("nan")
+    gx, gw = F.linear_backward(bad, w, xq, xs, 8, 4, 8, 8, True, 3)
+    assert not torch.isfinite(gx[3]).any() and torch.isfinite(gx[torch.arange(37) != 3]).all()
+    assert not torch.isfinite(gw).any()
+    xq8, xs8 = R.abc_compress(x, 4, block=8)
+    a = F.linear_backward(g, w, xq8, xs8, 4, 4, 8, 8, False, 3, block=8)
+    b = R.linear_backward(g, w, xq8, xs8, 4, 4, 8, 8, False, 3, block=8)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+@cpu
 def test_noncontiguous_inputs_and_seed_forms():
     g, w = _randn(48, 40).t(), _randn(24, 40).t()                 # (40, 48) and (40, 24) views
     a = F.hq_grad_input(g, w, 4, True, 5)

@@ -20,6 +20,26 @@ def test_opcheck(L, O, I):
     assert torch.ops.hot.hla_grad_weight(g, xq, xs, 8, 8, 16, 0, False, "", "reference").shape == (O, I)
 
 
+@pytest.mark.parametrize("L,O,I,seq_len", [(48, 32, 24, 0), (39, 40, 19, 13)])
+def test_linear_backward_op(L, O, I, seq_len):
+    """The one-op site backward: registration checks, and the same numbers as the two
+    separate reference ops given the seed it draws (g_x from s, g_W from s + 1)."""
+    torch.manual_seed(L)
+    g, w, x = torch.randn(L, O), torch.randn(O, I), torch.randn(L, I)
+    xq, xs = torch.ops.hot.abc_compress(x, 8, 8, 16, seq_len, False, "reference")
+    args = (g, xq, xs, 8, 8, 16, seq_len, False, "", "reference", w, 4, 8, "token", "s")
+    torch.library.opcheck(torch.ops.hot.linear_backward.default, args,
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
+    torch.manual_seed(7)
+    seed = ops.draw_seed(torch.device("cpu"))
+    torch.manual_seed(7)
+    gx, gw = torch.ops.hot.linear_backward(*args)
+    from hotcompile.kernels import reference as R
+    assert torch.equal(gx, R.hq_grad_input(g, w, 4, True, seed, w_bits=8))
+    assert torch.equal(gw, R.hla_grad_weight(g, xq, xs, 8, "1d", 8, seed + 1, seq_len=seq_len))
+    assert gx.shape == (L, I) and gw.shape == (O, I)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_output_dtypes_follow_the_gradient(dtype):
     g, w, x = torch.randn(32, 32, dtype=dtype), torch.randn(32, 16, dtype=dtype), torch.randn(32, 16)

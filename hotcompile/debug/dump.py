@@ -75,7 +75,7 @@ _ATEXIT: set = set()                         # pids that registered the exit ref
 
 FLOAT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 HOT_TARGETS = {"hq": "hot.hq_grad_input.default", "hla": "hot.hla_grad_weight.default",
-               "abc": "hot.abc_compress.default"}
+               "unit": "hot.linear_backward.default", "abc": "hot.abc_compress.default"}
 
 
 # --------------------------------------------------------------------------- cost model
@@ -293,7 +293,10 @@ def site_graph(graph: torch.fx.Graph, sites: list):
             mark(s.fwd, s, role="forward_gemm", fillcolor=_COLORS["core"])
             mark(s.x, s, role="x", fillcolor=_COLORS["core"])
             mark(s.rewritten_gw, s, hot="hla", fillcolor=_COLORS["hla"])
-            mark(s.rewritten_gx, s, hot="hq", fillcolor=_COLORS["hq"])
+            if s.rewritten_gx is not s.rewritten_gw:     # else one op: the site's backward
+                mark(s.rewritten_gx, s, hot="hq", fillcolor=_COLORS["hq"])
+            else:
+                core[s.rewritten_gw]["hot"] = "hq+hla (linear_backward)"
             buf = s.rewritten_gw.args[1:3]
             comp = buf[0].args[0]
             mark(comp, s, hot="abc", fillcolor=_COLORS["abc"])
@@ -425,7 +428,7 @@ def _compiled_info(graph: torch.fx.Graph) -> dict:
         for k, t in HOT_TARGETS.items():
             if str(n.target) == t:
                 counts[k] += 1
-                if k == "hla":
+                if k in ("hla", "unit"):      # unit: hla_grad_weight's arguments first
                     hot_inputs.update(a.name for a in n.args[1:3])
     gemms = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
     info = {"hot_ops": counts, "exact_mm": sum(1 for n in graph.nodes

@@ -103,9 +103,10 @@ def _warnings(graphs: List[dict]) -> List[str]:
         n_hla = sum(s["rewritten"] and str(s.get("gw_path", "")).startswith("HLA")
                     for s in g["sites"])     # frozen weights: HQ only, no g_W
         for kind, info in g.get("compiled", {}).items():
-            if kind.startswith("backward") and info["hot_ops"]["hla"] != n_hla:
-                out.append(f"{where}: {info['file']} has {info['hot_ops']['hla']} "
-                           f"hla_grad_weight ops but {n_hla} sites have an HLA g_W")
+            n_ops = info["hot_ops"]["hla"] + info["hot_ops"].get("unit", 0)
+            if kind.startswith("backward") and n_ops != n_hla:
+                out.append(f"{where}: {info['file']} has {n_ops} hla_grad_weight / "
+                           f"linear_backward ops but {n_hla} sites have an HLA g_W")
         if g.get("joint_dumped") and n_rw and not any(k.startswith("backward")
                                                       for k in g.get("compiled", {})):
             out.append(f"{where}: no backward graph dumped (backward not run yet, or the "

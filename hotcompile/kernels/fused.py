@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from . import gemm, hadamard, hla
+from . import gemm, grad_out, hadamard, hla
 from . import reference as ref
 
 _FUSED_BLOCK = 16
@@ -82,3 +82,36 @@ def hla_grad_weight(g: torch.Tensor, xt: torch.Tensor, x_scale: torch.Tensor, ra
     xs = x_scale if isinstance(x_scale, torch.Tensor) else torch.tensor(float(x_scale))
     xs = xs.to(device=g.device, dtype=torch.float32)
     return gemm.scaled_mm(qg_t, gemm.transpose_padded(xt, 16), sg, xs, 1.0 / 16, g.dtype, k=k)
+
+
+def linear_backward(g: torch.Tensor, w: torch.Tensor, xt: torch.Tensor, x_scale: torch.Tensor,
+                    rank: int, gx_bits: int, w_bits: int, gw_bits: int, per_token: bool, seed=0,
+                    block: int = 16, *, seq_len: int = 0, seq_first: bool = False,
+                    warm_other_scale: bool = False):
+    """One linear layer's whole HOT backward: (g_x, g_W), equal to ``hq_grad_input(g, w,
+    gx_bits, per_token, seed)`` and ``hla_grad_weight(g, xt, x_scale, rank, "1d", gw_bits,
+    seed + 1)``, with g read by one kernel pair for both operands (``grad_out``) instead of
+    three or four passes. One seed for the site: the HLA half adds 1 on the device."""
+    lay = dict(seq_len=seq_len, seq_first=seq_first)
+    if (block != _FUSED_BLOCK or not all(_fused_bits(b) for b in (gx_bits, w_bits, gw_bits))
+            or xt.dtype != torch.int8 or g.numel() == 0 or w.numel() == 0 or xt.numel() == 0):
+        return (hq_grad_input(g, w, gx_bits, per_token, seed, block, warm_other_scale, w_bits),
+                hla_grad_weight(g, xt, x_scale, rank, "1d", gw_bits, seed + 1, block, **lay))
+    L, O = g.shape
+    I = w.shape[1]
+    k = xt.shape[0]
+    if k != ref.hla_rows(L, rank, block, seq_len):
+        raise ValueError(f"linear_backward: xt has {k} rows, expected "
+                         f"{ref.hla_rows(L, rank, block, seq_len)}")
+    o_pad = -(-O // 16) * 16
+    fp8 = gemm.choose_format(L, I, o_pad, max(gx_bits, w_bits), g.device) == "fp8"
+    qw, sw = hadamard.hq_weight_quant(w, w_bits, fp8=fp8)
+    qg, sg, qg_t, sg_t = grad_out.grad_out_quant(g, gx_bits, per_token, seed, rank, "1d",
+                                                 gw_bits, seed, fp8, hla_seed_add=1, **lay)
+    if warm_other_scale:   # LQS calibration: compile the other scaling's kernels too
+        qg2, sg2 = hadamard.hq_act_quant(g, gx_bits, not per_token, seed, fp8=fp8)
+        gemm.scaled_mm(qg2, qw, sg2, sw, 1.0 / 16, g.dtype)
+    gx = gemm.scaled_mm(qg, qw, sg, sw, 1.0 / 16, g.dtype)
+    xs = x_scale.to(device=g.device, dtype=torch.float32)
+    gw = gemm.scaled_mm(qg_t, gemm.transpose_padded(xt, 16), sg_t, xs, 1.0 / 16, g.dtype, k=k)
+    return gx, gw

@@ -64,20 +64,21 @@ from .hla import _load_project, _packed_rows, _quantize_store_tile, _tile_origin
 
 
 @triton.jit
-def _hla_half(g_ptr, q_ptr, s_ptr, amax_ptr, seed_ptr, blk0, col0, L, O, stride_g, ld_q, n_blk,
-              groups, is_first, PHASE: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+def _hla_half(g_ptr, q_ptr, s_ptr, amax_ptr, seed_ptr, seed_add, blk0, col0, S, n_sblk, stride_b,
+              stride_s, O, stride_g, ld_q, n_blk, groups, is_first, PHASE: tl.constexpr,
+              BT: tl.constexpr, BC: tl.constexpr,
               RP: tl.constexpr, RANK: tl.constexpr, KEPT: tl.constexpr, Q: tl.constexpr,
               INTERPRET: tl.constexpr):
     """The tile's HLA coefficients (BT, BC, RP): phase 1 maxes their amax into word 0,
     phase 2 quantizes them into the transposed (O, L'_pad) operand (``hla._hla_kernel``,
     stochastic, transposed); the first program stores the scale."""
-    v = _load_project(g_ptr, blk0, col0, n_blk, L, n_blk, 0, 1, O, stride_g, BT, BC, RP, RANK,
-                      KEPT)   # one flat token axis
+    v = _load_project(g_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, O, stride_g, BT,
+                      BC, RP, RANK, KEPT)
     if PHASE == 1:
         keep = (tl.arange(0, RP) < RANK)[None, None, :]
         tl.atomic_max(amax_ptr, tl.max(tl.where(keep, abs_bits(v), 0)))
     else:
-        seed = tl.load(seed_ptr)
+        seed = tl.load(seed_ptr) + seed_add
         s = scale_from_amax_bits(tl.load(amax_ptr), Q)
         inv_s = tl.math.div_rn(1.0, s)
         if is_first:
@@ -136,16 +137,28 @@ def _hq_rows(g_ptr, q_ptr, s_ptr, amax_ptr, seed, rows, col0, L, O, O_pad, strid
 
 
 @triton.jit
+def _slice_rows(blk0, r, n_blk, S, n_sblk, stride_b, stride_s, L, HR: tl.constexpr):
+    """Rows of tokens r .. r+HR-1 of the tile's token blocks (``hla._token_rows`` order);
+    padding positions of a sequence map to row L, which every HQ mask drops."""
+    i = r + tl.arange(0, HR)
+    blk = blk0 + i // 16
+    pos = (blk % n_sblk) * 16 + i % 16
+    rows = (blk // n_sblk).to(tl.int64) * stride_b + pos.to(tl.int64) * stride_s
+    return tl.where((pos < S) & (blk < n_blk), rows, L)
+
+
+@triton.jit
 def _grad_out_kernel(g_ptr, hq_ptr, hq_s_ptr, hla_ptr, hla_s_ptr, amax_ptr, hq_seed_ptr,
-                     hla_seed_ptr, L, O, O_pad, stride_g, ld_hla, n_blk, hq_groups, hla_groups,
+                     hla_seed_ptr, hla_seed_add, L, O, O_pad, stride_g, ld_hla, S, n_sblk,
+                     stride_b, stride_s, n_blk, hq_groups, hla_groups,
                      PHASE: tl.constexpr, PER_TOKEN: tl.constexpr, BT: tl.constexpr,
                      BC: tl.constexpr, HR: tl.constexpr, RP: tl.constexpr, RANK: tl.constexpr,
                      KEPT: tl.constexpr, HQ_Q: tl.constexpr, HLA_Q: tl.constexpr,
                      FP8: tl.constexpr, INTERPRET: tl.constexpr):
     """One tile of BT blocks of 16 tokens x BC channels per program (phase 1 or 2, module
-    doc). Tiles form a row-major grid over (ceil(L/16)/BT, O_pad/BC); phase 2 visits them
-    in reverse. The HLA half reads the whole tile, the HQ half the same tile HR tokens at
-    a time, from L1."""
+    doc). Tiles form a row-major grid over (blocks/BT, O_pad/BC); phase 2 visits them in
+    reverse. A block is 16 neighbouring positions of one sequence (``hla.token_layout``);
+    the HLA half reads the whole tile, the HQ half the same tokens HR at a time, from L1."""
     pid = tl.program_id(0)
     n_ct = tl.cdiv(O_pad, BC)
     if PHASE == 1:
@@ -153,15 +166,15 @@ def _grad_out_kernel(g_ptr, hq_ptr, hq_s_ptr, hla_ptr, hla_s_ptr, amax_ptr, hq_s
     else:
         t = tl.num_programs(0) - 1 - pid
     blk0, col0 = _tile_origin(t, n_ct, BT, BC)
-    _hla_half(g_ptr, hla_ptr, hla_s_ptr, amax_ptr, hla_seed_ptr, blk0, col0, L, O, stride_g,
-              ld_hla, n_blk, hla_groups, pid == 0, PHASE, BT, BC, RP, RANK, KEPT, HLA_Q,
-              INTERPRET)
+    _hla_half(g_ptr, hla_ptr, hla_s_ptr, amax_ptr, hla_seed_ptr, hla_seed_add, blk0, col0, S,
+              n_sblk, stride_b, stride_s, O, stride_g, ld_hla, n_blk, hla_groups, pid == 0,
+              PHASE, BT, BC, RP, RANK, KEPT, HLA_Q, INTERPRET)
     if PHASE == 2:
         hq_seed = tl.load(hq_seed_ptr)
     else:
         hq_seed = 0
     for r in tl.static_range(0, 16 * BT, HR):
-        rows = blk0 * 16 + r + tl.arange(0, HR)
+        rows = _slice_rows(blk0, r, n_blk, S, n_sblk, stride_b, stride_s, L, HR)
         _hq_rows(g_ptr, hq_ptr, hq_s_ptr, amax_ptr, hq_seed, rows, col0, L, O, O_pad, stride_g,
                  hq_groups, pid + r == 0, PHASE, PER_TOKEN, BC, HQ_Q, FP8, INTERPRET)
 
@@ -203,15 +216,18 @@ def tile_shape(O_pad: int, interp: bool) -> tuple[int, int, int, int]:
 
 
 def grad_out_quant(g: torch.Tensor, hq_bits: int, per_token: bool, hq_seed, rank: int,
-                   select: str, hla_bits: int, hla_seed, fp8: bool = False):
+                   select: str, hla_bits: int, hla_seed, fp8: bool = False, *,
+                   hla_seed_add: int = 0, seq_len: int = 0, seq_first: bool = False):
     """HQ and HLA operands of g (L, O) from one kernel pair.
 
     Returns ``(hq_levels, hq_scale, hla_levels_t, hla_scale)``, bit-identical to
     ``hadamard.hq_act_quant(g, hq_bits, per_token, hq_seed, fp8)`` and
-    ``hla.hla_quant(g, rank, select, hla_bits, stochastic=True, seed=hla_seed,
-    transposed=True, pad_to=16)``: levels (L, O_pad) int8 (e4m3 with ``fp8``) with an fp32
-    scale (L,) or (); levels (O, L'_pad) int8, L' = ceil(L/16) * rank, columns past L' left
-    unwritten, with an fp32 scale (). Seeds: ints or 1-element int64 tensors. Block 16.
+    ``hla.hla_quant(g, rank, select, hla_bits, stochastic=True, seed=hla_seed + hla_seed_add,
+    transposed=True, pad_to=16, seq_len=seq_len, seq_first=seq_first)``: levels (L, O_pad)
+    int8 (e4m3 with ``fp8``) with an fp32 scale (L,) or (); levels (O, L'_pad) int8,
+    L' = blocks * rank, columns past L' left unwritten, with an fp32 scale (). Seeds: ints
+    or 1-element int64 tensors; ``hla_seed_add`` lets both halves read one seed tensor
+    and still draw independent bits (another Philox key). Block 16.
     """
     for name, bits in (("hq_bits", hq_bits), ("hla_bits", hla_bits)):
         if not 2 <= int(bits) <= 8:
@@ -219,15 +235,17 @@ def grad_out_quant(g: torch.Tensor, hq_bits: int, per_token: bool, hq_seed, rank
     if g.dim() != 2:
         raise ValueError(f"g must be 2-D (L, O), got shape {tuple(g.shape)}")
     kept = _packed_rows(rank, select)                 # validates rank and select
+    lay = dict(seq_len=seq_len, seq_first=seq_first)
     if g.numel() == 0:                                # no tile to launch: the separate path
+        hla_s = hla_seed + hla_seed_add if hla_seed_add else hla_seed
         return (*hadamard.hq_act_quant(g, hq_bits, per_token, hq_seed, fp8),
-                *hla.hla_quant(g, rank, select, hla_bits, stochastic=True, seed=hla_seed,
-                               transposed=True, pad_to=16))
+                *hla.hla_quant(g, rank, select, hla_bits, stochastic=True, seed=hla_s,
+                               transposed=True, pad_to=16, **lay))
     if g.stride(-1) != 1:
         g = g.contiguous()
     L, O = g.shape
+    S, n_sblk, stride_b, stride_s, n_blk = hla.token_layout(L, seq_len, seq_first)
     O_pad = -(-O // 16) * 16
-    n_blk = -(-L // 16)
     ld_hla = -(-(n_blk * rank) // 16) * 16
     dev = g.device
     hq_q = torch.empty((L, O_pad), dtype=hadamard.level_dtype(fp8), device=dev)
@@ -238,8 +256,10 @@ def grad_out_quant(g: torch.Tensor, hq_bits: int, per_token: bool, hq_seed, rank
     interp = interpreting()
     bt, bc, warps, hr = tile_shape(O_pad, interp)
     grid = (triton.cdiv(n_blk, bt) * triton.cdiv(O_pad, bc),)
-    args = (g, hq_q, hq_s, hla_q, hla_s, amax, seed_pointer(hq_seed, dev),
-            seed_pointer(hla_seed, dev), L, O, O_pad, g.stride(0), ld_hla, n_blk, O_pad // 8,
+    hq_seed_t = seed_pointer(hq_seed, dev)
+    hla_seed_t = hq_seed_t if hla_seed is hq_seed else seed_pointer(hla_seed, dev)
+    args = (g, hq_q, hq_s, hla_q, hla_s, amax, hq_seed_t, hla_seed_t, int(hla_seed_add), L, O,
+            O_pad, g.stride(0), ld_hla, S, n_sblk, stride_b, stride_s, n_blk, O_pad // 8,
             -(-O // 8))
     meta = dict(PER_TOKEN=bool(per_token), BT=bt, BC=bc, HR=hr, RP=hla._pow2_at_least(rank),
                 RANK=rank, KEPT=kept, HQ_Q=qmax(hq_bits), HLA_Q=qmax(hla_bits), FP8=bool(fp8),

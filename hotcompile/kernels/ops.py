@@ -132,5 +132,43 @@ def _(g, xq, x_scale, rank, bits, block, seq_len, seq_first, measure, kernels):
     return g.new_empty((g.shape[1], xq.shape[1]))
 
 
+# ----------------------------------------------------------------------- both (one site)
+@torch.library.custom_op("hot::linear_backward", mutates_args=())
+def linear_backward(g: Tensor, xq: Tensor, x_scale: Tensor, rank: int, gw_bits: int, block: int,
+                    seq_len: int, seq_first: bool, measure: str, kernels: str, w: Tensor,
+                    gx_bits: int, w_bits: int, scale: str, site: str) -> tuple[Tensor, Tensor]:
+    """(g_x, g_W) of one linear site: ``hq_grad_input`` and ``hla_grad_weight`` in one op,
+    g read once for both operands and one seed drawn (g_W's bits from seed + 1).
+
+    The first ten arguments are ``hla_grad_weight``'s, in its order, and the rest are
+    ``hq_grad_input``'s: tools that read a site's g_W op (its buffer, its rank-measure key)
+    read either op alike."""
+    calibrating = False
+    if scale == "lqs":
+        calibrating = g.is_cuda and LQS.calibrating(site)
+        per_token = LQS.per_token(site, g, gx_bits, block)
+    else:
+        per_token = scale == "token"
+    seed = draw_seed(g.device)
+    if measure:
+        RANK.measure(measure, g, xq, x_scale, block, seq_len, seq_first)
+    lay = dict(seq_len=seq_len, seq_first=seq_first)
+    if triton_usable(g, kernels):
+        return _fused().linear_backward(g, w, xq, x_scale, rank, gx_bits, w_bits, gw_bits,
+                                        per_token, seed, block, **lay,
+                                        warm_other_scale=calibrating and not capturing(g))
+    return ref.linear_backward(g, w, xq, x_scale, rank, gx_bits, w_bits, gw_bits, per_token,
+                               seed, block, **lay)
+
+
+@linear_backward.register_fake
+def _(g, xq, x_scale, rank, gw_bits, block, seq_len, seq_first, measure, kernels, w, gx_bits,
+      w_bits, scale, site):
+    torch._check(g.shape[1] == w.shape[0], lambda: "linear_backward: g and w disagree on O")
+    torch._check(xq.shape[0] == ref.hla_rows(g.shape[0], rank, block, seq_len),
+                 lambda: "linear_backward: compressed buffer rows disagree with g")
+    return g.new_empty((g.shape[0], w.shape[1])), g.new_empty((g.shape[1], xq.shape[1]))
+
+
 OPS = (torch.ops.hot.hq_grad_input.default, torch.ops.hot.abc_compress.default,
-       torch.ops.hot.hla_grad_weight.default)
+       torch.ops.hot.hla_grad_weight.default, torch.ops.hot.linear_backward.default)

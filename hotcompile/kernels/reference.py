@@ -304,3 +304,14 @@ def hla_grad_weight(g: torch.Tensor, xt: torch.Tensor, x_scale: torch.Tensor, ra
     acc = int_matmul(qg.t(), xt) if xt.dtype == torch.int8 else \
         (qg.double().t() @ xt.double()).float()
     return (acc * (sg * x_scale.float() / block)).to(g.dtype)
+
+
+def linear_backward(g: torch.Tensor, w: torch.Tensor, xt: torch.Tensor, x_scale: torch.Tensor,
+                    rank: int, gx_bits: int, w_bits: int, gw_bits: int, per_token: bool, seed=0,
+                    block: int = 16, *, seq_len: int = 0, seq_first: bool = False):
+    """A linear layer's whole HOT backward from one seed: (g_x, g_W). The g_x side draws
+    its bits from ``seed``, the g_W side from ``seed + 1`` (another Philox key)."""
+    gx = hq_grad_input(g, w, gx_bits, per_token, seed, block, w_bits=w_bits)
+    gw = hla_grad_weight(g, xt, x_scale, rank, "1d", gw_bits, seed + 1, block,
+                         seq_len=seq_len, seq_first=seq_first)
+    return gx, gw

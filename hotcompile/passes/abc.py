@@ -108,7 +108,10 @@ def compress_inputs(graph: Graph, groups: Dict[tuple, List[LinearSite]], config,
             anchor = first_fwd.fwd
             tag = "is_forward"
         else:
-            anchor = min((s.gw for s in group), key=order.__getitem__)
+            # before the group's first backward mm (a site's whole backward is one op,
+            # placed before the first of its g_x and g_W mms)
+            anchor = min((n for s in group for n in (s.gx, s.gw) if n is not None),
+                         key=order.__getitem__)
             tag = "is_backward"
         rank, seq_len, seq_first = layout_args(group, anchor, tag)
         args = (x, rank, config.gw_bits, config.block, seq_len, seq_first, config.kernels)

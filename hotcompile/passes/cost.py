@@ -28,8 +28,18 @@ from typing import Dict, Optional, Tuple
 import torch
 
 # one entry per kernel of a HOT site, plus the two bf16 GEMMs of the exact backward
-KERNELS = ("hq_g_token", "hq_w", "hq_int8", "hla_g", "transpose_xq", "hla_int8", "abc_x",
-           "gx_bf16", "gw_bf16")
+KERNELS = ("grad_out", "hq_g_token", "hq_w", "hq_int8", "hla_g", "transpose_xq", "hla_int8",
+           "abc_x", "gx_bf16", "gw_bf16")
+
+
+def site_kernels(gx: bool, gw: bool) -> tuple:
+    """The kernels of a site's HOT backward (``abc_x``: its share of the forward's ABC).
+    Both gradients: one ``hot::linear_backward`` (g_y read by one kernel pair for both
+    operands); one of them: ``hq_grad_input`` or ``hla_grad_weight`` alone."""
+    if gx and gw:
+        return ("grad_out", "hq_w", "hq_int8", "transpose_xq", "hla_int8", "abc_x")
+    return ((("hq_g_token", "hq_w", "hq_int8") if gx else ())
+            + (("hla_g", "transpose_xq", "hla_int8", "abc_x") if gw else ()))
 
 
 def work(kernel: str, L: int, I: int, O: int, rank: int, block: int) -> float:
@@ -37,6 +47,7 @@ def work(kernel: str, L: int, I: int, O: int, rank: int, block: int) -> float:
     o_pad = -(-O // 16) * 16
     lr = -(-L // block) * rank                       # tokens kept by HLA
     return {
+        "grad_out": 2 * L * O + L * o_pad + lr * O,  # g_y in, both operands out
         "hq_g_token": 2 * L * O + L * o_pad,         # g_y bf16 in, levels out
         "hq_w": 2 * O * I + I * o_pad,
         "hq_int8": 2 * L * I * o_pad,
@@ -65,11 +76,7 @@ class CostModel:
         """(exact, HOT) GPU time of the site's backward (+ its share of the ABC kernel)."""
         t = lambda k: self.kernel_ms(k, L, I, O, rank, block)  # noqa: E731
         exact = (t("gx_bf16") if gx else 0.0) + (t("gw_bf16") if gw else 0.0)
-        hot = 0.0
-        if gx:
-            hot += t("hq_g_token") + t("hq_w") + t("hq_int8")
-        if gw:
-            hot += t("hla_g") + t("transpose_xq") + t("hla_int8") + abc_share * t("abc_x")
+        hot = sum(t(k) * (abc_share if k == "abc_x" else 1.0) for k in site_kernels(gx, gw))
         return exact, hot
 
     def predict(self, L: int, I: int, O: int, rank: int, block: int, gx: bool, gw: bool,
@@ -90,6 +97,9 @@ class CostModel:
 H100 = CostModel(
     name="H100 (layers_2026-11-23T201819)",
     kernels={
+        # provisional until refitted: bench/results/grad_out_2026-11-22T1300 (L 8192, O 4096
+        # and 12288: 0.165 / 0.419 ms for 134 / 403 MB)
+        "grad_out": (0.0200, 1.0500e-09),
         "hq_g_token": (0.0100, 4.7497e-10),
         "hq_w": (0.0421, 7.2330e-10),
         "hq_int8": (0.0243, 8.6296e-13),

@@ -1,4 +1,7 @@
-"""The joint-graph pass: g_x mm -> hot::hq_grad_input, g_W mm -> hot::hla_grad_weight.
+"""The joint-graph pass: a linear site's two backward mms -> one hot::linear_backward.
+
+(A site with only one of them, x or W needing no grad, gets hot::hq_grad_input or
+hot::hla_grad_weight alone.)
 
 Top to bottom: find sites (find.py) with their token layouts (tokens.py); check every
 planned op against the fake tensors *before* touching the graph (a surprise becomes a
@@ -14,6 +17,7 @@ measurement while calibrating (``plan is None``) and the planned rank afterwards
 """
 from __future__ import annotations
 
+import operator
 from typing import Dict, List, Optional, Set
 
 import torch
@@ -29,6 +33,7 @@ from .tokens import AxisLabels
 
 HQ_OP = torch.ops.hot.hq_grad_input.default
 HLA_OP = torch.ops.hot.hla_grad_weight.default
+UNIT_OP = torch.ops.hot.linear_backward.default
 ABC_OP = torch.ops.hot.abc_compress.default
 aten = torch.ops.aten
 
@@ -167,29 +172,34 @@ def rewrite_joint_graph(graph: Graph, config, params: Optional[Set[Node]] = None
         measure = choice[lead.key][2]
         xq, xs = buffers[lead.key]
         for s in group:
-            gw = add_node(graph, HLA_OP, (s.grad, xq, xs, rank, config.gw_bits, config.block,
-                                          seq, seq_first, measure, config.kernels),
-                          before=s.gw, tag="is_backward", like=s.gw, fake_mode=fake_mode)
-            s.rewritten_gw = gw
-            if s.gw_t:   # the graph's mm computed g_W^T (the gradient of wt)
-                gw = add_node(graph, aten.permute.default, (gw, [1, 0]), before=s.gw,
-                              tag="is_backward", like=s.gw, fake_mode=fake_mode)
-            s.gw.replace_all_uses_with(gw)
+            hla_args = (s.grad, xq, xs, rank, config.gw_bits, config.block, seq, seq_first,
+                        measure, config.kernels)
+            if s.gx is None:
+                gw = add_node(graph, HLA_OP, hla_args, before=s.gw, tag="is_backward",
+                              like=s.gw, fake_mode=fake_mode)
+                s.rewritten_gw = gw
+            else:   # one op for the site's whole backward: g read once for both operands
+                anchor = _first(graph, s.gx, s.gw)
+                unit = add_node(graph, UNIT_OP, hla_args + (
+                    _weight(graph, s, anchor, fake_mode), config.gx_bits, config.gx_w_bits,
+                    config.gx_scale, plan.key(s.key)), before=anchor, tag="is_backward",
+                    like=s.gw, fake_mode=fake_mode)
+                s.rewritten_gx = s.rewritten_gw = unit
+                gx, gw = (add_node(graph, operator.getitem, (unit, i), before=anchor,
+                                   tag="is_backward", like=s.gw, val=unit.meta["val"][i])
+                          for i in range(2))
+                _replace(graph, s.gx, gx, s.gx_t, fake_mode)
+            _replace(graph, s.gw, gw, s.gw_t, fake_mode)
     for s in todo:
-        if s.gx is None:
+        if s.gx is None or s.rewritten_gx is not None:
             continue
-        w = s.gx.args[1] if not s.gx_t else add_node(
-            graph, aten.permute.default, (s.wt, [1, 0]), before=s.gx, tag="is_backward",
-            like=s.gx, fake_mode=fake_mode)
         key = plan.key(s.key)
-        gx = add_node(graph, HQ_OP, (s.grad, w, config.gx_bits, config.gx_w_bits, config.block,
-                                     config.gx_scale, key, config.kernels),
+        gx = add_node(graph, HQ_OP, (s.grad, _weight(graph, s, s.gx, fake_mode), config.gx_bits,
+                                     config.gx_w_bits, config.block, config.gx_scale, key,
+                                     config.kernels),
                       before=s.gx, tag="is_backward", like=s.gx, fake_mode=fake_mode)
         s.rewritten_gx = gx
-        if s.gx_t:
-            gx = add_node(graph, aten.permute.default, (gx, [1, 0]), before=s.gx,
-                          tag="is_backward", like=s.gx, fake_mode=fake_mode)
-        s.gx.replace_all_uses_with(gx)
+        _replace(graph, s.gx, gx, s.gx_t, fake_mode)
     for s in todo:
         for old in (s.gx, s.gw):
             if old is not None and not old.users:
@@ -200,11 +210,37 @@ def rewrite_joint_graph(graph: Graph, config, params: Optional[Set[Node]] = None
     return sites
 
 
+def _first(graph: Graph, a: Node, b: Node) -> Node:
+    """Whichever of two nodes comes first in the graph."""
+    for n in graph.nodes:
+        if n is a or n is b:
+            return n
+    raise RuntimeError("nodes not in the graph")
+
+
+def _weight(graph: Graph, s: LinearSite, before: Node, fake_mode) -> Node:
+    """W as (O, I) for the g_x op: the forward's (I, O) operand transposed back (a view),
+    placed right before the op: the graph's own W for the g_x mm may come later than the
+    site's first backward mm."""
+    return add_node(graph, aten.permute.default, (s.wt, [1, 0]), before=before,
+                    tag="is_backward", like=s.gx, fake_mode=fake_mode)
+
+
+def _replace(graph: Graph, old: Node, new: Node, transposed: bool, fake_mode) -> None:
+    """Route ``old``'s users to ``new`` (transposed back where the graph's mm computed the
+    transpose of the gradient)."""
+    if transposed:
+        new = add_node(graph, aten.permute.default, (new, [1, 0]), before=old,
+                       tag="is_backward", like=old, fake_mode=fake_mode)
+    old.replace_all_uses_with(new)
+
+
 def registrations(sites: List[LinearSite]) -> Dict[str, List[str]]:
     """The run-time table entries the rewritten graph's ops look up: LQS keys of HQ sites,
     rank-measurement keys of calibrating HLA groups (stored with the compile-cache
     records, so a cache hit registers the same)."""
-    lqs = [s.rewritten_gx.args[6] for s in sites if s.rewritten_gx is not None]
+    lqs = [s.rewritten_gx.args[14 if s.rewritten_gx.target is UNIT_OP else 6]
+           for s in sites if s.rewritten_gx is not None]
     rank = sorted({s.rewritten_gw.args[8] for s in sites
                    if s.rewritten_gw is not None and s.rewritten_gw.args[8]})
     return {"lqs": lqs, "rank": rank}
