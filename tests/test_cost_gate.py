@@ -10,7 +10,7 @@ from hotcompile import HOTConfig
 from hotcompile.passes import cost
 
 RESULT = os.path.join(os.path.dirname(__file__), "..", "bench", "results",
-                      "layers_2026-11-23T201819_h100-80gb-hbm3.json")
+                      "layers_2026-11-23T214911_h100-80gb-hbm3.json")
 
 
 def test_h100_model_tracks_the_measured_layers():
@@ -23,7 +23,8 @@ def test_h100_model_tracks_the_measured_layers():
         exact, hot = cost.H100.gpu_ms(r["L"], r["I"], r["O"], 16, 16)
         t = r["times_ms"]
         # the model's HOT time includes the forward ABC kernel the replay does not time
-        hot_meas = t["hot_tok_graph"] + r["times_ms"]["abc"]
+        # (at rank 16 the site's op runs the separate kernels, the run's hot_sep_graph)
+        hot_meas = t["hot_sep_graph"] + r["times_ms"]["abc"]
         assert abs(exact / t["bf16_graph"] - 1) < 0.35, (r["group"], r["name"], exact)
         assert hot > 0.9 * hot_meas, (r["group"], r["name"], hot, hot_meas)
         if hot_meas > 1.0:

@@ -186,19 +186,21 @@ def test_fused_ops_match_reference(poison, dtype, L, O, I):
 
 @cpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("L,O,I,seq_len,seq_first,per_token", [
-    (37, 40, 24, 0, False, True), (64, 48, 32, 0, False, False),
-    (39, 40, 24, 13, False, False), (60, 24, 40, 20, True, True)])
+@pytest.mark.parametrize("L,O,I,seq_len,seq_first,per_token,one_pass", [
+    (37, 40, 24, 0, False, True, True), (64, 48, 32, 0, False, False, False),
+    (39, 40, 24, 13, False, False, True), (60, 24, 40, 20, True, True, False)])
 def test_linear_backward_is_the_two_ops_in_one(poison, dtype, L, O, I, seq_len, seq_first,
-                                               per_token):
-    """The site's one-op backward (g read by one kernel pair for both operands) gives
-    bit for bit what the two separate fused ops give with seeds s and s + 1, for flat,
-    batch-first and sequence-first token blocks; and it follows the reference twin."""
+                                               per_token, one_pass):
+    """The site's one-op backward (g read by one kernel pair for both operands, or by the
+    two separate kernels) gives bit for bit what the two separate fused ops give with seeds
+    s and s + 1, for flat, batch-first and sequence-first token blocks; and it follows the
+    reference twin."""
     g, w, x = _randn(L, O, dtype=dtype), _randn(O, I, dtype=dtype), _randn(L, I, dtype=dtype)
     lay = dict(seq_len=seq_len, seq_first=seq_first)
     xq, xs = R.abc_compress(x, 8, "1d", 8, **lay)
     seed = torch.tensor(4242)
-    gx, gw = F.linear_backward(g, w, xq, xs, 8, 4, 8, 8, per_token, seed, **lay)
+    gx, gw = F.linear_backward(g, w, xq, xs, 8, 4, 8, 8, per_token, seed, **lay,
+                               one_pass=one_pass)
     assert torch.equal(gx, F.hq_grad_input(g, w, 4, per_token, seed, w_bits=8))
     assert torch.equal(gw, F.hla_grad_weight(g, xq, xs, 8, "1d", 8, seed + 1, **lay))
     rx, rw = R.linear_backward(g, w, xq, xs, 8, 4, 8, 8, per_token, seed, **lay)

@@ -87,11 +87,12 @@ def hla_grad_weight(g: torch.Tensor, xt: torch.Tensor, x_scale: torch.Tensor, ra
 def linear_backward(g: torch.Tensor, w: torch.Tensor, xt: torch.Tensor, x_scale: torch.Tensor,
                     rank: int, gx_bits: int, w_bits: int, gw_bits: int, per_token: bool, seed=0,
                     block: int = 16, *, seq_len: int = 0, seq_first: bool = False,
-                    warm_other_scale: bool = False):
-    """One linear layer's whole HOT backward: (g_x, g_W), equal to ``hq_grad_input(g, w,
+                    one_pass: bool = True, warm_other_scale: bool = False):
+    """One linear layer's whole HOT backward: (g_x, g_W), bit-equal to ``hq_grad_input(g, w,
     gx_bits, per_token, seed)`` and ``hla_grad_weight(g, xt, x_scale, rank, "1d", gw_bits,
-    seed + 1)``, with g read by one kernel pair for both operands (``grad_out``) instead of
-    three or four passes. One seed for the site: the HLA half adds 1 on the device."""
+    seed + 1)``. One seed for the site (the HLA side adds 1 on the device). ``one_pass``:
+    g is read by one kernel pair for both operands (``grad_out``), else by the two separate
+    kernels (faster at rank 16: ``ops.ONE_PASS_MAX_RANK``)."""
     lay = dict(seq_len=seq_len, seq_first=seq_first)
     if (block != _FUSED_BLOCK or not all(_fused_bits(b) for b in (gx_bits, w_bits, gw_bits))
             or xt.dtype != torch.int8 or g.numel() == 0 or w.numel() == 0 or xt.numel() == 0):
@@ -106,8 +107,13 @@ def linear_backward(g: torch.Tensor, w: torch.Tensor, xt: torch.Tensor, x_scale:
     o_pad = -(-O // 16) * 16
     fp8 = gemm.choose_format(L, I, o_pad, max(gx_bits, w_bits), g.device) == "fp8"
     qw, sw = hadamard.hq_weight_quant(w, w_bits, fp8=fp8)
-    qg, sg, qg_t, sg_t = grad_out.grad_out_quant(g, gx_bits, per_token, seed, rank, "1d",
-                                                 gw_bits, seed, fp8, hla_seed_add=1, **lay)
+    if one_pass:
+        qg, sg, qg_t, sg_t = grad_out.grad_out_quant(g, gx_bits, per_token, seed, rank, "1d",
+                                                     gw_bits, seed, fp8, hla_seed_add=1, **lay)
+    else:
+        qg, sg = hadamard.hq_act_quant(g, gx_bits, per_token, seed, fp8=fp8)
+        qg_t, sg_t = hla.hla_quant(g, rank, "1d", gw_bits, stochastic=True, seed=seed,
+                                   seed_add=1, transposed=True, pad_to=16, **lay)
     if warm_other_scale:   # LQS calibration: compile the other scaling's kernels too
         qg2, sg2 = hadamard.hq_act_quant(g, gx_bits, not per_token, seed, fp8=fp8)
         gemm.scaled_mm(qg2, qw, sg2, sw, 1.0 / 16, g.dtype)

@@ -166,7 +166,7 @@ def _tile_origin(t, n_ct, BT: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
-def _hla_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, seed_ptr, S, n_sblk, stride_b, stride_s, C,
+def _hla_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, seed_ptr, seed_add, S, n_sblk, stride_b, stride_s, C,
                 stride_x, ldq, n_blk, groups_per_row, PHASE: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                 RP: tl.constexpr, RANK: tl.constexpr, KEPT: tl.constexpr, Q: tl.constexpr,
                 STOCHASTIC: tl.constexpr, TRANSPOSED: tl.constexpr, INTERPRET: tl.constexpr):
@@ -187,7 +187,7 @@ def _hla_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, seed_ptr, S, n_sblk, stride_b, st
     else:
         blk0, col0 = _tile_origin(tl.num_programs(0) - 1 - pid, n_ct, BT, BC)
         if STOCHASTIC:
-            seed = tl.load(seed_ptr)
+            seed = tl.load(seed_ptr) + seed_add
         else:   # nearest rounding: no seed (callers pass any pointer)
             seed = 0
         s = scale_from_amax_bits(tl.load(amax_ptr), Q)
@@ -252,11 +252,13 @@ def token_layout(L: int, seq_len: int = 0, seq_first: bool = False):
 
 def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic: bool, seed=0,
               transposed: bool = False, pad_to: int = 1, seq_len: int = 0,
-              seq_first: bool = False):
+              seq_first: bool = False, seed_add: int = 0):
     """Project x (L, C) along its tokens onto ``rank`` kept rows per block of 16
     neighbouring tokens of one sequence (``reference.sequence_blocks``) and quantize.
 
-    Returns (levels int8, fp32 0-d scale). Levels are (L', C) row-major, or with
+    ``seed_add`` is added to the seed on the device (another Philox key from the same seed
+    tensor: no launch to compute seed + k). Returns (levels int8, fp32 0-d scale).
+    Levels are (L', C) row-major, or with
     ``transposed`` a (C, L'_pad) buffer (L'_pad = L' rounded up to ``pad_to``; columns
     past L' are left unwritten: consumers must mask them) holding the transpose.
     """
@@ -280,7 +282,7 @@ def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic:
                 Q=2 ** (bits - 1) - 1, STOCHASTIC=stochastic, TRANSPOSED=transposed,
                 INTERPRET=interpreting(), num_warps=warps)
     seed_t = seed_pointer(seed, dev) if stochastic else amax    # amax: an unread placeholder
-    args = (x, q, s, amax, seed_t, S, n_sblk, stride_b, stride_s, C, x.stride(0), ldq, n_blk,
+    args = (x, q, s, amax, seed_t, int(seed_add), S, n_sblk, stride_b, stride_s, C, x.stride(0), ldq, n_blk,
             -(-C // 8))
     _hla_kernel[grid](*args, PHASE=1, **meta)
     _hla_kernel[grid](*args, PHASE=2, **meta)

@@ -133,6 +133,17 @@ def _(g, xq, x_scale, rank, bits, block, seq_len, seq_first, measure, kernels):
 
 
 # ----------------------------------------------------------------------- both (one site)
+ONE_PASS_MAX_RANK = 8
+"""Largest HLA rank for which ``hot::linear_backward`` derives both operands of g in one kernel
+pair. H100, bf16 g, per-token HQ: at rank 8 the pair beats the separate kernels (8192x4096:
+0.165 vs 0.201 ms; per-tensor HQ 0.165 vs 0.299 ms; results/grad_out_2026-11-22T1300); at
+rank 16 it loses everywhere but the narrowest g (16384x4096: 0.437 vs 0.312 ms, 16384x16384:
+1.59 vs 1.24 ms; 12608x768: 0.146 vs 0.158; layers_2026-11-23T214911 and the grad_out tile
+sweep of that session, no tile shape better): the (16-token x BC x 16) coefficient tile no
+longer fits the registers next to the HQ half."""
+
+
+
 @torch.library.custom_op("hot::linear_backward", mutates_args=())
 def linear_backward(g: Tensor, xq: Tensor, x_scale: Tensor, rank: int, gw_bits: int, block: int,
                     seq_len: int, seq_first: bool, measure: str, kernels: str, w: Tensor,
@@ -156,6 +167,7 @@ def linear_backward(g: Tensor, xq: Tensor, x_scale: Tensor, rank: int, gw_bits: 
     if triton_usable(g, kernels):
         return _fused().linear_backward(g, w, xq, x_scale, rank, gx_bits, w_bits, gw_bits,
                                         per_token, seed, block, **lay,
+                                        one_pass=rank <= ONE_PASS_MAX_RANK,
                                         warm_other_scale=calibrating and not capturing(g))
     return ref.linear_backward(g, w, xq, x_scale, rank, gx_bits, w_bits, gw_bits, per_token,
                                seed, block, **lay)
