@@ -40,8 +40,15 @@ class HOTConfig:
     (ViT-B/16, H100: median g_x cosine 0.90 vs 0.19 when LQS picks per-tensor), so the
     paper's reason to fall back to per-tensor (a cheaper kernel) does not hold here.
     kernels: ``auto`` = fused Triton on CUDA, reference torch elsewhere.
-    include / exclude: module-name components (``head``) or ``fnmatch`` globs of the full
-    name (``blocks.*.fc2``) to restrict / skip.
+    include / exclude: layer names to restrict / skip: a name as the compiled module's
+    ``named_modules()`` gives it (``blocks.0.fc2``), one dotted component of it (``head``),
+    or an ``fnmatch`` glob of the full name (``blocks.*.fc2``). A layer is named after the
+    module you compiled, whatever the graph breaks; a weight that is not a module's
+    ``weight`` is named after the parameter (``self_attn.in_proj`` for ``in_proj_weight``),
+    and a row slice of one after its rows (``self_attn.in_proj[0:64]``, matched by
+    ``self_attn.in_proj`` too). Decided per compiled graph: where Dynamo reuses one graph
+    for several modules (a graph break inside repeated blocks), the first one's names
+    decide, and the report says so.
     min_features: a linear with in- or out-features below this stays exact (too small to win).
     min_speedup: the cost gate (``passes/cost.py``): on a GPU, a site is rewritten only when
     its predicted exact backward time is at least this multiple of HOT's (1.0: never

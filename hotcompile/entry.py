@@ -16,6 +16,8 @@ set the caches are off for hot's compiles: dumps are written by the pass itself.
 
 Roles are proven here: the backend sees which example inputs are ``nn.Parameter``s and
 hands the pass the matching joint-graph placeholders; only those can be a linear's weight.
+Layers are named after the module the user compiled (``names.py``). A graph compiled
+without grad (an eval forward) has no backward: its layers are listed apart, not counted.
 With ``rank="auto"`` a graph is compiled to calibrate (full rank, measuring), and once its
 window is measured, compiled once more with the chosen ranks (``_AutoRankGraph``).
 """
@@ -26,6 +28,7 @@ import dataclasses
 import itertools
 import logging
 import traceback
+import weakref
 from typing import List, Optional, Set
 
 import torch
@@ -36,6 +39,9 @@ from . import compile_cache
 from .config import HOTConfig
 from .debug.report import Report, SiteRecord, record_site
 from .kernels import ops as _ops  # noqa: F401  registers torch.ops.hot.*
+from .names import (SharedGraphNames, alias_records, compiled_root, naming_of, param_slots,
+                    source_name)
+from .passes.find import Naming, ParamSet, find_linear_sites
 from .passes.rewrite import RankPlan, register_runtime, registrations, rewrite_joint_graph
 from .runtime import rank as RANK
 
@@ -48,10 +54,7 @@ def _is_parameter(value, node: Optional[torch.fx.Node]) -> bool:
     """Whether a Dynamo graph input is a parameter of the compiled module."""
     if isinstance(value, torch.nn.Parameter):
         return True
-    arg = node.meta.get("grapharg") if node is not None else None
-    source = getattr(arg, "source", None)
-    name = getattr(source, "name", None)
-    name = name() if callable(name) else name      # a method on 2.11, a property on 2.13
+    name = source_name(node)
     if isinstance(name, str) and "_parameters" in name:
         return True
     # graphs Dynamo split itself (DDP buckets) keep its names for lifted parameters
@@ -73,19 +76,35 @@ def parameter_positions(gm: torch.fx.GraphModule, example_inputs: List) -> Set[i
     return pos
 
 
+INFERENCE = "inference graph (compiled without grad): no backward to rewrite"
+
+
+def is_inference(graph: torch.fx.Graph) -> bool:
+    """A graph Inductor compiles for a forward without grad (``torch.no_grad()``, eval,
+    inputs and weights needing no grad): no tangents and no backward node. Inductor runs
+    the joint passes on it too."""
+    for n in graph.nodes:
+        if n.op == "placeholder" and "tangents" in n.name:
+            return False
+        if n.meta.get("partitioner_tag") == "is_backward":
+            return False
+    return True
+
+
 class JointPass(CustomGraphPass):
     """The joint-graph pass handed to Inductor; records what it did into ``sink``.
 
     ``uuid()`` covers everything the rewritten graph depends on besides the graph itself:
-    the package's code, the config (its dump folder aside), which inputs are parameters,
-    the runtime-key prefix and the chosen ranks. ``store_key`` names where the records of
+    the package's code, the config (its dump folder aside), which inputs are parameters
+    and their names, the runtime-key prefix and the chosen ranks. ``store_key`` names where the records of
     this run are kept for cache hits (``compile_cache``)."""
 
     def __init__(self, config: HOTConfig, sink: Report, graph_index: int,
                  param_positions: Optional[Set[int]] = None, plan: Optional[RankPlan] = None,
-                 store_key: Optional[str] = None):
+                 store_key: Optional[str] = None, naming: Optional[Naming] = None):
         self.config, self.sink, self.graph_index = config, sink, graph_index
         self.param_positions, self.plan = param_positions, plan
+        self.naming = naming or Naming()
         self.store_key = store_key
         self.sites: List = []
         self.ran = False
@@ -95,19 +114,28 @@ class JointPass(CustomGraphPass):
         cfg = {k: v for k, v in self.config.to_dict().items() if k != "dump_dir"}
         plan = (self.plan.prefix, sorted((self.plan.chosen or {}).items())) if self.plan else None
         return compile_cache.code_hash() + "-" + repr(
-            (sorted(cfg.items(), key=str), sorted(self.param_positions or ()), plan))
+            (sorted(cfg.items(), key=str), sorted(self.param_positions or ()), plan,
+             self.naming))
 
     def _params(self, graph: torch.fx.Graph):
         if self.param_positions is None:
             return None
         primals = [n for n in graph.nodes if n.op == "placeholder" and "tangents" not in n.name]
-        return {primals[i] for i in self.param_positions if i < len(primals)}
+        names = {primals[i]: fqns for i, fqns in self.naming.params if i < len(primals)}
+        return ParamSet((primals[i] for i in self.param_positions if i < len(primals)), names,
+                        self.naming)
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         self.ran = True
         before = str(graph) if self.config.dump_dir else None
+        inference = is_inference(graph)
         try:
-            sites = rewrite_joint_graph(graph, self.config, self._params(graph), self.plan)
+            if inference:       # no backward: list the layers, change nothing
+                sites = find_linear_sites(graph, self.config, self._params(graph))
+                for s in sites:
+                    s.reason = INFERENCE
+            else:
+                sites = rewrite_joint_graph(graph, self.config, self._params(graph), self.plan)
         except Exception as e:  # noqa: BLE001 - fall back, never crash the user's compile
             log.warning("hotcompile: joint-graph pass failed, graph %d left to Inductor: %s",
                         self.graph_index, e)
@@ -120,6 +148,8 @@ class JointPass(CustomGraphPass):
         self.sites = sites
         self.regs = registrations(sites)
         records = [record_site(s, self.graph_index, self.config, self.plan) for s in sites]
+        for r in records:
+            r.inference = inference
         self._publish(records)
         if self.store_key:
             compile_cache.save(self.store_key, records, self.regs)
@@ -160,6 +190,10 @@ def log_summary(graph_index: int, records: List[SiteRecord]) -> None:
     with linear layers got none (``backend="hot"`` would otherwise do nothing silently)."""
     if not records:
         return
+    if all(r.inference for r in records):
+        log.info("hot: graph %d: inference graph (compiled without grad): %d linear layers, "
+                 "not rewritten: no backward", graph_index, len(records))
+        return
     done = sum(r.rewritten for r in records)
     why = collections.Counter(_short(r.reason) for r in records if not r.rewritten)
     exact = ", ".join(f"{n} {w}" for w, n in why.most_common(3))
@@ -169,27 +203,85 @@ def log_summary(graph_index: int, records: List[SiteRecord]) -> None:
 
 
 class HotBackend:
-    """``torch.compile(model, backend=HotBackend(config))``; ``.report`` lists every site."""
+    """``torch.compile(model, backend=HotBackend(config))``; ``.report`` lists every site.
 
-    def __init__(self, config: Optional[HOTConfig] = None):
+    Layers are named after ``root``, the module the user compiled (as in its
+    ``named_modules()``): given here, or found on the stack at each compile
+    (``compiled_root``); with neither (a compiled function), as Dynamo names them."""
+
+    def __init__(self, config: Optional[HOTConfig] = None,
+                 root: Optional[torch.nn.Module] = None):
         self.config = config or HOTConfig()
         self.report = Report()
         self.id = next(_BACKEND_IDS)
+        self._root = weakref.ref(root) if root is not None else None
+
+    def root(self) -> Optional[torch.nn.Module]:
+        if self._root is not None:
+            return self._root()
+        try:
+            return compiled_root()
+        except Exception:  # noqa: BLE001 - no root: names as Dynamo gives them
+            return None
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: List, **kwargs):
         graph_index = next(_GRAPH_IDS)
         positions = parameter_positions(gm, example_inputs)
+        try:
+            naming = naming_of(gm, example_inputs, positions, self.root())
+        except Exception as e:  # noqa: BLE001 - names are a report matter: never fail here
+            log.debug("hotcompile: graph %d: layer names relative to the frame: %s",
+                      graph_index, e)
+            naming = naming_of(gm, example_inputs, positions, None)
         plan = RankPlan(self.config, f"{self.id}/{graph_index}")
-        compiled, joint = self._compile(gm, example_inputs, graph_index, positions, plan, kwargs)
+        compiled, joint = self._compile(gm, example_inputs, graph_index, positions, plan, kwargs,
+                                        naming)
         groups = list(joint.regs.get("rank", ()))
-        if not groups:
-            return compiled
-        return _AutoRankGraph(self, gm, graph_index, positions, kwargs, compiled, groups)
+        if groups:
+            compiled = _AutoRankGraph(self, gm, graph_index, positions, kwargs, compiled, groups,
+                                      naming)
+        return self._watch_reuse(gm, example_inputs, graph_index, positions, naming, compiled)
 
-    def _compile(self, gm, example_inputs, graph_index, positions, plan, kwargs):
+    def _watch_reuse(self, gm, example_inputs, graph_index, positions, naming, compiled):
+        """A graph compiled in a child module's frame: Dynamo may run it for the child's
+        siblings too; ``SharedGraphNames`` reports them under their own names."""
+        root = self.root() if naming.root is not None else None
+        if root is None or not any(p for _, p in naming.prefixes) or not any(
+                r.graph == graph_index for r in self.report.layers):
+            return compiled
+        try:
+            _, slots = param_slots(gm, positions)
+            return SharedGraphNames(self, graph_index, compiled, slots, naming, root,
+                                    example_inputs)
+        except Exception as e:  # noqa: BLE001 - reporting only: run the graph unwatched
+            log.debug("hotcompile: graph %d not watched for reuse: %s", graph_index, e)
+            return compiled
+
+    def add_aliases(self, graph_index: int, moves: dict) -> None:
+        """Rows for the modules that run graph ``graph_index`` compiled for another
+        (``moves``: the frame's prefix at compile time -> the one it runs with now)."""
+        mine = [r for r in self.report.layers if r.graph == graph_index and not r.compiled_for]
+        known = {r.key for r in self.report.layers if r.graph == graph_index}
+        new, notes = alias_records(mine, moves, self.config)
+        new = [r for r in new if r.key not in known]
+        if not new:
+            return
+        self.report.layers.extend(new)
+        self.report.notes.extend(notes)
+        for n in notes:
+            log.warning("hot: %s", n)
+        done = sum(r.rewritten for r in new)
+        log.info("hot: graph %d also runs %s (Dynamo reuses the graph compiled for %s): "
+                 "%d/%d linear layers rewritten", graph_index, ", ".join(moves.values()),
+                 ", ".join(moves), done, len(new))
+        if self.config.dump_dir:
+            from .debug.dump import add_records
+            add_records(self.config, graph_index, new)
+
+    def _compile(self, gm, example_inputs, graph_index, positions, plan, kwargs, naming=None):
         from torch._inductor.compile_fx import compile_fx
 
-        joint = JointPass(self.config, self.report, graph_index, positions, plan)
+        joint = JointPass(self.config, self.report, graph_index, positions, plan, naming=naming)
         joint.store_key = compile_cache.graph_key(gm, example_inputs, joint.uuid())
         patches = {"joint_custom_pre_pass": joint}
         mode, options = kwargs.get("mode"), kwargs.get("options")
@@ -232,8 +324,9 @@ class _AutoRankGraph:
     symbolic shapes keep full rank: a recompile outside Dynamo would specialise them.
     """
 
-    def __init__(self, backend, gm, graph_index, positions, kwargs, compiled, groups):
-        self.backend, self.gm, self.graph_index = backend, gm, graph_index
+    def __init__(self, backend, gm, graph_index, positions, kwargs, compiled, groups,
+                 naming=None):
+        self.backend, self.gm, self.graph_index, self.naming = backend, gm, graph_index, naming
         self.positions, self.kwargs, self.compiled, self.groups = positions, kwargs, compiled, groups
         self.calls, self.pending = 0, True
         self._boxed_call = getattr(compiled, "_boxed_call", False)
@@ -263,7 +356,8 @@ class _AutoRankGraph:
                         args = list(a[0] if boxed else a)
                         plan = RankPlan(cfg, f"{self.backend.id}/{self.graph_index}", chosen)
                         self.compiled, _ = self.backend._compile(
-                            self.gm, args, self.graph_index, self.positions, plan, self.kwargs)
+                            self.gm, args, self.graph_index, self.positions, plan, self.kwargs,
+                            self.naming)
                         self._boxed_call = getattr(self.compiled, "_boxed_call", False)
                         del args
         return self.compiled(*a)

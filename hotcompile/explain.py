@@ -23,16 +23,22 @@ def explain(model: torch.nn.Module, *example_inputs, config: Optional[HOTConfig]
             **example_kwargs) -> Report:
     """Report what ``backend="hot"`` (with ``config``) does to each linear layer of ``model``."""
     model = getattr(model, "_orig_mod", model)      # an already compiled model: explain the original
-    be = HotBackend(config)
+    be = HotBackend(config, root=model)
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     with torch.inference_mode(False), torch.no_grad():
         buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    # a model.compile()d module would run its own compiled code inside ours: not this backend's
+    own_compiled = getattr(model, "_compiled_call_impl", None)
+    if own_compiled is not None:
+        model._compiled_call_impl = None
     try:
         with torch.inference_mode(False), torch.enable_grad():
             compiled = torch.compile(model, backend=be)
             compiled(*example_inputs, **example_kwargs)
     finally:
+        if own_compiled is not None:
+            model._compiled_call_impl = own_compiled
         with torch.no_grad():
             for b, saved in buffers:
                 b.copy_(saved)

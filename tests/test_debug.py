@@ -171,7 +171,7 @@ def test_report_md_and_cli(dumped):
     out = res.stdout
     for g in report["graphs"]:
         assert f"[{g['folder']}]" in out
-    assert "4/5 linear sites rewritten in 2 graph(s)" in out
+    assert "4/5 linear sites rewritten in 2 training graph(s)" in out
     assert re.search(r"1x excluded by name.*: out \(graph \d+\)", out)
     assert "HQ g4/w8" in out and "HLA r=8/16 int8" in out and "linear inputs saved" in out
     assert "LQS" in out
@@ -206,7 +206,7 @@ def test_summary_from_files_alone(dumped, tmp_path, capsys):
     root, report, _ = dumped
     shutil.copy(root / "report.json", tmp_path / "report.json")
     assert main([str(tmp_path / "report.json")]) == 0
-    assert "4/5 linear sites rewritten in 2 graph(s) from 1 process(es)" in capsys.readouterr().out
+    assert "4/5 linear sites rewritten in 2 training graph(s) from 1 process(es)" in capsys.readouterr().out
     # another process (a DDP rank) wrote into the same directory
     other = report["graphs"][0]
     shutil.copytree(root / other["folder"], tmp_path / "graph000_r1_p1")

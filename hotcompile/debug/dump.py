@@ -158,7 +158,7 @@ class GraphDump:
 
 def _lqs_source(rec) -> Optional[str]:
     from ..runtime.lqs import TABLE
-    c = TABLE.sites.get(rec.key)
+    c = TABLE.sites.get(rec.runtime_key or rec.key)
     return c.source if c is not None and rec.rewritten and rec.gx_path.startswith("HQ") else None
 
 
@@ -396,6 +396,16 @@ def dump_joint(config, graph_index: int, before_text: Optional[str], graph: torc
         _write(os.path.join(st.path, "sites.dot"), sites_dot(graph, sites, st.folder))
         _save(st)
     except Exception as e:  # noqa: BLE001 - a debug dump must never break the compile
+        log.warning("hotcompile: graph dump failed for graph %d: %s", graph_index, e)
+
+
+def add_records(config, graph_index: int, records: list) -> None:
+    """Rows added at run time (modules that run a graph compiled for another one)."""
+    try:
+        st = _state(config, graph_index)
+        st.records.extend(records)
+        _save(st)
+    except Exception as e:  # noqa: BLE001 - a debug dump must never break a step
         log.warning("hotcompile: graph dump failed for graph %d: %s", graph_index, e)
 
 

@@ -39,6 +39,8 @@ class SiteRecord:
     layout: Optional[str] = None           # token layout of x's rows (or why unknown)
     predicted_ms: Optional[list] = None    # cost gate: [exact, HOT] backward ms (GPU only)
     cost_model: Optional[str] = None       # which calibration predicted it
+    compiled_for: Optional[str] = None     # a module running the graph compiled for this key
+    inference: bool = False                # from a graph compiled without grad (no backward)
 
     @property
     def rewritten(self) -> bool:
@@ -126,16 +128,26 @@ class Report:
     notes: List[str] = dataclasses.field(default_factory=list)   # run-time decisions worth knowing
 
     @property
+    def training(self) -> List[SiteRecord]:
+        """Sites of graphs with a backward: what the totals count."""
+        return [r for r in self.layers if not r.inference]
+
+    @property
+    def inference(self) -> List[SiteRecord]:
+        """Sites of graphs compiled without grad (eval / no_grad forwards): reported apart."""
+        return [r for r in self.layers if r.inference]
+
+    @property
     def rewritten(self) -> List[SiteRecord]:
-        return [r for r in self.layers if r.rewritten]
+        return [r for r in self.training if r.rewritten]
 
     @property
     def exact(self) -> List[SiteRecord]:
-        return [r for r in self.layers if not r.rewritten]
+        return [r for r in self.training if not r.rewritten]
 
     def saved_bytes(self) -> tuple[int, int]:
-        b = sum(r.saved_before or 0 for r in self.layers)
-        a = sum(r.saved_after or 0 for r in self.layers)
+        b = sum(r.saved_before or 0 for r in self.training)
+        a = sum(r.saved_after or 0 for r in self.training)
         return b, a
 
     def to_dict(self) -> dict:
@@ -150,13 +162,13 @@ class Report:
         head = ("graph", "layer", "L", "I", "O", "dtype", "g_x", "g_W", "ABC", "saved x",
                 "LQS", "pred. ms exact/HOT", "why exact")
         rows = [head]
-        for r in self.layers:
+        for r in self.training:
             saved = "-" if r.saved_before is None else \
                 f"{_fmt_bytes(r.saved_before)} -> {_fmt_bytes(r.saved_after)}"
             lqs = r.lqs_choice or "-"
             if r.lqs_err_token is not None:
                 lqs += f" (e_tok {r.lqs_err_token:.3f}, e_ten {r.lqs_err_tensor:.3f})"
-            rows.append((str(r.graph), r.name, str(r.L), str(r.I), str(r.O), r.dtype,
+            rows.append((str(r.graph), r.key, str(r.L), str(r.I), str(r.O), r.dtype,
                          r.gx_path, r.gw_path, r.abc.split(" (")[0], saved, lqs,
                          "-" if not r.predicted_ms else
                          f"{r.predicted_ms[0]:.3f}/{r.predicted_ms[1]:.3f}", r.reason or ""))
@@ -164,13 +176,26 @@ class Report:
         lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
         b, a = self.saved_bytes()
-        lines.append(f"{len(self.rewritten)}/{len(self.layers)} linear layers rewritten; "
+        lines.append(f"{len(self.rewritten)}/{len(self.training)} linear layers rewritten; "
                      f"linear inputs saved for backward: {_fmt_bytes(b)} -> {_fmt_bytes(a)}"
                      + (f" ({b / a:.1f}x smaller)" if a else ""))
         ungated = sorted({r.cost_model for r in self.layers
                           if r.cost_model and r.cost_model.startswith("not gated")})
         lines += [f"cost gate not applied: {u.split(': ', 1)[1]} (min_speedup applies on GPUs)"
                   for u in ungated]
+        per_graph: dict = {}
+        for r in self.inference:
+            per_graph[r.graph] = per_graph.get(r.graph, 0) + 1
+        lines += [f"inference graph {g} (compiled without grad): {n} linear layer"
+                  f"{'s' if n != 1 else ''}, not rewritten: no backward"
+                  for g, n in per_graph.items()]
+        shared: dict = {}
+        for r in self.layers:
+            if r.compiled_for:
+                shared.setdefault((r.graph, r.compiled_for), []).append(r.key)
+        lines += [f"graph {g}: {', '.join(keys)} run{'s' if len(keys) == 1 else ''} the code "
+                  f"compiled for {orig} (Dynamo reuses one graph for modules it cannot tell "
+                  f"apart)" for (g, orig), keys in shared.items()]
         lines += [f"pass failed, left to Inductor: {e}" for e in self.errors]
         lines += self.notes
         return "\n".join(lines)

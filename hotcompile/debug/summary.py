@@ -53,15 +53,25 @@ def load_dump(path: str, from_report: bool = True) -> dict:
             "warnings": _warnings(ordered)}
 
 
+def is_inference(g: dict) -> bool:
+    """A graph compiled without grad (no backward): its sites are listed, never counted."""
+    return bool(g["sites"]) and all(s.get("inference") for s in g["sites"]) or (
+        not g["sites"] and any(k.startswith("inference") for k in g.get("compiled", {})))
+
+
 def _totals(graphs: List[dict]) -> dict:
+    inference = [g for g in graphs if is_inference(g)]
+    graphs = [g for g in graphs if not is_inference(g)]
     sites = [s for g in graphs for s in g["sites"]]
     costs = [s["cost"] for s in sites if s.get("cost")]
     t = {"graphs": len(graphs), "sites": len(sites),
+         "inference_graphs": len(inference),
+         "inference_sites": sum(len(g["sites"]) for g in inference),
          "rewritten": sum(s["rewritten"] for s in sites),
          "saved_before": sum(s["saved_before"] or 0 for s in sites),
          "saved_after": sum(s["saved_after"] or 0 for s in sites),
          "processes": len({(g["process"].get("host"), g["process"].get("pid"),
-                            g["process"].get("started")) for g in graphs})}
+                            g["process"].get("started")) for g in graphs + inference})}
     for k in ("flops_before", "flops_after", "bytes_before", "bytes_after", "gy_fused_saving"):
         t[k] = sum(c[k] for c in costs)
     t["sites_without_cost"] = len(sites) - len(costs)
@@ -72,6 +82,8 @@ def _fallbacks(graphs: List[dict]) -> List[dict]:
     """Exact sites grouped by reason: the first thing to read when a layer was not rewritten."""
     by = OrderedDict()
     for g in graphs:
+        if is_inference(g):
+            continue
         for s in g["sites"]:
             if not s["rewritten"]:
                 by.setdefault(s["reason"], []).append(f"{s['name']} (graph {g['graph']})")
@@ -96,9 +108,6 @@ def _warnings(graphs: List[dict]) -> List[str]:
         if not g.get("joint_dumped"):
             out.append(f"{where}: no joint-graph dump: HOT's pass did not run or failed (look "
                        f"for 'joint-graph pass failed' in the job's log)")
-        if any(k.startswith("inference") for k in g.get("compiled", {})):
-            out.append(f"{where}: an inference (no-grad) compile: there is no backward to "
-                       f"rewrite, so every site reads as having no gradient")
         n_rw = sum(s["rewritten"] for s in g["sites"])
         n_hla = sum(s["rewritten"] and str(s.get("gw_path", "")).startswith("HLA")
                     for s in g["sites"])     # frozen weights: HQ only, no g_W
@@ -202,17 +211,21 @@ def _process(g: dict) -> str:
 
 
 def _totals_lines(t: dict) -> List[str]:
-    return [f"{t['rewritten']}/{t['sites']} linear sites rewritten in {t['graphs']} graph(s) "
-            f"from {t['processes']} process(es)",
-            f"linear inputs saved for backward: {fmt_bytes(t['saved_before'])} -> "
-            f"{fmt_bytes(t['saved_after'])}{_ratio(t['saved_before'], t['saved_after'])}",
-            f"backward FLOPs (cost model): {fmt_flops(t['flops_before'])} -> "
-            f"{fmt_flops(t['flops_after'])}",
-            f"backward bytes moved (cost model): {fmt_bytes(t['bytes_before'])} -> "
-            f"{fmt_bytes(t['bytes_after'])}; a fused g_y read would save "
-            f"{fmt_bytes(t['gy_fused_saving'])} more"
-            + (f"; {t['sites_without_cost']} site(s) with symbolic sizes not counted"
-               if t["sites_without_cost"] else "")]
+    out = [f"{t['rewritten']}/{t['sites']} linear sites rewritten in {t['graphs']} training "
+           f"graph(s) from {t['processes']} process(es)"]
+    if t.get("inference_graphs"):
+        out.append(f"{t['inference_graphs']} inference graph(s) (compiled without grad): "
+                   f"{t['inference_sites']} linear sites, not rewritten: no backward")
+    return out + [
+        f"linear inputs saved for backward: {fmt_bytes(t['saved_before'])} -> "
+        f"{fmt_bytes(t['saved_after'])}{_ratio(t['saved_before'], t['saved_after'])}",
+        f"backward FLOPs (cost model): {fmt_flops(t['flops_before'])} -> "
+        f"{fmt_flops(t['flops_after'])}",
+        f"backward bytes moved (cost model): {fmt_bytes(t['bytes_before'])} -> "
+        f"{fmt_bytes(t['bytes_after'])}; a fused g_y read would save "
+        f"{fmt_bytes(t['gy_fused_saving'])} more"
+        + (f"; {t['sites_without_cost']} site(s) with symbolic sizes not counted"
+           if t["sites_without_cost"] else "")]
 
 
 # --------------------------------------------------------------------------- renderings
@@ -225,8 +238,10 @@ def render_text(data: dict) -> str:
     L += [f"process: {p}" for p in procs]
     for g in data["graphs"]:
         n_rw = sum(s["rewritten"] for s in g["sites"])
-        L += ["", f"graph {g['graph']} [{g['folder']}]: {len(g['sites'])} linear sites, "
-                  f"{n_rw} rewritten, {len(g['sites']) - n_rw} exact",
+        what = (f"inference graph (compiled without grad): {len(g['sites'])} linear sites, not "
+                f"rewritten: no backward" if is_inference(g) else
+                f"{len(g['sites'])} linear sites, {n_rw} rewritten, {len(g['sites']) - n_rw} exact")
+        L += ["", f"graph {g['graph']} [{g['folder']}]: {what}",
               f"  config: {_config_line(g['config'])}"]
         if g["sites"]:
             L += _table(site_rows(g))
@@ -256,7 +271,8 @@ def render_markdown(data: dict) -> str:
     L = [f"# HOT report: `{data['dump_dir']}`", "", f"written {data['written']}", ""]
     L += [f"- {x}" for x in _totals_lines(data["totals"])]
     for g in data["graphs"]:
-        L += ["", f"## graph {g['graph']} (`{g['folder']}`)", "",
+        title = " (inference: compiled without grad, no backward)" if is_inference(g) else ""
+        L += ["", f"## graph {g['graph']} (`{g['folder']}`){title}", "",
               f"{_process(g)}; torch {g.get('torch')}", "",
               f"config: `{_config_line(g['config'])}`", ""]
         if g["sites"]:

@@ -16,7 +16,7 @@ import dataclasses
 import fnmatch
 import operator
 import re
-from typing import List, Optional, Set
+from typing import Dict, List, Optional, Set, Tuple
 
 import torch
 from torch.fx import Graph, Node
@@ -122,27 +122,146 @@ def is_forward(n: Node) -> bool:
     return not is_backward(n)
 
 
-_PREFIX = re.compile(r"^L\[['\"][^'\"]+['\"]\]\.?")   # the root module's local name
+_BASE = re.compile(r"""^([LG])\[(['"])(.+?)\2\]\.?""")   # a frame local / global: L['self']
+
+
+def split_source(raw: str) -> Tuple[Optional[str], str]:
+    """Dynamo's ``L['self']._modules['blocks']._modules['0'].fc1`` -> ``("L:self",
+    "blocks.0.fc1")``: the frame local (or global) a path starts from, and the path as ``named_modules()`` /
+    ``named_parameters()`` spell it. ``(None, cleaned)`` when there is no such base."""
+    m = _BASE.match(raw)
+    base = f"{m.group(1)}:{m.group(3)}" if m else None
+    s = raw[m.end():] if m else raw
+    s = re.sub(r"(^|\.)_(?:modules|parameters|buffers)\[['\"]([^'\"]+)['\"]\]", r"\1\2", s)
+    s = re.sub(r"\[['\"]([^'\"]+)['\"]\]", r".\1", s)
+    s = re.sub(r"\[(\d+)\]", r".\1", s)
+    return base, s.strip(".")
 
 
 def clean_fqn(raw: str) -> str:
-    """Dynamo's ``L['self'].blocks._modules['0'].fc1`` -> ``blocks.0.fc1``."""
-    s = _PREFIX.sub("", raw)
-    s = re.sub(r"(^|\.)_modules\[['\"]([^'\"]+)['\"]\]", r"\1\2", s)
-    s = re.sub(r"\[['\"]([^'\"]+)['\"]\]", r".\1", s)
-    s = re.sub(r"\[(\d+)\]", r".\1", s)
-    return s.strip(".")
+    """Dynamo's ``L['self'].blocks._modules['0'].fc1`` -> ``blocks.0.fc1`` (relative to the
+    frame's local: after a graph break inside a child module that is the child, not the
+    module the user compiled; :class:`Naming` restores the prefix)."""
+    return split_source(raw)[1]
 
 
-def module_name(fwd: Node, gx: Optional[Node], gw: Optional[Node]) -> str:
+@dataclasses.dataclass(frozen=True)
+class Naming:
+    """How the pass names a site after the user's own module, whatever the graph breaks.
+
+    Dynamo names things relative to the frame it compiles (``L['self']``): after a graph
+    break inside a child module, that is the child, and its prefix in the user's model is
+    gone. The backend knows more: the real parameter tensors (``example_inputs``) and the
+    module the user compiled (``root``). ``params`` gives each parameter placeholder's
+    fully qualified names in the root (every alias of a tied weight, in
+    ``named_parameters(remove_duplicate=False)`` order); ``prefixes`` gives each frame
+    local's own FQN in the root, proven by a parameter reached through it (its source path
+    is a suffix of the parameter's FQN). ``root`` is the root's class name, or None when no
+    root module is known (a compiled function): then names are relative to the frame, as
+    Dynamo gives them.
+    """
+
+    root: Optional[str] = None
+    prefixes: Tuple[Tuple[str, str], ...] = ()               # (source base, FQN in the root)
+    params: Tuple[Tuple[int, Tuple[str, ...]], ...] = ()     # (primal position, FQNs)
+
+    def prefix(self, base: Optional[str]) -> Optional[str]:
+        return dict(self.prefixes).get(base) if base is not None else None
+
+
+class ParamSet(set):
+    """The joint graph's parameter placeholders (a set: ``node in params``), with each one's
+    fully qualified names and the :class:`Naming` they came from."""
+
+    def __init__(self, nodes=(), names: Optional[Dict[Node, Tuple[str, ...]]] = None,
+                 naming: Optional[Naming] = None):
+        super().__init__(nodes)
+        self.names = names or {}
+        self.naming = naming or Naming()
+
+
+def _join(*parts: str) -> str:
+    return ".".join(p for p in parts if p)
+
+
+def layer_name(param_fqn: str) -> str:
+    """The layer a weight parameter names: ``blocks.0.fc1.weight`` -> ``blocks.0.fc1`` (the
+    module, as in ``named_modules()``); a parameter with another name keeps it, without a
+    ``_weight`` suffix: ``self_attn.in_proj_weight`` -> ``self_attn.in_proj``."""
+    owner, _, pname = param_fqn.rpartition(".")
+    if pname == "weight":
+        return owner
+    return _join(owner, pname[:-len("_weight")] if pname.endswith("_weight") else pname)
+
+
+def _stack_module(fwd: Node, gx: Optional[Node], gw: Optional[Node]):
+    """(raw Dynamo path, class) of the innermost module that made the forward GEMM."""
     for n, key in ((fwd, "nn_module_stack"), (gw, "fwd_nn_module_stack"),
                    (gx, "fwd_nn_module_stack")):
         stack = n.meta.get(key) if n is not None else None
         if stack:
             fqn, mod_type = list(stack.values())[-1][:2]
-            # the compiled module itself (torch.compile(nn.Linear(...))): its class name
-            return clean_fqn(str(fqn)) or getattr(mod_type, "__name__", "linear")
-    return "linear"
+            return str(fqn), mod_type
+    return None, None
+
+
+def module_name(fwd: Node, gx: Optional[Node], gw: Optional[Node],
+                naming: Optional[Naming] = None) -> Optional[str]:
+    """The FQN of the module whose forward made the GEMM: in the root when the frame local
+    it hangs off has a known prefix, else relative to the frame; None with no module stack
+    (an op in the compiled frame's own code)."""
+    raw, _ = _stack_module(fwd, gx, gw)
+    if raw is None:
+        return None
+    base, path = split_source(raw)
+    prefix = naming.prefix(base) if naming is not None else None
+    return _join(prefix, path) if prefix is not None else path
+
+
+def _under(fqn: str, module: str) -> bool:
+    return module == "" or fqn.startswith(module + ".")
+
+
+def site_name(site: "LinearSite", params) -> str:
+    """The site's name: the weight's layer (``layer_name`` of its parameter FQN, the alias
+    inside the module that made the call when the weight is tied), else the calling
+    module; a row slice of a parameter (``nn.MultiheadAttention``'s q / kv projections of
+    ``in_proj_weight``) gets its rows, ``self_attn.in_proj[0:64]``."""
+    naming = getattr(params, "naming", None)
+    module = module_name(site.fwd, site.gx, site.gw, naming)
+    fqns = getattr(params, "names", {}).get(site.weight, ()) if site.weight is not None else ()
+    if fqns:
+        mine = [f for f in fqns if module is not None and _under(f, module)]
+        name = layer_name((mine or list(fqns))[0]) + _row_slice(site.wt, site.weight)
+    else:
+        name = module
+    if name:
+        return name
+    # the compiled module's own weight (torch.compile(nn.Linear(...))): its class name
+    raw, mod_type = _stack_module(site.fwd, site.gx, site.gw)
+    root = naming.root if naming is not None else None
+    return root or getattr(mod_type, "__name__", None) or "linear"
+
+
+def _row_slice(wt: Node, weight: Optional[Node]) -> str:
+    """``[a:b]`` when the weight operand is rows a..b of its parameter, else ``""``."""
+    n = wt
+    while n.op == "call_function" and (n.target in CASTS or is_transpose(n)):
+        n = n.args[0]
+    if n is weight or weight is None:
+        return ""
+    v, p = _val(n), _val(weight)
+    try:
+        if (v is None or p is None or v.dim() != 2 or p.dim() != 2
+                or tuple(v.stride()) != tuple(p.stride()) or v.shape[1] != p.shape[1]
+                or v.shape[0] == p.shape[0]):
+            return ""
+        start = (hint(v.storage_offset()) - hint(p.storage_offset())) // hint(p.stride(0))
+        rows = hint(v.shape[0])
+        return f"[{start}:{start + rows}]" if isinstance(start, int) and isinstance(rows, int) \
+            else ""
+    except Exception:  # noqa: BLE001 - a view we cannot read: no suffix, keys still unique
+        return ""
 
 
 def hint(v) -> object:
@@ -207,7 +326,7 @@ def find_linear_sites(graph: Graph, config, params: Optional[Set[Node]] = None,
                 why_w = why_w or "g_x and g_W consume different output gradients"
             site.grad = g
         site.reason = why_x or why_w
-        site.name = module_name(fwd, site.gx, site.gw)
+        site.name = site_name(site, params)
         xv = _val(x)
         if xv is not None and xv.dim() == 2:
             site.L = hint(xv.shape[0])
@@ -293,11 +412,13 @@ def _verdict(site: LinearSite, config, params) -> Optional[str]:
 
 
 def _selected(name: str, config) -> bool:
-    parts = name.split(".")
+    base = name.split("[")[0]                  # self_attn.in_proj[0:64] -> self_attn.in_proj
+    parts = base.split(".")
 
     def match(pats):
         # a pattern names a dotted component ("head"), or globs the full name ("blocks.*.fc2")
-        return any(p in parts or fnmatch.fnmatch(name, p) for p in pats)
+        return any(p in parts or fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(base, p)
+                   for p in pats)
     if config.include is not None and not match(config.include):
         return False
     return not match(config.exclude)
