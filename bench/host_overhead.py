@@ -87,7 +87,7 @@ def main(argv=None):
         "hq_act_quant tensor (2 launches)": lambda: hadamard.hq_act_quant(g, 4, False, seed),
         "hla_quant (2 launches)": lambda: hla.hla_quant(x, 8, "1d", 8, stochastic=False),
         "transpose_padded": lambda: gemm.transpose_padded(xq, 16),
-        "scaled_mm (autotuned)": lambda: gemm.scaled_mm(qg, qw, sg, sw, 1 / 16, torch.bfloat16),
+        "scaled_mm": lambda: gemm.scaled_mm(qg, qw, sg, sw, 1 / 16, torch.bfloat16),
         "fused.hq_grad_input": lambda: fused.hq_grad_input(g, w, 4, True, seed),
         "fused.abc_compress": lambda: fused.abc_compress(x, 8),
         "fused.hla_grad_weight": lambda: fused.hla_grad_weight(g, xq, xs, 8, seed=seed),

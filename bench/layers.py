@@ -268,7 +268,7 @@ def run_layer(group, name, L, I, O, args, copies):
         R.hq_grad_input(g, w, GX_BITS, True, seed, w_bits=GX_W_BITS)
         R.hla_grad_weight(g, abc_r[i][0], abc_r[i][1], RANK, "1d", GW_BITS, seed)
 
-    # warm-up: compile, autotune, pick GEMM formats
+    # warm-up: compile
     bwd_hot(True)(*fsets[0])
     bwd_hot(False)(*fsets[0])
     torch.cuda.synchronize()

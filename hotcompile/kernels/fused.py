@@ -6,8 +6,8 @@ Each op is a short pipeline of single-pass kernels (``hadamard``, ``hla``, ``gem
 * ``hq_grad_input``: W (O, I) -> H along O + RTN levels (I, O_pad) in one kernel;
   g (L, O) -> H along O + stochastic levels (L, O_pad), per-token (one read of g) or
   per-tensor (two reads: a global amax first); then one GEMM over O_pad with
-  acc * s_g * s_W / 16 in its epilogue. Levels are INT8 or e4m3, whichever GEMM is
-  faster for the shape on this device (``gemm.choose_format``).
+  acc * s_g * s_W / 16 in its epilogue. Levels are INT8 (e4m3 where forced and exact:
+  ``gemm.choose_format``).
 * ``abc_compress``: x (L, I) -> projected, RTN int8 levels (L', I) and a per-tensor scale.
 * ``hla_grad_weight``: g (L, O) -> projected stochastic int8 levels written transposed
   (O, L'); the saved (L', I) levels transposed once to (I, L') (the GEMM reads both

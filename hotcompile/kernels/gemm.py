@@ -47,11 +47,14 @@ Two operand formats, same levels:
   0 (+0.0), never the unwritten pad of a ``transpose_padded`` buffer. The FP8 path is
   therefore never chunked. On the H100 the INT8 path
   was faster than FP8 at every benchmarked shape (FP8 exact 445-680 TFLOP/s, FP8 with
-  fast accumulation 580-920, INT8 670-1220 on the g_x GEMM), so ``choose_format`` picks INT8 there.
-``choose_format`` times both once per shape on the device and keeps the faster.
+  fast accumulation 580-920, INT8 670-1220 on the g_x GEMM), so ``choose_format`` picks INT8.
+
+Tiles come from the shape (``tile_config``), never from timing at run time: a new token
+count (dynamic shapes) must not tune inside backward or under CUDA-graph capture, and every
+process must launch the same code.
 
 (A TMA-descriptor variant of this kernel, with an optionally warp-specialized load loop,
-compiled for sm_90 but stalled on the H100 at its first autotuning launch; it was removed
+compiled for sm_90 but stalled on the H100 at its first launch; it was removed
 rather than shipped unverified. Loads here are pointer-based with a cp.async pipeline.)
 
 Tails: M and N tails are handled by clamping the row indices of the loads (rows past
@@ -177,61 +180,41 @@ def _scaled_mm_kernel(a_ptr, bt_ptr, out_ptr, rs_ptr, cs_ptr, alpha, M, N, K, ld
              out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _configs():
-    shapes = [  # BM, BN, BK, warps, stages
-        (128, 256, 128, 8, 3),
-        (128, 128, 128, 8, 4),
-        (128, 128, 128, 4, 4),
-        (64, 128, 128, 4, 4),
-    ]
-    return [triton.Config(dict(BM=bm, BN=bn, BK=bk, GROUP_M=8), num_warps=w, num_stages=s)
-            for bm, bn, bk, w, s in shapes]
+CONFIGS = {  # name: (BM, BN, BK, warps, stages)
+    "wide": (128, 256, 128, 8, 3),
+    "square": (128, 128, 128, 8, 4),
+    "square4": (128, 128, 128, 4, 4),
+    "narrow": (64, 128, 128, 4, 4),
+}
 
 
-def _quick_bench(kernel_call, quantiles):
-    """Autotuning benchmark: short runs (the configs differ by far more than the noise)."""
-    from triton.testing import do_bench
-    return do_bench(kernel_call, warmup=5, rep=25, quantiles=quantiles)
+def tile_config(M: int, N: int, K: int, sms: int) -> str:
+    """The tile of a (M, N, K) GEMM, chosen from the shape alone: no timing at run time, so
+    a new token count never tunes inside backward, and the choice is the same in every
+    process and under CUDA-graph capture. Rule (H100 sweep, bench/gemm_tiles.py): the
+    widest tile that still gives every SM a full wave of work; K is irrelevant at HOT's
+    sizes (every K >= 768). ``sms``: the device's multiprocessor count."""
+    def waves(bm, bn):
+        return triton.cdiv(M, bm) * triton.cdiv(N, bn) / sms
+    if waves(128, 256) >= 2:
+        return "wide"
+    if waves(128, 128) >= 1:
+        return "square"
+    return "narrow"
 
 
-_tuned_kernel = triton.autotune(configs=_configs(), do_bench=_quick_bench,
-                                key=["M", "N", "K", "ROW_VEC", "COL_VEC", "FP8", "EXACT_ACC",
-                                     "CHUNKED", "K_CHUNK"])(
-    triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BK"] == 0})(_scaled_mm_kernel))
-
-_BEST: dict = {}
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _launch_tuned(args, flags, M: int, N: int, K: int) -> None:
-    """Launch with the autotuned config of this shape: the autotuner the first time, then
-    the chosen config directly (the autotuner's per-call bookkeeping costs ~30 us of host
-    time, which adds up to milliseconds per step over a model's layers)."""
-    key = (M, N, K, *flags.values(), args[0].device.index)
-    cfg = _BEST.get(key)
-    if cfg is None:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                f"hotcompile: int8/fp8 GEMM variant {key} first met inside CUDA-graph capture, "
-                "where it cannot be tuned or compiled; run the step once without capture first")
-        grid = lambda meta: (triton.cdiv(M, meta["BM"]) * triton.cdiv(N, meta["BN"]),)
-        _tuned_kernel[grid](*args, **flags)
-        cfg = _BEST[key] = _tuned_kernel.best_config
-        # compile the direct launch now: a first compile (module load) inside a later
-        # CUDA-graph capture would invalidate the capture
-        _direct(args, flags, M, N, K, cfg, warmup=True)
-        return
-    _direct(args, flags, M, N, K, cfg)
-
-
-def _direct(args, flags, M: int, N: int, K: int, cfg, warmup: bool = False) -> None:
-    kw = cfg.kwargs
-    grid = (triton.cdiv(M, kw["BM"]) * triton.cdiv(N, kw["BN"]),)
-    meta = dict(**flags, **kw, EVEN_K=K % kw["BK"] == 0, num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages)
-    if warmup:
-        _scaled_mm_kernel.warmup(*args, grid=grid, **meta)
-    else:
-        _scaled_mm_kernel[grid](*args, **meta)
+def _launch(args, flags, M: int, N: int, K: int, config: str | None = None) -> None:
+    """Launch with the shape's tile (``tile_config``) or a named one (benchmarks)."""
+    name = config or tile_config(M, N, K, _sm_count(args[0].device.index or 0))
+    bm, bn, bk, warps, stages = CONFIGS[name]
+    grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
+    _scaled_mm_kernel[grid](*args, **flags, EVEN_K=K % bk == 0, BM=bm, BN=bn, BK=bk, GROUP_M=8,
+                            num_warps=warps, num_stages=stages)
 
 
 # FP8 accumulation mode: exact (promote every BLOCK_K) unless HOT_FP8_FAST_ACC=1.
@@ -243,7 +226,7 @@ _CARRY_LO = 2**16        # between chunks the kernel leaves acc in [0, 2**16) (m
 INT8_LEVEL_MAX = 128     # |q| bound of any int8 value (-128 too): used when bits are unknown
 _INTERP_BK = 32          # the interpreter's tile (see scaled_mm)
 # every K_CHUNK must be a multiple of each BK a launch may use
-_K_ALIGN = math.lcm(_INTERP_BK, *(c.kwargs["BK"] for c in _configs()))
+_K_ALIGN = math.lcm(_INTERP_BK, *(c[2] for c in CONFIGS.values()))
 
 
 def _level_pair(level_max) -> tuple[int, int]:
@@ -304,7 +287,7 @@ def scaled_mm(a: torch.Tensor, bt: torch.Tensor, row_scale: torch.Tensor,
               col_scale: torch.Tensor, alpha: float, out_dtype: torch.dtype,
               k: int | None = None, exact_acc: bool | None = None, *,
               level_max: int | tuple[int, int] | None = None,
-              k_chunk: int | None = None) -> torch.Tensor:
+              k_chunk: int | None = None, config: str | None = None) -> torch.Tensor:
     """(a @ bt[:, :k].T) * row_scale[:, None] * (col_scale[None, :] * alpha) -> out_dtype.
 
     a (M, >=K) and bt (N, >=K): int8 or float8_e4m3fn levels, unit stride along K (only the
@@ -314,7 +297,8 @@ def scaled_mm(a: torch.Tensor, bt: torch.Tensor, row_scale: torch.Tensor,
     (A, B) pair; default: any int8 value), from which ``int8_k_chunk`` derives the longest
     K summed in int32; a longer K runs the chunked kernel. ``k_chunk`` (or
     ``K_CHUNK_OVERRIDE``) forces a shorter chunk, for tests: a multiple of the BK in use
-    (32 under the interpreter, 128 compiled) no larger than the safe one.
+    (32 under the interpreter, 128 compiled) no larger than the safe one. ``config``:
+    a tile of ``CONFIGS`` instead of ``tile_config``'s choice (benchmarks).
     """
     assert a.dtype == bt.dtype and a.stride(1) == 1 and bt.stride(1) == 1
     M, N = a.shape[0], bt.shape[0]
@@ -338,7 +322,7 @@ def scaled_mm(a: torch.Tensor, bt: torch.Tensor, row_scale: torch.Tensor,
         _scaled_mm_kernel[(triton.cdiv(M, 32) * triton.cdiv(N, 32),)](
             *args, **flags, EVEN_K=K % _INTERP_BK == 0, BM=32, BN=32, BK=_INTERP_BK, GROUP_M=4)
     else:
-        _launch_tuned(args, flags, M, N, K)
+        _launch(args, flags, M, N, K, config)
     if res is not out:
         out.copy_(res)
     return out
@@ -372,37 +356,14 @@ def transpose_padded(x: torch.Tensor, pad_to: int = 16) -> torch.Tensor:
 
 # =========================================================================== format choice
 
-_FORMAT: dict[tuple, str] = {}
-
-
 def choose_format(M: int, N: int, K: int, bits: int, device: torch.device) -> str:
-    """"int8" or "fp8" for a GEMM of this shape (fp8 only where levels are exact in e4m3).
+    """"int8" or "fp8" levels for a GEMM (fp8 only where levels are exact in e4m3, bits <= 5).
 
-    Measured once per (shape, device) on random levels and cached; HOT_GEMM_FORMAT=int8|fp8
-    forces one. Under CUDA-graph capture (no timing possible) an unmeasured shape uses int8.
+    A rule, not a measurement at run time: INT8. On the H100 this kernel's INT8 path beat
+    its FP8 path at every benchmarked shape (bench/results/layers_2026-11-23T214911: the
+    g_x GEMM 1090-1270 vs 440-680 TFLOP/s at GPT sizes, 455-760 vs 350-535 at ViT-B's).
+    HOT_GEMM_FORMAT=fp8 forces FP8 where exact (other chips, experiments).
     """
     if bits > 5 or device.type != "cuda" or interpreting():
         return "int8"
-    forced = os.environ.get("HOT_GEMM_FORMAT")
-    if forced in ("int8", "fp8"):
-        return forced
-    key = (M, N, K, device.index)
-    if key not in _FORMAT:
-        if torch.cuda.is_current_stream_capturing():
-            return "int8"
-        _FORMAT[key] = _measure_formats(M, N, K, device)
-    return _FORMAT[key]
-
-
-def _measure_formats(M: int, N: int, K: int, device: torch.device) -> str:
-    from triton.testing import do_bench
-    a = torch.randint(-7, 8, (M, K), device=device, dtype=torch.int8)
-    b = torch.randint(-7, 8, (N, K), device=device, dtype=torch.int8)
-    rs = torch.rand(M, device=device) + 0.5
-    cs = torch.rand(N, device=device) + 0.5
-    times = {}
-    for fmt in ("int8", "fp8"):
-        aa, bb = (a, b) if fmt == "int8" else (a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn))
-        times[fmt] = do_bench(lambda: scaled_mm(aa, bb, rs, cs, 1 / 16, torch.bfloat16),
-                              warmup=5, rep=20, return_mode="median")
-    return min(times, key=times.get)
+    return "fp8" if os.environ.get("HOT_GEMM_FORMAT") == "fp8" else "int8"
