@@ -180,27 +180,28 @@ def _scaled_mm_kernel(a_ptr, bt_ptr, out_ptr, rs_ptr, cs_ptr, alpha, M, N, K, ld
              out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-CONFIGS = {  # name: (BM, BN, BK, warps, stages)
-    "wide": (128, 256, 128, 8, 3),
-    "square": (128, 128, 128, 8, 4),
-    "square4": (128, 128, 128, 4, 4),
-    "narrow": (64, 128, 128, 4, 4),
+CONFIGS = {  # name: (BM, BN, BK, warps, stages, relative time of one tile per unit of K)
+    "wide": (128, 256, 128, 8, 3, 3.05),
+    "square": (128, 128, 128, 8, 4, 3.86),
+    "square4": (128, 128, 128, 4, 4, 3.64),
+    "narrow": (64, 128, 128, 4, 4, 4.50),
 }
+"""The tiles the INT8 GEMM launches with. The last number, a tile's time per unit of K per
+BM*BN (relative), is fitted on the H100 from the largest shapes of the tile sweep
+(bench/results/gemm_tiles_2026-11-23T220410: d4096 up g_x, 8192 x 4096 x 14336, 8+ waves)."""
 
 
 def tile_config(M: int, N: int, K: int, sms: int) -> str:
     """The tile of a (M, N, K) GEMM, chosen from the shape alone: no timing at run time, so
     a new token count never tunes inside backward, and the choice is the same in every
-    process and under CUDA-graph capture. Rule (H100 sweep, bench/gemm_tiles.py): the
-    widest tile that still gives every SM a full wave of work; K is irrelevant at HOT's
-    sizes (every K >= 768). ``sms``: the device's multiprocessor count."""
-    def waves(bm, bn):
-        return triton.cdiv(M, bm) * triton.cdiv(N, bn) / sms
-    if waves(128, 256) >= 2:
-        return "wide"
-    if waves(128, 128) >= 1:
-        return "square"
-    return "narrow"
+    process and under CUDA-graph capture. Model: the tile with the least
+    ``ceil(tiles / sms) * BM * BN * rate`` (full waves of equal tiles; K is common to all).
+    Against the H100 sweep of 28 GEMMs at HOT's shapes it picks the fastest tile for 22,
+    and loses 7-14% on the rest (small ViT-B and d768 GEMMs, <= 0.1 ms)."""
+    def t(name):
+        bm, bn, _, _, _, rate = CONFIGS[name]
+        return -(-(triton.cdiv(M, bm) * triton.cdiv(N, bn)) // sms) * bm * bn * rate
+    return min(CONFIGS, key=t)
 
 
 @functools.lru_cache(maxsize=None)
@@ -211,7 +212,7 @@ def _sm_count(index: int) -> int:
 def _launch(args, flags, M: int, N: int, K: int, config: str | None = None) -> None:
     """Launch with the shape's tile (``tile_config``) or a named one (benchmarks)."""
     name = config or tile_config(M, N, K, _sm_count(args[0].device.index or 0))
-    bm, bn, bk, warps, stages = CONFIGS[name]
+    bm, bn, bk, warps, stages, _ = CONFIGS[name]
     grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
     _scaled_mm_kernel[grid](*args, **flags, EVEN_K=K % bk == 0, BM=bm, BN=bn, BK=bk, GROUP_M=8,
                             num_warps=warps, num_stages=stages)
