@@ -121,9 +121,12 @@ class JointPass(CustomGraphPass):
         if self.param_positions is None:
             return None
         primals = [n for n in graph.nodes if n.op == "placeholder" and "tangents" not in n.name]
-        names = {primals[i]: fqns for i, fqns in self.naming.params if i < len(primals)}
-        return ParamSet((primals[i] for i in self.param_positions if i < len(primals)), names,
-                        self.naming)
+        at = dict(enumerate(primals))
+        names = {at[i]: fqns for i, fqns in self.naming.params if i in at}
+        buffers = {at[i]: name for i, name in self.naming.buffers if i in at}
+        frozen = {at[i] for i in self.naming.frozen if i in at}
+        return ParamSet((at[i] for i in self.param_positions if i in at), names, self.naming,
+                        buffers, frozen)
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         self.ran = True
@@ -180,9 +183,8 @@ class JointPass(CustomGraphPass):
 
 
 def _short(reason: str) -> str:
-    """A reason without its numbers, to count alike reasons together."""
-    head = reason.split(":")[0] if reason.startswith(("cost gate", "shape check")) else reason
-    return head.split(" (")[0]
+    """A reason's head, without its details and numbers, to count alike reasons together."""
+    return reason.split(":")[0].split(" (")[0]
 
 
 def log_summary(graph_index: int, records: List[SiteRecord]) -> None:

@@ -114,29 +114,39 @@ def prefixes_of(by_id: Dict[int, List[str]], slots: Sequence[Slot], values) -> D
 def naming_of(gm: torch.fx.GraphModule, example_inputs: List, positions: Set[int],
               root: Optional[torch.nn.Module]) -> Naming:
     """The graph's ``Naming``: every parameter primal's FQNs in ``root`` and the prefixes of
-    the frame locals. A parameter not found in the root (or with no root) is named by its
-    source path, relative to its frame local, as Dynamo names it."""
+    the frame locals; buffer primals' names; which parameters are frozen. A parameter not
+    found in the root (or with no root) is named by its source path, relative to its frame
+    local, as Dynamo names it."""
     by_id = fqn_index(root)
+    buf_id = {id(b): n for n, b in root.named_buffers(remove_duplicate=False)} \
+        if root is not None else {}
     own = [p for _, p in gm.named_parameters(remove_duplicate=False)]
+    own_buffers = list(gm.named_buffers(remove_duplicate=False))
     lifted, slots = param_slots(gm, positions)
     params: Dict[int, tuple] = {}
+    frozen = [i for i, p in enumerate(own) if i in positions and not p.requires_grad]
+    buffers = {len(own) + j: buf_id.get(id(b), n) for j, (n, b) in enumerate(own_buffers)}
     for i, p in enumerate(own):
         if i in positions and by_id.get(id(p)):
             params[i] = tuple(by_id[id(p)])
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for i, v in enumerate(example_inputs):
+        raw = source_name(placeholders[i]) if i < len(placeholders) else None
+        base, path = split_source(raw) if raw else (None, "")
         if lifted + i not in positions:
+            if id(v) in buf_id or (raw is not None and "_buffers" in raw):
+                buffers[lifted + i] = buf_id.get(id(v)) or path or raw
             continue
+        if isinstance(v, torch.Tensor) and not v.requires_grad:
+            frozen.append(lifted + i)
         if by_id.get(id(v)):
             params[lifted + i] = tuple(by_id[id(v)])
-            continue
-        raw = source_name(placeholders[i]) if i < len(placeholders) else None
-        if raw is not None:
-            base, path = split_source(raw)
+        elif raw is not None:
             params[lifted + i] = (path or (base or raw).split(":")[-1],)
     prefixes = prefixes_of(by_id, slots, example_inputs)
     return Naming(root=type(root).__name__ if root is not None else None,
-                  prefixes=tuple(sorted(prefixes.items())), params=tuple(sorted(params.items())))
+                  prefixes=tuple(sorted(prefixes.items())), params=tuple(sorted(params.items())),
+                  buffers=tuple(sorted(buffers.items())), frozen=tuple(sorted(frozen)))
 
 
 def _moved(name: str, moves: Dict[str, str]) -> str:

@@ -127,8 +127,8 @@ _BASE = re.compile(r"""^([LG])\[(['"])(.+?)\2\]\.?""")   # a frame local / globa
 
 def split_source(raw: str) -> Tuple[Optional[str], str]:
     """Dynamo's ``L['self']._modules['blocks']._modules['0'].fc1`` -> ``("L:self",
-    "blocks.0.fc1")``: the frame local (or global) a path starts from, and the path as ``named_modules()`` /
-    ``named_parameters()`` spell it. ``(None, cleaned)`` when there is no such base."""
+    "blocks.0.fc1")``: the frame local (or global) a path starts from, and the path as
+    ``named_modules()`` / ``named_parameters()`` spell it; ``(None, path)`` with no base."""
     m = _BASE.match(raw)
     base = f"{m.group(1)}:{m.group(3)}" if m else None
     s = raw[m.end():] if m else raw
@@ -164,6 +164,8 @@ class Naming:
     root: Optional[str] = None
     prefixes: Tuple[Tuple[str, str], ...] = ()               # (source base, FQN in the root)
     params: Tuple[Tuple[int, Tuple[str, ...]], ...] = ()     # (primal position, FQNs)
+    buffers: Tuple[Tuple[int, str], ...] = ()                # (primal position, FQN)
+    frozen: Tuple[int, ...] = ()         # parameter positions with requires_grad=False
 
     def prefix(self, base: Optional[str]) -> Optional[str]:
         return dict(self.prefixes).get(base) if base is not None else None
@@ -174,10 +176,13 @@ class ParamSet(set):
     fully qualified names and the :class:`Naming` they came from."""
 
     def __init__(self, nodes=(), names: Optional[Dict[Node, Tuple[str, ...]]] = None,
-                 naming: Optional[Naming] = None):
+                 naming: Optional[Naming] = None, buffers: Optional[Dict[Node, str]] = None,
+                 frozen: Optional[Set[Node]] = None):
         super().__init__(nodes)
         self.names = names or {}
         self.naming = naming or Naming()
+        self.buffers = buffers or {}            # buffer placeholders -> FQN
+        self.frozen = frozen          # parameters with requires_grad=False (None: unknown)
 
 
 def _join(*parts: str) -> str:
@@ -326,19 +331,20 @@ def find_linear_sites(graph: Graph, config, params: Optional[Set[Node]] = None,
                 why_w = why_w or "g_x and g_W consume different output gradients"
             site.grad = g
         site.reason = why_x or why_w
-        site.name = site_name(site, params)
         xv = _val(x)
         if xv is not None and xv.dim() == 2:
             site.L = hint(xv.shape[0])
             site.dtype = xv.dtype
         if io is not None and len(io) == 2:
             site.I, site.O = hint(io[0]), hint(io[1])
-        if site.reason is None:
-            site.reason = _verdict(site, config, params)
-        if site.reason is None and site.gw is not None and labels is not None:
-            site.layout = labels.layout(x)
         sites.append(site)
-    _drop_shared_claims(sites)
+    claims = _shared_claims(sites, params)
+    for site in sites:
+        site.name = site_name(site, params)
+        if site.reason is None:
+            site.reason = _verdict(site, config, params) or claims.get(site.index)
+        if site.reason is None and site.gw is not None and labels is not None:
+            site.layout = labels.layout(site.x)
     _assign_keys(sites)
     return sites
 
@@ -348,10 +354,14 @@ def _shape_is(n: Node, shape) -> bool:
     return shape is None or v is None or tuple(v.shape) == tuple(shape)
 
 
-def _drop_shared_claims(sites: List[LinearSite]) -> None:
-    """A backward GEMM claimed by two forward GEMMs: a layer that created no autograd node
-    (frozen weight, input needing no grad) carries its neighbour's seq_nr. Neither claim can
-    be proven, so both layers keep that GEMM exact."""
+def _shared_claims(sites: List[LinearSite], params) -> Dict[int, str]:
+    """A backward GEMM claimed by several forward GEMMs: a layer that created no autograd
+    node (frozen weight, input needing no grad) carries its neighbour's seq_nr. A layer
+    whose weight is frozen computes no g_W, so it drops a g_W claim; where one trainable
+    claimant is left it owns the GEMM. Otherwise no claim can be proven, and every
+    claimant keeps that GEMM exact: returns {site index: why}."""
+    frozen = getattr(params, "frozen", None)
+    why: Dict[int, str] = {}
     for attr in ("gw", "gx"):
         owners: dict = {}
         for s in sites:
@@ -359,10 +369,24 @@ def _drop_shared_claims(sites: List[LinearSite]) -> None:
             if n is not None:
                 owners.setdefault(n, []).append(s)
         for n, claim in owners.items():
-            if len(claim) > 1:
-                for s in claim:
-                    s.reason = s.reason or (f"cannot tell which of {len(claim)} layers sharing "
-                                            f"seq_nr {n.meta.get('seq_nr')} owns {n.name}")
+            if len(claim) < 2:
+                continue
+            if attr == "gw" and frozen is not None:
+                trainable = [s for s in claim if s.weight is not None and s.weight not in frozen]
+                if len(trainable) == 1:
+                    for s in claim:
+                        if s is not trainable[0]:
+                            s.gw, s.gw_t = None, False
+                            s.grad = s.grad if s.gx is not None else None
+                    continue
+            names = ", ".join(site_name(s, params) for s in claim)
+            what = "g_W" if attr == "gw" else "g_x"
+            for s in claim:
+                why.setdefault(s.index, (
+                    f"cannot tell which of {len(claim)} layers ({names}) owns the {what} GEMM "
+                    f"{n.name}: they share seq_nr {n.meta.get('seq_nr')} (a layer that made "
+                    f"no autograd node carries its neighbour's)"))
+    return why
 
 
 def _pick(cands: List[tuple], seq, what: str):
@@ -382,46 +406,108 @@ def _pick(cands: List[tuple], seq, what: str):
     return (mine[0] if mine else None), None
 
 
+def _label(n: Node, params) -> str:
+    """`` (`blocks.0.fc.weight`)`` for a parameter or buffer placeholder, else ``""``."""
+    name = (getattr(params, "names", {}).get(n) or (None,))[0] or \
+        getattr(params, "buffers", {}).get(n)
+    return f" (`{name}`)" if name else ""
+
+
+def _computed_from(n: Node) -> Set[Node]:
+    """The placeholders a forward value is computed from."""
+    seen, todo, out = set(), [n], set()
+    while todo:
+        m = todo.pop()
+        if m in seen:
+            continue
+        seen.add(m)
+        if m.op == "placeholder":
+            out.add(m)
+        todo.extend(m.all_input_nodes)
+    return out
+
+
+def _not_a_weight(site: LinearSite, params) -> str:
+    """What the weight operand of a GEMM whose weight is not a parameter is, as far as the
+    graph shows."""
+    src = weight_source(site.wt)
+    if src in getattr(params, "buffers", {}):
+        return (f"weight operand is a buffer{_label(src, params)}, not a parameter: only "
+                f"parameters are taken for a linear layer's weight")
+    if src.op == "placeholder":
+        return ("weight operand is an input of this graph, not a parameter (a model input, or "
+                "an activation passed across a graph break): an activation product")
+    inputs = _computed_from(src)
+    if inputs and all(i in params or i in getattr(params, "buffers", {}) for i in inputs):
+        return ("weight operand is computed in the graph from parameters only (a merged or "
+                "normalised weight, W1 @ W2), not a parameter itself")
+    return ("weight operand is an activation computed in the graph, not a parameter: an "
+            "activation product (e.g. q @ k^T)")
+
+
+def _no_gradient(site: LinearSite, params) -> str:
+    frozen = getattr(params, "frozen", None)
+    if frozen is not None and site.weight not in frozen:
+        return ("no gradient flows through this GEMM: its output is used by nothing "
+                "differentiated (e.g. only argmax); the weight is trainable")
+    what = "frozen weight (requires_grad=False)" if frozen is not None else "the weight gets none"
+    return f"no gradient flows through this GEMM: {what} and x needs no grad"
+
+
 def _verdict(site: LinearSite, config, params) -> Optional[str]:
     """Why this site must stay exact, or None when it is safe to rewrite."""
     if params is None:
         return "parameters of the compiled module unknown (cannot prove the weight's role)"
+    xs = weight_source(site.x)
     if site.weight is None:
-        if weight_source(site.x) in params:
-            return "the parameter is the left operand (W @ x): not a linear layer's layout"
-        return "weight operand is not a parameter of the compiled module (activation product)"
-    if weight_source(site.x) in params:
-        return "the input x is itself a parameter"
+        if xs in params:
+            return (f"the parameter{_label(xs, params)} is the left operand (W @ x): not a "
+                    f"linear layer's layout")
+        return _not_a_weight(site, params)
+    if xs in params:
+        return f"the input x is itself a parameter{_label(xs, params)}"
     if site.gx is None and site.gw is None:
-        return "no gradient flows through this GEMM (frozen weight, x needs no grad)"
+        return _no_gradient(site, params)
     xv, gv = _val(site.x), _val(site.grad)
     if xv is None or gv is None or xv.dim() != 2 or gv.dim() != 2:
         return "operands are not 2-D tensors with known metadata"
-    if xv.dtype not in FLOATS or gv.dtype != xv.dtype:
-        return f"unsupported dtypes (x {xv.dtype}, grad {gv.dtype})"
-    if site.gx is not None and _val(site.wt).dtype != gv.dtype:
-        return "weight and gradient dtypes differ in the g_x GEMM"
+    if gv.dtype != xv.dtype:
+        return f"x and its output gradient differ in dtype ({xv.dtype} vs {gv.dtype})"
+    if xv.dtype not in FLOATS:
+        return (f"dtype {str(xv.dtype).replace('torch.', '')} is not supported (HOT's kernels "
+                f"take float32, bfloat16 and float16)")
     if xv.device.type not in ("cpu", "cuda"):
-        return f"device {xv.device.type} is not supported"
-    if not _selected(site.name, config):
-        return f"excluded by name (include={config.include}, exclude={config.exclude})"
+        return f"device {xv.device.type} is not supported (HOT runs on cpu and cuda)"
+    excluded = _exclusion(site.name, config)
+    if excluded:
+        return excluded
     dims = [d for d in (site.I, site.O) if isinstance(d, int)]
     if dims and min(dims) < config.min_features:
-        return f"features {min(dims)} < min_features={config.min_features}"
+        return (f"features {min(dims)} < min_features={config.min_features} (in {site.I}, "
+                f"out {site.O})")
     return None
 
 
-def _selected(name: str, config) -> bool:
-    base = name.split("[")[0]                  # self_attn.in_proj[0:64] -> self_attn.in_proj
-    parts = base.split(".")
+def _exclusion(name: str, config) -> Optional[str]:
+    """Why ``name`` is not selected by include/exclude, or None."""
+    if config.include is not None:
+        if not any(_matches(name, p) for p in config.include):
+            return f"excluded by name: matches no include pattern (include={config.include})"
+    hit = next((p for p in config.exclude if _matches(name, p)), None)
+    return f"excluded by name: matches exclude pattern {hit!r}" if hit is not None else None
 
-    def match(pats):
-        # a pattern names a dotted component ("head"), or globs the full name ("blocks.*.fc2")
-        return any(p in parts or fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(base, p)
-                   for p in pats)
-    if config.include is not None and not match(config.include):
-        return False
-    return not match(config.exclude)
+
+def _matches(name: str, pattern: str) -> bool:
+    """A pattern names a dotted component (``head``) or globs the full name
+    (``blocks.*.fc2``); a row slice ``self_attn.in_proj[0:64]`` also answers to its
+    parameter's name."""
+    base = name.split("[")[0]
+    return (pattern in base.split(".") or fnmatch.fnmatchcase(name, pattern)
+            or fnmatch.fnmatchcase(base, pattern))
+
+
+def _selected(name: str, config) -> bool:
+    return _exclusion(name, config) is None
 
 
 def _assign_keys(sites: List[LinearSite]) -> None:

@@ -9,7 +9,7 @@ rows is right only in the first case.
 
 How it is proven, not assumed: every forward tensor's axes are labelled with *atoms*
 (fresh at graph inputs and at ops we do not model), carried through views, permutes,
-pointwise ops, matmuls (rows stay rows) and embeddings. A model mixes tokens of one
+pointwise ops, full slices, matmuls (rows stay rows) and embeddings. A model mixes tokens of one
 sequence and never tokens of different samples: attention (the key axis of
 ``scaled_dot_product_attention``, a softmax or a contraction over it), pooling over
 tokens, selecting a class token. So an op that reduces or contracts over some of the
@@ -63,6 +63,13 @@ def _size(v) -> Optional[int]:
 
 def _val(n):
     return n.meta.get("val") if isinstance(n, Node) else None
+
+
+def _same_size(a, b) -> bool:
+    """Two sizes that are the same int or the same symbolic expression."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    return not isinstance(a, int) and not isinstance(b, int) and str(a) == str(b)
 
 
 def _shape(n) -> Optional[List[Optional[int]]]:
@@ -266,6 +273,16 @@ class AxisLabels:
                     ax[d] = (("in", next(_fresh)),)
                 outs.append(ax)
             return tuple(outs)
+        if t == aten.slice.Tensor and a0 is not None:
+            # x[:, None] under dynamic shapes is a full slice of a symbolic axis: same atoms;
+            # a part of an axis is a new one (compared as expressions: no guard installed)
+            d = (args[1] if len(args) > 1 else 0) % len(a0)
+            step = args[4] if len(args) > 4 else 1
+            full = step == 1 and _same_size(_val(n).shape[d], _val(args[0]).shape[d])
+            out = list(a0)
+            if not full:
+                out[d] = (("in", next(_fresh)),) if _size(_val(n).shape[d]) != 1 else ()
+            return out
         if t == aten.embedding.default:
             w, idx = self.of(args[0]), self.of(args[1])
             return [*idx, w[-1]] if w is not None and idx is not None else None
