@@ -229,12 +229,13 @@ class HotBackend:
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: List, **kwargs):
         graph_index = next(_GRAPH_IDS)
         positions = parameter_positions(gm, example_inputs)
+        root = self.root()
         try:
-            naming = naming_of(gm, example_inputs, positions, self.root())
+            naming = naming_of(gm, example_inputs, positions, root)
         except Exception as e:  # noqa: BLE001 - names are a report matter: never fail here
             log.debug("hotcompile: graph %d: layer names relative to the frame: %s",
                       graph_index, e)
-            naming = naming_of(gm, example_inputs, positions, None)
+            root, naming = None, naming_of(gm, example_inputs, positions, None)
         plan = RankPlan(self.config, f"{self.id}/{graph_index}")
         compiled, joint = self._compile(gm, example_inputs, graph_index, positions, plan, kwargs,
                                         naming)
@@ -242,12 +243,12 @@ class HotBackend:
         if groups:
             compiled = _AutoRankGraph(self, gm, graph_index, positions, kwargs, compiled, groups,
                                       naming)
-        return self._watch_reuse(gm, example_inputs, graph_index, positions, naming, compiled)
+        return self._watch_reuse(gm, example_inputs, graph_index, positions, naming, root,
+                                 compiled)
 
-    def _watch_reuse(self, gm, example_inputs, graph_index, positions, naming, compiled):
+    def _watch_reuse(self, gm, example_inputs, graph_index, positions, naming, root, compiled):
         """A graph compiled in a child module's frame: Dynamo may run it for the child's
         siblings too; ``SharedGraphNames`` reports them under their own names."""
-        root = self.root() if naming.root is not None else None
         if root is None or not any(p for _, p in naming.prefixes) or not any(
                 r.graph == graph_index for r in self.report.layers):
             return compiled
@@ -385,6 +386,17 @@ def backend(config: Optional[HOTConfig] = None) -> HotBackend:
     return HotBackend(config)
 
 
+_HOT_REPORT = Report()
+
+
+def hot_report() -> Report:
+    """The report of every graph compiled with ``backend="hot"`` in this process."""
+    return _HOT_REPORT
+
+
 def hot(gm: torch.fx.GraphModule, example_inputs: List, **kwargs):
-    """Entry point of ``backend="hot"`` (group ``torch_dynamo_backends``): default config."""
-    return HotBackend()(gm, example_inputs, **kwargs)
+    """Entry point of ``backend="hot"`` (group ``torch_dynamo_backends``): default config;
+    what it did goes to ``hot_report()``."""
+    be = HotBackend()
+    be.report = _HOT_REPORT
+    return be(gm, example_inputs, **kwargs)
