@@ -197,9 +197,15 @@ def test_lqs_file_and_dump_use_the_fqns(tmp_path):
     # blocks.1.fc shares blocks.0.fc's compiled graph and its entry
     assert set(json.loads(path.read_text())) == linears(model) - {"blocks.0.attn.qkv",
                                                                 "blocks.1.fc"}
+    from hotcompile.debug import dump as dumps
     from hotcompile.debug.summary import load_dump
-    sites = {s["key"] for g in load_dump(str(dump))["graphs"] for s in g["sites"]}
-    assert sites == linears(model)
+    dumps.flush()                                  # LQS choices made while training
+    sites = [s for g in load_dump(str(dump))["graphs"] for s in g["sites"]]
+    assert {s["key"] for s in sites} == linears(model)
+    # the dump finds each site's LQS entry by its run-time key
+    hq = {s["key"]: s["lqs_source"] for s in sites if s["gx_path"].startswith("HQ")}
+    assert set(hq) == set(json.loads(path.read_text())) | {"blocks.1.fc"}, hq
+    assert set(hq.values()) == {"calibrated"}, hq
 
 
 def test_names_are_part_of_the_pass_uuid():

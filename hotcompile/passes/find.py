@@ -248,18 +248,30 @@ def site_name(site: "LinearSite", params) -> str:
     return root or getattr(mod_type, "__name__", None) or "linear"
 
 
+_SPLITS = (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default)
+
+
 def _row_slice(wt: Node, weight: Optional[Node]) -> str:
-    """``[a:b]`` when the weight operand is rows a..b of its parameter, else ``""``."""
+    """``[a:b]`` when the weight operand is rows a..b of its parameter (``W[a:b]`` or one
+    part of ``W.split(...)`` / ``W.chunk(...)`` along dim 0), else ``""``."""
     n = wt
     while n.op == "call_function" and (n.target in CASTS or is_transpose(n)):
         n = n.args[0]
-    if n is weight or weight is None:
+    if weight is None or n.op != "call_function":
+        return ""
+    if n.target == aten.slice.Tensor:
+        src, dim = n.args[0], (n.args[1] if len(n.args) > 1 else 0)
+    elif n.target is operator.getitem and isinstance(n.args[0], Node) \
+            and n.args[0].target in _SPLITS:
+        src = n.args[0].args[0]
+        dim = n.args[0].args[2] if len(n.args[0].args) > 2 else n.args[0].kwargs.get("dim", 0)
+    else:
         return ""
     v, p = _val(n), _val(weight)
     try:
-        if (v is None or p is None or v.dim() != 2 or p.dim() != 2
-                or tuple(v.stride()) != tuple(p.stride()) or v.shape[1] != p.shape[1]
-                or v.shape[0] == p.shape[0]):
+        if (src is not weight or v is None or p is None or v.dim() != 2 or p.dim() != 2
+                or dim % 2 != 0 or tuple(v.stride()) != tuple(p.stride())
+                or v.shape[1] != p.shape[1] or v.shape[0] == p.shape[0]):
             return ""
         start = (hint(v.storage_offset()) - hint(p.storage_offset())) // hint(p.stride(0))
         rows = hint(v.shape[0])
