@@ -61,23 +61,27 @@ def _fused():
     return fused
 
 
+def _hq_scaling(scale: str, site: str, g: Tensor, bits: int, block: int) -> tuple[bool, bool]:
+    """(per-token scales?, also warm the other scaling's kernels?) for a g_x quantization:
+    the config's fixed choice, or LQS's for this site (which, while it calibrates on CUDA
+    outside capture, compiles both so that a later CUDA-graph capture meets no first compile)."""
+    if scale != "lqs":
+        return scale == "token", False
+    calibrating = g.is_cuda and LQS.calibrating(site)
+    return LQS.per_token(site, g, bits, block), calibrating and not capturing(g)
+
+
 # ----------------------------------------------------------------------- HQ (g_x)
 @torch.library.custom_op("hot::hq_grad_input", mutates_args=())
 def hq_grad_input(g: Tensor, w: Tensor, bits: int, w_bits: int, block: int, scale: str,
                   site: str, kernels: str) -> Tensor:
     """g_x ~= g W with block Hadamard along O: g to ``bits`` levels (stochastic), W to
     ``w_bits`` levels. g: (L, O), w: (O, I). ``site``: the runtime key (LQS table)."""
-    calibrating = False
-    if scale == "lqs":
-        calibrating = g.is_cuda and LQS.calibrating(site)
-        per_token = LQS.per_token(site, g, bits, block)
-    else:
-        per_token = scale == "token"
+    per_token, warm_other = _hq_scaling(scale, site, g, bits, block)
     seed = draw_seed(g.device)
     if triton_usable(g, kernels):
         return _fused().hq_grad_input(g, w, bits, per_token, seed, block,
-                                      warm_other_scale=calibrating and not capturing(g),
-                                      w_bits=w_bits)
+                                      warm_other_scale=warm_other, w_bits=w_bits)
     return ref.hq_grad_input(g, w, bits, per_token, seed, block, w_bits=w_bits)
 
 
@@ -148,18 +152,14 @@ longer fits the registers next to the HQ half."""
 def linear_backward(g: Tensor, xq: Tensor, x_scale: Tensor, rank: int, gw_bits: int, block: int,
                     seq_len: int, seq_first: bool, measure: str, kernels: str, w: Tensor,
                     gx_bits: int, w_bits: int, scale: str, site: str) -> tuple[Tensor, Tensor]:
-    """(g_x, g_W) of one linear site: ``hq_grad_input`` and ``hla_grad_weight`` in one op,
-    g read once for both operands and one seed drawn (g_W's bits from seed + 1).
+    """(g_x, g_W) of one linear site: ``hq_grad_input`` and ``hla_grad_weight`` in one op:
+    one dispatch, one seed drawn (g_W's bits from seed + 1), and up to rank
+    ``ONE_PASS_MAX_RANK`` one kernel pair reading g for both operands.
 
     The first ten arguments are ``hla_grad_weight``'s, in its order, and the rest are
     ``hq_grad_input``'s: tools that read a site's g_W op (its buffer, its rank-measure key)
     read either op alike."""
-    calibrating = False
-    if scale == "lqs":
-        calibrating = g.is_cuda and LQS.calibrating(site)
-        per_token = LQS.per_token(site, g, gx_bits, block)
-    else:
-        per_token = scale == "token"
+    per_token, warm_other = _hq_scaling(scale, site, g, gx_bits, block)
     seed = draw_seed(g.device)
     if measure:
         RANK.measure(measure, g, xq, x_scale, block, seq_len, seq_first)
@@ -168,7 +168,7 @@ def linear_backward(g: Tensor, xq: Tensor, x_scale: Tensor, rank: int, gw_bits: 
         return _fused().linear_backward(g, w, xq, x_scale, rank, gx_bits, w_bits, gw_bits,
                                         per_token, seed, block, **lay,
                                         one_pass=rank <= ONE_PASS_MAX_RANK,
-                                        warm_other_scale=calibrating and not capturing(g))
+                                        warm_other_scale=warm_other)
     return ref.linear_backward(g, w, xq, x_scale, rank, gx_bits, w_bits, gw_bits, per_token,
                                seed, block, **lay)
 
