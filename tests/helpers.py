@@ -19,6 +19,18 @@ class MLP(torch.nn.Module):
         return self.fc2(self.fc1(x).relu())
 
 
+class Cross(torch.nn.Module):
+    """Cross-attention: q from x, k/v from mem, through nn.MultiheadAttention, whose q and
+    kv projections are row slices of one in_proj_weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = torch.nn.MultiheadAttention(32, 4, batch_first=True)
+
+    def forward(self, x, mem):
+        return self.attn(x, mem, mem)[0]
+
+
 class Block(torch.nn.Module):
     """Pre-norm transformer block: attention + MLP, 3-D input, biases, LayerNorm."""
 

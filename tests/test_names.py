@@ -11,6 +11,7 @@ from hotcompile import HOTConfig
 from hotcompile.entry import JointPass
 from hotcompile.passes.find import Naming
 from hotcompile.debug.report import Report
+from helpers import Cross
 
 ALL = dict(min_features=0, exclude=(), kernels="reference")
 
@@ -120,15 +121,6 @@ def test_multihead_attention_projections_have_distinct_names():
                                               "linear1", "linear2"], str(report)
     assert {"self_attn.in_proj_weight", "self_attn.out_proj.weight"} <= \
         {n for n, _ in layer.named_parameters()}
-
-
-class Cross(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.attn = nn.MultiheadAttention(32, 4, batch_first=True)
-
-    def forward(self, x, mem):
-        return self.attn(x, mem, mem)[0]
 
 
 def test_cross_attention_slices_of_in_proj_are_named_by_rows():

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 import hotcompile
 from hotcompile import HOTConfig
 from hotcompile.entry import INFERENCE
+from helpers import Cross
 
 ALL = dict(min_features=0, exclude=(), kernels="reference")
 
@@ -289,14 +290,6 @@ def test_misleading_reasons_of_the_issue_are_gone():
     """Cross-attention's q and kv projections are row slices of in_proj_weight (not an
     activation product); F.linear(x, w.t()) with w stored (in, out) is a trainable linear
     (not frozen): both are rewritten."""
-    class Cross(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.attn = nn.MultiheadAttention(32, 4, batch_first=True)
-
-        def forward(self, x, mem):
-            return self.attn(x, mem, mem)[0]
-
     class T(nn.Module):
         def __init__(self):
             super().__init__()
