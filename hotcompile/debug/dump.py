@@ -249,7 +249,7 @@ _COLORS = {"hq": "#e76f51", "hla": "#f4a261", "abc": "#2a9d8f", "buffer": "#e9c4
 
 
 def _meta_str(v) -> str:
-    from ..passes.find import hint
+    from .report import hint
     if isinstance(v, torch.Tensor):
         return str(v.dtype).replace("torch.", "") + str([hint(s) for s in v.shape])
     if isinstance(v, (tuple, list)):
@@ -417,7 +417,7 @@ except ImportError:  # older torch: a plain callable (no is_inference argument)
 
 
 def _val_info(node) -> dict:
-    from ..passes.find import hint
+    from .report import hint
     v = node.meta.get("val")
     if not isinstance(v, torch.Tensor):
         return {"name": node.name}

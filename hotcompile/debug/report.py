@@ -7,13 +7,23 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import List, Optional
+from typing import TYPE_CHECKING, List, Optional
 
-from ..passes.find import LinearSite
 from ..runtime import rank as RANK
 from ..runtime.lqs import TABLE as LQS
 
+if TYPE_CHECKING:                      # debug sits below passes: no import at run time
+    from ..passes.find import LinearSite
+
 _ITEMSIZE = {"torch.float32": 4, "torch.bfloat16": 2, "torch.float16": 2}
+
+
+def hint(v) -> object:
+    """A concrete int for a size without installing a guard (a SymInt's hint), or its text."""
+    if isinstance(v, int):
+        return v
+    h = getattr(getattr(v, "node", None), "hint", None)
+    return int(h) if h is not None else str(v)
 
 
 @dataclasses.dataclass
@@ -68,7 +78,7 @@ def _ints(*vals) -> bool:
     return all(isinstance(v, int) for v in vals)
 
 
-def record_site(site: LinearSite, graph_index: int, config, plan=None) -> SiteRecord:
+def record_site(site: "LinearSite", graph_index: int, config, plan=None) -> SiteRecord:
     dtype = str(site.dtype) if site.dtype is not None else "?"
     before = after = None
     rank = site.rank if site.eligible and site.gw is not None else None

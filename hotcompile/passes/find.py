@@ -21,6 +21,8 @@ from typing import Dict, List, Optional, Set, Tuple
 import torch
 from torch.fx import Graph, Node
 
+from ..debug.report import hint
+
 aten = torch.ops.aten
 prims = torch.ops.prims
 
@@ -279,14 +281,6 @@ def _row_slice(wt: Node, weight: Optional[Node]) -> str:
             else ""
     except Exception:  # noqa: BLE001 - a view we cannot read: no suffix, keys still unique
         return ""
-
-
-def hint(v) -> object:
-    """A concrete int for a size without installing a guard (a SymInt's hint)."""
-    if isinstance(v, int):
-        return v
-    h = getattr(getattr(v, "node", None), "hint", None)
-    return int(h) if h is not None else str(v)
 
 
 def _val(n) -> Optional[torch.Tensor]:

@@ -110,7 +110,7 @@ def _cost_gate(sites: List[LinearSite], groups, config) -> None:
             continue
         val = s.grad.meta.get("val") if s.grad is not None else None
         model = cost.model_for(val.device) if isinstance(val, torch.Tensor) else None
-        dims = (s.L, s.I, s.O)       # ints, or text for sizes without a hint (find.hint)
+        dims = (s.L, s.I, s.O)       # ints, or text for sizes without a hint (report.hint)
         if model is None or not all(isinstance(d, int) for d in dims):
             dev = val.device.type if isinstance(val, torch.Tensor) else "?"
             s.cost = (None, None, f"not gated: no cost model for {dev}" if model is None
