@@ -21,6 +21,9 @@ from it, in two launches:
   transform again, quantize and store both operands.
 
 g_y thus comes from DRAM twice (the second time partly from L2) whatever the HQ scaling.
+Used by ``hot::linear_backward`` up to HLA rank 8 only (``ops.ONE_PASS_MAX_RANK``): at rank
+16 the (16-token x BC x 16) coefficient tile next to the HQ half made the pair slower than
+the two separate kernels on the H100 at every shape and tile tried (2026-11-23).
 Per-token HQ becomes two-phase as well (a row's scale needs all of O and a tile holds a
 slice of it), but its first read is the one HLA needs anyway.
 
