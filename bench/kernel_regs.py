@@ -1,0 +1,169 @@
+"""Registers and spills of HOT's Triton kernels for sm_90, compiled offline: no GPU needed.
+
+Why: a memory-bound kernel that spills registers to local memory moves far more bytes than
+its tensors, and the H100 timings alone do not say why a kernel sits at 30% of copy
+bandwidth. Triton compiles for a target without a device, and its wheel carries ``ptxas``,
+whose ``-v`` report gives the registers per thread and the spill stores. This script
+compiles each kernel with the tile its launcher picks for a shape and prints that report,
+so a kernel change can be checked for spills on a CPU machine before any device time.
+
+Caveat: launches specialise every integer argument that happens to be divisible by 16
+(``tt.divisibility``); this marks pointers, strides, leading dimensions, ``O_pad`` and ``K``
+(multiples of 16 in HOT's buffers) and nothing else, so counts can differ from a launched
+binary. A spill here is a strong hint, not a measurement of speed.
+
+    python bench/kernel_regs.py                        # Llama d4096 and ViT-B shapes
+    python bench/kernel_regs.py --shapes 8192x4096x14336 --rank 8
+
+Measured with triton 3.6.0 (2026-11-23): at rank 8 nothing spills; at the default rank 16
+the phase-2 HLA kernel and the one-pass grad_out pair hit the 255-register cap and spill
+(132 and 216 bytes per thread), which fits their H100 timings (HLA at 11-33% of copy
+bandwidth; the pair slower than the two separate kernels at rank 16 only).
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+DEFAULT_SHAPES = "8192x4096x4096,8192x4096x14336,8192x14336x4096,12608x768x3072"
+
+
+def _ptxas() -> str:
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+
+
+def signature(kernel, pointers: dict, constexprs: dict) -> dict:
+    """Triton signature of ``kernel``: pointer dtypes from ``pointers``, ``alpha`` fp32,
+    every other runtime argument i32, the compile-time ones "constexpr"."""
+    sig = {}
+    for name in inspect.signature(kernel.fn).parameters:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name in pointers:
+            sig[name] = pointers[name]
+        else:
+            sig[name] = "fp32" if name == "alpha" else "i32"
+    return sig
+
+
+def report(kernel, pointers: dict, constexprs: dict, warps: int, stages: int = 3) -> dict:
+    """Compile for sm_90a and read ptxas -v: registers per thread, spill stores (bytes)."""
+    names = list(inspect.signature(kernel.fn).parameters)
+    # what a launch specialises: pointers are 16-byte aligned (torch allocations), leading
+    # dimensions and strides of HOT's operands are multiples of 16 (padded buffers)
+    aligned = [i for i, n in enumerate(names) if n not in constexprs and
+               (n in pointers or n.startswith(("ld", "stride")) or n in ("O_pad", "K"))]
+    src = ASTSource(fn=kernel, signature=signature(kernel, pointers, constexprs),
+                    constexprs=constexprs,
+                    attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
+    ck = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                        options={"num_warps": warps, "num_stages": stages})
+    with tempfile.TemporaryDirectory() as d:
+        ptx = os.path.join(d, "k.ptx")
+        with open(ptx, "w") as f:
+            f.write(ck.asm["ptx"])
+        out = subprocess.run([_ptxas(), "-arch=sm_90a", "-v", ptx, "-o", os.path.join(d, "k.o")],
+                             capture_output=True, text=True)
+    text = out.stdout + out.stderr
+    regs = re.findall(r"Used (\d+) registers", text)
+    spills = re.findall(r"(\d+) bytes spill stores", text)
+    return {"registers": int(regs[-1]) if regs else None,
+            "spill_bytes": int(spills[-1]) if spills else None,
+            "shared": ck.metadata.shared}
+
+
+def kernels_for(L: int, I: int, O: int, rank: int):
+    """(name, kernel, pointer dtypes, constexprs, warps) of one linear site's kernels, with
+    the tiles their launchers pick at this shape (bf16 activations, defaults)."""
+    from hotcompile.kernels import gemm, grad_out, hadamard as H, hla
+    o_pad = -(-O // 16) * 16
+    rows = []
+    bc, one = H.column_tile(o_pad, max_tile=4096)
+    br = max(1, min(8, 2048 // bc))
+    rows.append(("hq g per token", H._hq_token_kernel,
+                 {"g_ptr": "*bf16", "q_ptr": "*i8", "s_ptr": "*fp32", "seed_ptr": "*i64"},
+                 dict(BR=br, BC=bc, ONE_TILE=one, Q=7, FP8=False, INTERPRET=False),
+                 8 if bc * br >= 4096 else 4))
+    bc, _ = H.column_tile(o_pad, max_tile=512)
+    for phase in (1, 2):
+        rows.append((f"hq g per tensor p{phase}", H._hq_tensor_kernel,
+                     {"g_ptr": "*bf16", "q_ptr": "*i8", "s_ptr": "*fp32", "amax_ptr": "*i32",
+                      "seed_ptr": "*i64"},
+                     dict(PHASE=phase, BR=max(1, 4096 // bc), BC=bc, Q=7, FP8=False,
+                          INTERPRET=False), 8))
+        rows.append((f"hq W p{phase}", H._hq_weight_kernel,
+                     {"w_ptr": "*bf16", "q_ptr": "*i8", "s_ptr": "*fp32", "amax_ptr": "*i32"},
+                     dict(PHASE=phase, BI=32, BO=min(256, H._pow2_at_least(o_pad)), Q=127,
+                          FP8=False, INTERPRET=False), 8))
+    hla_ptrs = {"x_ptr": "*bf16", "q_ptr": "*i8", "s_ptr": "*fp32", "amax_ptr": "*i32",
+                "seed_ptr": "*i64"}
+    for what, C, stochastic in (("hla g", O, True), ("abc x", I, False)):
+        bt, bcc, warps = hla._tile_shape(C, False)
+        for phase in (1, 2):
+            rows.append((f"{what} p{phase}", hla._hla_kernel, hla_ptrs,
+                         dict(PHASE=phase, BT=bt, BC=bcc, RP=hla._pow2_at_least(rank), RANK=rank,
+                              KEPT=hla._packed_rows(rank, "1d"), Q=127, STOCHASTIC=stochastic,
+                              TRANSPOSED=stochastic, INTERPRET=False), warps))
+    bt, bcc, warps, hr = grad_out.tile_shape(o_pad, False)
+    for phase in (1, 2):
+        rows.append((f"grad_out p{phase}", grad_out._grad_out_kernel,
+                     {"g_ptr": "*bf16", "hq_ptr": "*i8", "hq_s_ptr": "*fp32", "hla_ptr": "*i8",
+                      "hla_s_ptr": "*fp32", "amax_ptr": "*i32", "hq_seed_ptr": "*i64",
+                      "hla_seed_ptr": "*i64"},
+                     dict(PHASE=phase, PER_TOKEN=True, BT=bt, BC=bcc, HR=hr,
+                          RP=hla._pow2_at_least(rank), RANK=rank,
+                          KEPT=hla._packed_rows(rank, "1d"), HQ_Q=7, HLA_Q=127, FP8=False,
+                          INTERPRET=False), warps))
+    sms = 132
+    for what, M, N, K in (("gemm g_x", L, I, o_pad), ("gemm g_W", O, I, -(-L // 16) * rank)):
+        name = gemm.tile_config(M, N, K, sms)
+        bm, bn, bk, warps, stages, _ = gemm.CONFIGS[name]
+        rows.append((f"{what} ({name})", gemm._scaled_mm_kernel,
+                     {"a_ptr": "*i8", "bt_ptr": "*i8", "out_ptr": "*bf16", "rs_ptr": "*fp32",
+                      "cs_ptr": "*fp32"},
+                     dict(ROW_VEC=True, COL_VEC=True, FP8=False, EXACT_ACC=False,
+                          EVEN_K=K % bk == 0, BM=bm, BN=bn, BK=bk, GROUP_M=8, CHUNKED=False,
+                          K_CHUNK=0), (warps, stages)))
+    return rows
+
+
+def site_reports(L: int, I: int, O: int, rank: int):
+    """[(kernel name, report)] for one site's kernels at this shape."""
+    out = []
+    for name, kernel, ptrs, const, warps in kernels_for(L, I, O, rank):
+        w, st = warps if isinstance(warps, tuple) else (warps, 3)
+        out.append((name, report(kernel, ptrs, const, w, st)))
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma list of LxIxO")
+    p.add_argument("--rank", type=int, default=16)
+    a = p.parse_args(argv)
+    print(f"sm_90a, triton {triton.__version__}, HLA rank {a.rank}")
+    print(f"{'shape L x I -> O':<22}{'kernel':<28}{'regs':>6}{'spill B':>9}{'smem B':>8}")
+    worst = 0
+    for item in a.shapes.split(","):
+        L, I, O = (int(v) for v in item.lower().split("x"))
+        for name, r in site_reports(L, I, O, a.rank):
+            worst = max(worst, r["spill_bytes"] or 0)
+            print(f"{item:<22}{name:<28}{r['registers']!s:>6}{r['spill_bytes']!s:>9}"
+                  f"{r['shared']:>8}", flush=True)
+    print(f"largest spill: {worst} bytes per thread")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
