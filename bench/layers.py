@@ -317,7 +317,8 @@ def run_layer(group, name, L, I, O, args, copies):
         specs += [("hq_g_token_chunked", _with_env("HOT_HQ_TOKEN_TILE", "1024",
                                                     lambda g: H.hq_act_quant(g, GX_BITS, True, seed)),
                    gsets, 2 * L * O + L * o_pad)]
-        for tile in ("1,128,4", "1,256,1", "1,512,2", "2,512,4", "1,512,4", "1,1024,8"):  # last two: 4 channels a thread, no rank-16 spill (kernel_regs.py)
+        # the last two: 4 channels a thread, no rank-16 spill offline (kernel_regs.py)
+        for tile in ("1,128,4", "1,256,1", "1,512,2", "2,512,4", "1,512,4", "1,1024,8"):
             specs += [(f"hla_g_tile{tile.replace(',', '_')}", _with_env(
                 "HOT_HLA_TILE", tile, lambda g: HL.hla_quant(g, RANK, "1d", GW_BITS, stochastic=True,
                                                              seed=seed, transposed=True, pad_to=16)),
