@@ -47,25 +47,19 @@ def main(path: str) -> None:
     # backward do not: scale the HOT kernels' fixed costs by one factor fitted on those
     hot_k = [k for k in KERNELS if "bf16" not in k]
     unit = site_kernels(True, True, 16)      # what hot_tok_graph replays at rank 16 (+ abc)
-    num = den = 0.0
-    for r in rows:
+    def parts(r):
+        """(fixed, variable) modelled ms of the layer's HOT backward, and the measured one:
+        the separate-ops replay runs exactly the rank-16 kernel list (hot_tok_graph did too
+        before 2026-11-23; in that day's 21:49 run it used the one-pass grad_out pair)."""
         fixed = sum(table[k][0] for k in unit)
         var = sum(table[k][1] * work(k, r["L"], r["I"], r["O"], 16, 16) for k in unit)
-        # the separate-ops replay runs exactly the rank-16 kernel list (hot_tok_graph did
-        # too before 2026-11-23; in that day's 21:49 run it used the one-pass grad_out pair)
         t = r["times_ms"]
-        meas = t.get("hot_sep_graph", t["hot_tok_graph"]) + t["abc"]
-        num += fixed * (meas - var)
-        den += fixed * fixed
-    lam = max(0.0, num / den)
+        return fixed, var, t.get("hot_sep_graph", t["hot_tok_graph"]) + t["abc"]
+    layers = [parts(r) for r in rows]
+    lam = max(0.0, sum(f * (m - v) for f, v, m in layers) / sum(f * f for f, _, _ in layers))
     # ... but never so small that a layer's HOT time is under-estimated by more than 10%:
     # the gate must err towards exact (a wrongly rewritten site makes the model slower)
-    for r in rows:
-        fixed = sum(table[k][0] for k in unit)
-        var = sum(table[k][1] * work(k, r["L"], r["I"], r["O"], 16, 16) for k in unit)
-        t = r["times_ms"]
-        meas = t.get("hot_sep_graph", t["hot_tok_graph"]) + t["abc"]
-        lam = max(lam, (0.9 * meas - var) / fixed + 1e-3)
+    lam = max([lam] + [(0.9 * m - v) / f + 1e-3 for f, v, m in layers])
     print(f"fixed costs scaled by {lam:.3f} (fitted on whole-backward replays, raised until "
           f"no layer's HOT time is under-estimated by more than 10%)")
     table = {k: ((c * lam, s) if k in hot_k else (c, s)) for k, (c, s) in table.items()}

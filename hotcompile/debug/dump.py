@@ -292,11 +292,11 @@ def site_graph(graph: torch.fx.Graph, sites: list):
         if s.rewritten_gw is not None:
             mark(s.fwd, s, role="forward_gemm", fillcolor=_COLORS["core"])
             mark(s.x, s, role="x", fillcolor=_COLORS["core"])
-            mark(s.rewritten_gw, s, hot="hla", fillcolor=_COLORS["hla"])
-            if s.rewritten_gx is not s.rewritten_gw:     # else one op: the site's backward
+            unit = s.rewritten_gx is s.rewritten_gw      # one op: the site's whole backward
+            mark(s.rewritten_gw, s, hot="hq+hla (linear_backward)" if unit else "hla",
+                 fillcolor=_COLORS["hla"])
+            if not unit:
                 mark(s.rewritten_gx, s, hot="hq", fillcolor=_COLORS["hq"])
-            else:
-                core[s.rewritten_gw]["hot"] = "hq+hla (linear_backward)"
             buf = s.rewritten_gw.args[1:3]
             comp = buf[0].args[0]
             mark(comp, s, hot="abc", fillcolor=_COLORS["abc"])

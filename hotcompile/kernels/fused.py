@@ -51,9 +51,15 @@ def hq_grad_input(g: torch.Tensor, w: torch.Tensor, bits: int, per_token: bool, 
     qw, sw = hadamard.hq_weight_quant(w, w_bits, fp8=fp8)
     qg, sg = hadamard.hq_act_quant(g, bits, per_token, seed, fp8=fp8)
     if warm_other_scale:
-        qg2, sg2 = hadamard.hq_act_quant(g, bits, not per_token, seed, fp8=fp8)
-        gemm.scaled_mm(qg2, qw, sg2, sw, 1.0 / 16, g.dtype)   # its GEMM variant (scale shape)
+        _warm_other_scale(g, qw, sw, bits, per_token, seed, fp8)
     return gemm.scaled_mm(qg, qw, sg, sw, 1.0 / 16, g.dtype)
+
+
+def _warm_other_scale(g, qw, sw, bits: int, per_token: bool, seed, fp8: bool) -> None:
+    """Run (and drop) the other g_x scaling's quantize kernel and GEMM variant (scale shape)
+    once, so that whichever LQS picks is compiled before a CUDA graph captures the step."""
+    qg, sg = hadamard.hq_act_quant(g, bits, not per_token, seed, fp8=fp8)
+    gemm.scaled_mm(qg, qw, sg, sw, 1.0 / 16, g.dtype)
 
 
 def abc_compress(x: torch.Tensor, rank: int, select: str = "1d", bits: int = 8,
@@ -114,9 +120,8 @@ def linear_backward(g: torch.Tensor, w: torch.Tensor, xt: torch.Tensor, x_scale:
         qg, sg = hadamard.hq_act_quant(g, gx_bits, per_token, seed, fp8=fp8)
         qg_t, sg_t = hla.hla_quant(g, rank, "1d", gw_bits, stochastic=True, seed=seed,
                                    seed_add=1, transposed=True, pad_to=16, **lay)
-    if warm_other_scale:   # LQS calibration: compile the other scaling's kernels too
-        qg2, sg2 = hadamard.hq_act_quant(g, gx_bits, not per_token, seed, fp8=fp8)
-        gemm.scaled_mm(qg2, qw, sg2, sw, 1.0 / 16, g.dtype)
+    if warm_other_scale:
+        _warm_other_scale(g, qw, sw, gx_bits, per_token, seed, fp8)
     gx = gemm.scaled_mm(qg, qw, sg, sw, 1.0 / 16, g.dtype)
     xs = x_scale.to(device=g.device, dtype=torch.float32)
     gw = gemm.scaled_mm(qg_t, gemm.transpose_padded(xt, 16), sg_t, xs, 1.0 / 16, g.dtype, k=k)

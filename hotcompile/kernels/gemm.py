@@ -191,6 +191,7 @@ BM*BN (relative), is fitted on the H100 from the largest shapes of the tile swee
 (bench/results/gemm_tiles_2026-11-23T220410: d4096 up g_x, 8192 x 4096 x 14336, 8+ waves)."""
 
 
+@functools.lru_cache(maxsize=4096)
 def tile_config(M: int, N: int, K: int, sms: int) -> str:
     """The tile of a (M, N, K) GEMM, chosen from the shape alone: no timing at run time, so
     a new token count never tunes inside backward, and the choice is the same in every

@@ -166,6 +166,7 @@ def rewrite_joint_graph(graph: Graph, config, params: Optional[Set[Node]] = None
         return seq_args[group[0].key]
 
     buffers = compress_inputs(graph, groups, config, fake_mode, layout_args)
+    order = {n: i for i, n in enumerate(graph.nodes)}   # the original mms keep their order
     for group in groups.values():
         lead = group[0]
         rank, seq, seq_first = seq_args[lead.key]
@@ -178,8 +179,8 @@ def rewrite_joint_graph(graph: Graph, config, params: Optional[Set[Node]] = None
                 gw = add_node(graph, HLA_OP, hla_args, before=s.gw, tag="is_backward",
                               like=s.gw, fake_mode=fake_mode)
                 s.rewritten_gw = gw
-            else:   # one op for the site's whole backward: g read once for both operands
-                anchor = _first(graph, s.gx, s.gw)
+            else:   # one op for the site's whole backward, before the first of its mms
+                anchor = min(s.gx, s.gw, key=order.__getitem__)
                 unit = add_node(graph, UNIT_OP, hla_args + (
                     _weight(graph, s, anchor, fake_mode), config.gx_bits, config.gx_w_bits,
                     config.gx_scale, plan.key(s.key)), before=anchor, tag="is_backward",
@@ -208,14 +209,6 @@ def rewrite_joint_graph(graph: Graph, config, params: Optional[Set[Node]] = None
     graph.lint()
     register_runtime(config, registrations(sites))
     return sites
-
-
-def _first(graph: Graph, a: Node, b: Node) -> Node:
-    """Whichever of two nodes comes first in the graph."""
-    for n in graph.nodes:
-        if n is a or n is b:
-            return n
-    raise RuntimeError("nodes not in the graph")
 
 
 def _weight(graph: Graph, s: LinearSite, before: Node, fake_mode) -> Node:
