@@ -355,8 +355,7 @@ class _AutoRankGraph:
                             f"graph {self.graph_index}: rank='auto' with dynamic shapes keeps "
                             "full rank")
                     else:
-                        boxed = len(a) == 1 and isinstance(a[0], list)
-                        args = list(a[0] if boxed else a)
+                        args = _flat(a)
                         plan = RankPlan(cfg, f"{self.backend.id}/{self.graph_index}", chosen)
                         self.compiled, _ = self.backend._compile(
                             self.gm, args, self.graph_index, self.positions, plan, self.kwargs,
