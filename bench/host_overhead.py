@@ -81,7 +81,7 @@ def main(argv=None):
         "torch.empty": lambda: torch.empty((L, O), device=dev),
         "torch.randint (draw_seed)": lambda: ops.draw_seed(dev),
         "LQS lookup": lambda: TABLE.per_token("site", g, 4, 16),
-        "choose_format": lambda: gemm.choose_format(L, I, O, 4, dev),
+        "gx_format": lambda: gemm.gx_format(g, I, 4, 8, True),
         "hq_weight_quant (2 launches)": lambda: hadamard.hq_weight_quant(w, 4),
         "hq_act_quant token (1 launch)": lambda: hadamard.hq_act_quant(g, 4, True, seed),
         "hq_act_quant tensor (2 launches)": lambda: hadamard.hq_act_quant(g, 4, False, seed),

@@ -198,7 +198,8 @@ def check_layer(L, I, O, R, F, H, HL, seed):
     out["bf16_gw"] = rel(g.t() @ x, gw_exact)
     for tok in (True, False):
         tag = "tok" if tok else "ten"
-        ref = R.hq_grad_input(g, w, GX_BITS, tok, s, w_bits=GX_W_BITS)
+        e4m3 = F.gx_path(g, w, GX_BITS, GX_W_BITS, tok)[1]      # W as the fused path has it
+        ref = R.hq_grad_input(g, w, GX_BITS, tok, s, w_bits=GX_W_BITS, w_e4m3=e4m3)
         fus = F.hq_grad_input(g, w, GX_BITS, tok, s, w_bits=GX_W_BITS)
         out[f"ref_gx_{tag}"] = rel(ref, gx_exact)
         out[f"fused_gx_{tag}"] = rel(fus, gx_exact)
@@ -272,7 +273,8 @@ def run_layer(group, name, L, I, O, args, copies):
     bwd_hot(True)(*fsets[0])
     bwd_hot(False)(*fsets[0])
     torch.cuda.synchronize()
-    res["gemm_format_hq"] = G.choose_format(L, I, o_pad, max(GX_BITS, GX_W_BITS), torch.device("cuda"))
+    fmt, w_e4m3 = F.gx_path(sets[0][2], sets[0][1], GX_BITS, GX_W_BITS, True)
+    res["gemm_format_hq"] = fmt
 
     t["bf16"] = bench(bwd_bf16, fsets)
     t["hot_tok"] = bench(bwd_hot(True), fsets)
@@ -301,9 +303,11 @@ def run_layer(group, name, L, I, O, args, copies):
     kern = {}
     gsets = [(g,) for _, _, g in sets]
     specs = [
-        ("hq_g_token", lambda g: H.hq_act_quant(g, GX_BITS, True, seed), gsets, 2 * L * O + L * o_pad),
+        ("hq_g_token", lambda g: H.hq_act_quant(g, GX_BITS, True, seed, fp8=fmt != "int8"), gsets,
+         2 * L * O + L * o_pad),
         ("hq_g_tensor", lambda g: H.hq_act_quant(g, GX_BITS, False, seed), gsets, 2 * L * O + L * o_pad),
-        ("hq_w", lambda w: H.hq_weight_quant(w, GX_W_BITS), [(w,) for _, w, _ in sets], 2 * O * I + I * o_pad),
+        ("hq_w", lambda w: H.hq_weight_quant(w, GX_W_BITS, fp8=fmt != "int8", e4m3=w_e4m3),
+         [(w,) for _, w, _ in sets], 2 * O * I + I * o_pad),                # as the site runs it
         ("grad_out", lambda g: GO.grad_out_quant(g, GX_BITS, True, seed, RANK, "1d", GW_BITS, seed,
                                                  hla_seed_add=1), gsets,
          2 * L * O + L * o_pad + lr * O),
@@ -342,6 +346,10 @@ def run_layer(group, name, L, I, O, args, copies):
     if args.explore:
         gm["hq_fp8_fastacc"] = bench(lambda: G.scaled_mm(a8f, b8f, rs, cs, 1 / 16, torch.bfloat16,
                                                          exact_acc=False), [()])
+        gm["hq_cublas_exact_acc"] = bench(lambda: torch._scaled_mm(
+            a8f, b8f.t(), rs[:, None], cs[None, :], out_dtype=torch.bfloat16), [()])
+    # cuBLAS FP8, per-token x per-in-feature (row-wise) scales: the g_x GEMM of the default path
+    gm["hq_cublas"] = bench(lambda: G.cublas_fp8_mm(a8f, b8f, rs, cs, torch.bfloat16), [()])
     gm["gx_bf16"] = bench(lambda: torch.mm(sets[0][2], sets[0][1]), [()])
     qgt = torch.randint(-127, 128, (O, -(-lr // 16) * 16), dtype=torch.int8, device="cuda")
     xqt = torch.randint(-127, 128, (I, -(-lr // 16) * 16), dtype=torch.int8, device="cuda")
@@ -349,6 +357,16 @@ def run_layer(group, name, L, I, O, args, copies):
     gm["hla_int8"] = bench(lambda: G.scaled_mm(qgt, xqt, one, one, 1 / 16, torch.bfloat16, k=lr),
                            [()])
     gm["gw_bf16"] = bench(lambda: torch.mm(sets[0][2].t(), sets[0][0]), [()])
+    if args.explore:   # the g_W GEMM on cuBLAS FP8, per-tensor scales (levels not exact in e4m3)
+        qgf, xqf = qgt.to(torch.float8_e4m3fn), xqt.to(torch.float8_e4m3fn)
+        for fast in (False, True):
+            try:
+                gm[f"hla_cublas_fp8{'_fast' if fast else ''}"] = bench(
+                    lambda: torch._scaled_mm(qgf, xqf.t(), one, one, out_dtype=torch.bfloat16,
+                                             use_fast_accum=fast), [()])
+            except Exception as e:  # noqa: BLE001
+                res.setdefault("errors", []).append(f"cublas hla fast={fast}: {e}")
+        del qgf, xqf
     res["gemm_ms"] = gm
     res["gemm_tflops"] = {k: (flops_gx if k.startswith(("hq", "gx")) else
                               2 * O * I * (lr if k.startswith("hla") else L)) / v / 1e9

@@ -75,6 +75,10 @@ def _hla_butterfly_reference(x, rank, select, bits, stochastic, seed):
     return R.quantize(proj, bits, per_row=False, stochastic=stochastic, seed=seed)
 
 
+def rel(a, b) -> float:
+    return float((a - b).norm() / b.norm())
+
+
 def _randn(*shape, dtype=torch.float32, device="cpu"):
     return (torch.randn(*shape, device=device) * 3).to(dtype)
 
@@ -109,6 +113,21 @@ def test_hq_weight_bit_exact(poison, O, I, bits):
     q, s = H.hq_weight_quant(w, bits)
     qr, sr = R.hq_weight(w, bits)
     assert torch.equal(q, qr) and torch.equal(s, sr)
+
+
+@cpu
+@pytest.mark.parametrize("O,I", [(40, 24), (48, 37), (300, 5)])
+def test_hq_weight_e4m3_bit_exact(poison, O, I):
+    """The cuBLAS FP8 path's W: scaled e4m3 bit-equal to reference.hq_weight(e4m3=True),
+    the scale times ``scale_mul``; a NaN in W makes its column's scale NaN, levels 0."""
+    w = _randn(O, I)
+    w[3, 2] = float("nan")
+    q, s = H.hq_weight_quant(w, 8, e4m3=True, scale_mul=1 / 16)
+    qr, sr = R.hq_weight(w, 8, e4m3=True)
+    assert q.dtype == torch.float8_e4m3fn
+    assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
+    assert torch.allclose(s * 16, sr, rtol=0, atol=0, equal_nan=True)
+    assert torch.isnan(s[2]) and q[2].float().abs().sum() == 0
 
 
 @cpu
@@ -376,3 +395,42 @@ def test_gpu_nonfinite_and_cuda_graph():
         assert torch.equal(out, F.hq_grad_input(g, w, 4, True, value))
         results.append(out.clone())
     assert not torch.equal(*results)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("I,O", [(768, 3072), (3072, 768)])
+def test_gpu_hq_cublas_fp8_path(I, O):
+    """The default g_x path on Ada/Hopper with bf16 g_y and per-token scales: cuBLAS FP8
+    with W as scaled e4m3 (bit-equal to the reference), g_x within bf16 rounding and fast
+    accumulation of reference.hq_grad_input(w_e4m3=True); same result inside
+    ``linear_backward`` and under CUDA-graph replay with a new seed."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("no FP8 tensor cores")
+    torch.manual_seed(2)
+    g = _randn(VIT["L"], O, dtype=torch.bfloat16, device="cuda")
+    w = (_randn(O, I, device="cuda") * 0.01).to(torch.bfloat16)
+    seed = torch.tensor(41, device="cuda")
+    assert F.gx_path(g, w, 4, 8, True) == ("cublas_fp8", True)
+    assert F.gx_path(g, w, 4, 8, False)[0] == "int8"            # per-tensor g_y: no row-wise
+    assert F.gx_path(g.float(), w, 4, 8, True)[0] == "int8"      # fp32 output
+    qw, sw = H.hq_weight_quant(w, 8, e4m3=True, scale_mul=1 / 16)
+    qwr, swr = R.hq_weight(w.cpu(), 8, e4m3=True)
+    assert torch.equal(qw.cpu().view(torch.uint8), qwr.view(torch.uint8))
+    assert torch.equal(sw.cpu() * 16, swr)
+    out = F.hq_grad_input(g, w, 4, True, seed, w_bits=8)
+    ref = R.hq_grad_input(g, w, 4, True, seed, w_bits=8, w_e4m3=True)
+    assert rel(out.float(), ref.float()) < 4e-3
+    assert rel(out.double(), g.double() @ w.double()) < 0.25
+    x = _randn(VIT["L"], I, dtype=torch.bfloat16, device="cuda")
+    xq, xs = F.abc_compress(x, 16, "1d", 8)
+    for one_pass in (False, True):
+        gx, _ = F.linear_backward(g, w, xq, xs, 16, 4, 8, 8, True, seed, one_pass=one_pass)
+        assert torch.equal(gx, out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cap = F.hq_grad_input(g, w, 4, True, seed, w_bits=8)
+    seed.fill_(42)
+    graph.replay()
+    assert torch.equal(cap, F.hq_grad_input(g, w, 4, True, 42, w_bits=8))
+    assert not torch.equal(cap, out)

@@ -6,8 +6,9 @@ Each op is a short pipeline of single-pass kernels (``hadamard``, ``hla``, ``gem
 * ``hq_grad_input``: W (O, I) -> H along O + RTN levels (I, O_pad) in one kernel;
   g (L, O) -> H along O + stochastic levels (L, O_pad), per-token (one read of g) or
   per-tensor (two reads: a global amax first); then one GEMM over O_pad with
-  acc * s_g * s_W / 16 in its epilogue. Levels are INT8 (e4m3 where forced and exact:
-  ``gemm.choose_format``).
+  acc * s_g * s_W / 16 in its epilogue. The GEMM (``gx_path``): cuBLAS FP8 where it
+  applies (bf16 g_y with per-token scales on Ada/Hopper; W then scaled e4m3 when its
+  levels would not be exact), else this package's INT8 kernel.
 * ``abc_compress``: x (L, I) -> projected, RTN int8 levels (L', I) and a per-tensor scale.
 * ``hla_grad_weight``: g (L, O) -> projected stochastic int8 levels written transposed
   (O, L'); the saved (L', I) levels transposed once to (I, L') (the GEMM reads both
@@ -37,29 +38,37 @@ def hq_grad_input(g: torch.Tensor, w: torch.Tensor, bits: int, per_token: bool, 
                   w_bits: int | None = None) -> torch.Tensor:
     """g_x ~= g_y W via block-Hadamard 4/8-bit quantization along O. g: (L, O), w: (O, I).
 
-    ``warm_other_scale`` (LQS calibration steps): also run the other scaling's kernel once
-    and drop its result, so that whichever choice LQS makes is already compiled when a
+    ``warm_other_scale`` (LQS calibration steps): also run the other scaling's kernels once
+    and drop the result, so that whichever choice LQS makes is already compiled when a
     CUDA graph captures the step (a first compile inside capture invalidates it)."""
-    L, O = g.shape
-    I = w.shape[1]
     w_bits = bits if w_bits is None else w_bits
     if (block != _FUSED_BLOCK or not (_fused_bits(bits) and _fused_bits(w_bits))
             or g.numel() == 0 or w.numel() == 0):
         return ref.hq_grad_input(g, w, bits, per_token, seed, block, w_bits=w_bits)
-    o_pad = -(-O // 16) * 16
-    fp8 = gemm.choose_format(L, I, o_pad, max(bits, w_bits), g.device) == "fp8"
-    qw, sw = hadamard.hq_weight_quant(w, w_bits, fp8=fp8)
-    qg, sg = hadamard.hq_act_quant(g, bits, per_token, seed, fp8=fp8)
     if warm_other_scale:
-        _warm_other_scale(g, qw, sw, bits, per_token, seed, fp8)
+        hq_grad_input(g, w, bits, not per_token, seed, block, False, w_bits)
+    return _gx(g, w, bits, w_bits, per_token, seed)
+
+
+def gx_path(g: torch.Tensor, w: torch.Tensor, bits: int, w_bits: int, per_token: bool):
+    """(GEMM path, W as scaled FP8?) of a fused g_x: ``gemm.gx_format``, ``gemm.w_is_e4m3``
+    (the reference twin takes the second as ``w_e4m3``)."""
+    fmt = gemm.gx_format(g, w.shape[1], bits, w_bits, per_token)
+    return fmt, gemm.w_is_e4m3(fmt, w_bits)
+
+
+def _gx(g, w, bits: int, w_bits: int, per_token: bool, seed, gq=None, path=None) -> torch.Tensor:
+    """The fused g_x: W and (unless given as ``gq`` = (levels, scale)) g_y quantized for the
+    GEMM path (``path``, else ``gx_path``'s), then that GEMM."""
+    fmt, e4m3 = path or gx_path(g, w, bits, w_bits, per_token)
+    cublas = fmt == "cublas_fp8"
+    qw, sw = hadamard.hq_weight_quant(w, w_bits, fp8=fmt == "fp8" or cublas, e4m3=e4m3,
+                                      scale_mul=1.0 / 16 if cublas else 1.0)
+    qg, sg = gq if gq is not None else hadamard.hq_act_quant(g, bits, per_token, seed,
+                                                             fp8=fmt != "int8")
+    if cublas:
+        return gemm.cublas_fp8_mm(qg, qw, sg, sw, g.dtype)
     return gemm.scaled_mm(qg, qw, sg, sw, 1.0 / 16, g.dtype)
-
-
-def _warm_other_scale(g, qw, sw, bits: int, per_token: bool, seed, fp8: bool) -> None:
-    """Run (and drop) the other g_x scaling's quantize kernel and GEMM variant (scale shape)
-    once, so that whichever LQS picks is compiled before a CUDA graph captures the step."""
-    qg, sg = hadamard.hq_act_quant(g, bits, not per_token, seed, fp8=fp8)
-    gemm.scaled_mm(qg, qw, sg, sw, 1.0 / 16, g.dtype)
 
 
 def abc_compress(x: torch.Tensor, rank: int, select: str = "1d", bits: int = 8,
@@ -110,9 +119,8 @@ def linear_backward(g: torch.Tensor, w: torch.Tensor, xt: torch.Tensor, x_scale:
     if k != ref.hla_rows(L, rank, block, seq_len):
         raise ValueError(f"linear_backward: xt has {k} rows, expected "
                          f"{ref.hla_rows(L, rank, block, seq_len)}")
-    o_pad = -(-O // 16) * 16
-    fp8 = gemm.choose_format(L, I, o_pad, max(gx_bits, w_bits), g.device) == "fp8"
-    qw, sw = hadamard.hq_weight_quant(w, w_bits, fp8=fp8)
+    path = gx_path(g, w, gx_bits, w_bits, per_token)
+    fp8 = path[0] != "int8"
     if one_pass:
         qg, sg, qg_t, sg_t = grad_out.grad_out_quant(g, gx_bits, per_token, seed, rank, "1d",
                                                      gw_bits, seed, fp8, hla_seed_add=1, **lay)
@@ -121,8 +129,8 @@ def linear_backward(g: torch.Tensor, w: torch.Tensor, xt: torch.Tensor, x_scale:
         qg_t, sg_t = hla.hla_quant(g, rank, "1d", gw_bits, stochastic=True, seed=seed,
                                    seed_add=1, transposed=True, pad_to=16, **lay)
     if warm_other_scale:
-        _warm_other_scale(g, qw, sw, gx_bits, per_token, seed, fp8)
-    gx = gemm.scaled_mm(qg, qw, sg, sw, 1.0 / 16, g.dtype)
+        hq_grad_input(g, w, gx_bits, not per_token, seed, block, False, w_bits)
+    gx = _gx(g, w, gx_bits, w_bits, per_token, seed, gq=(qg, sg), path=path)
     xs = x_scale.to(device=g.device, dtype=torch.float32)
     gw = gemm.scaled_mm(qg_t, gemm.transpose_padded(xt, 16), sg_t, xs, 1.0 / 16, g.dtype, k=k)
     return gx, gw

@@ -36,7 +36,7 @@ Two operand formats, same levels:
   into a separate fp32 accumulator (``max_num_imprecise_acc``). Where exactness ends:
   (1) each BK = 128 partial must be an integer below 2**14 for the tensor core's short
   adder: true for 4-bit levels (128 * 49 = 6272), NOT guaranteed for 5-bit ones
-  (128 * 225 = 28800), which ``choose_format`` may route here (bits <= 5);
+  (128 * 225 = 28800), which ``gx_format`` may route here when forced (bits <= 5);
   (2) the fp32 sum of the partials is exact while every running sum stays below 2**24,
   i.e. K * qa * qb <= 2**24: K <= 342,392 for 4-bit (the GPU test checks a worst case
   with sums near 6e5); beyond that each add rounds to 24 bits (relative error ~6e-8 per
@@ -47,7 +47,8 @@ Two operand formats, same levels:
   0 (+0.0), never the unwritten pad of a ``transpose_padded`` buffer. The FP8 path is
   therefore never chunked. On the H100 the INT8 path
   was faster than FP8 at every benchmarked shape (FP8 exact 445-680 TFLOP/s, FP8 with
-  fast accumulation 580-920, INT8 670-1220 on the g_x GEMM), so ``choose_format`` picks INT8.
+  fast accumulation 580-920, INT8 670-1220 on the g_x GEMM), so ``gx_format`` picks INT8 of
+  the two (and cuBLAS FP8 over both where it applies).
 
 Tiles come from the shape (``tile_config``), never from timing at run time: a new token
 count (dynamic shapes) must not tune inside backward or under CUDA-graph capture, and every
@@ -210,6 +211,11 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+@functools.lru_cache(maxsize=None)
+def _capability(index) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
 def _launch(args, flags, M: int, N: int, K: int, config: str | None = None) -> None:
     """Launch with the shape's tile (``tile_config``) or a named one (benchmarks)."""
     name = config or tile_config(M, N, K, _sm_count(args[0].device.index or 0))
@@ -358,14 +364,43 @@ def transpose_padded(x: torch.Tensor, pad_to: int = 16) -> torch.Tensor:
 
 # =========================================================================== format choice
 
-def choose_format(M: int, N: int, K: int, bits: int, device: torch.device) -> str:
-    """"int8" or "fp8" levels for a GEMM (fp8 only where levels are exact in e4m3, bits <= 5).
+def gx_format(g: torch.Tensor, n: int, g_bits: int, w_bits: int, per_token: bool) -> str:
+    """The g_x GEMM's path: "cublas_fp8", "int8" (this file's kernel) or "fp8" (forced).
 
-    A rule, not a measurement at run time: INT8. On the H100 this kernel's INT8 path beat
-    its FP8 path at every benchmarked shape (bench/results/layers_2026-11-23T214911: the
-    g_x GEMM 1090-1270 vs 440-680 TFLOP/s at GPT sizes, 455-760 vs 350-535 at ViT-B's).
-    HOT_GEMM_FORMAT=fp8 forces FP8 where exact (other chips, experiments).
+    A rule, not a measurement at run time. cuBLAS FP8 (``torch._scaled_mm``, row-wise
+    scales) wherever it applies: g_y's stochastic levels are exact in e4m3 (|q| <= 15),
+    W goes to scaled FP8 when its levels would not be (``w_is_e4m3``), the per-token
+    and per-in-feature scales are its row-wise scales, its output is bf16 and N a
+    multiple of 16. H100, bench/results/layers_2026-11-23T235509: 1.05-1.45x faster than
+    the INT8 kernel (GPT d4096 fc1 1.55 vs 1.85 ms, ViT-B qkv 0.040 vs 0.065 ms). Elsewhere
+    (per-tensor g_y, 8-bit g_y, fp32/fp16 output, pre-Ada GPUs) the INT8 kernel, which
+    beat the Triton FP8 path everywhere measured (layers_2026-11-23T214911: 1090-1270 vs
+    440-680 TFLOP/s at GPT sizes). HOT_GEMM_FORMAT=int8 / fp8 forces the Triton kernel
+    with INT8 / exact-FP8 levels (other chips, experiments).
     """
-    if bits > 5 or device.type != "cuda" or interpreting():
+    if g.device.type != "cuda" or interpreting():
         return "int8"
-    return "fp8" if os.environ.get("HOT_GEMM_FORMAT") == "fp8" else "int8"
+    forced = os.environ.get("HOT_GEMM_FORMAT")
+    if forced in ("int8", "fp8"):
+        return "fp8" if forced == "fp8" and max(g_bits, w_bits) <= 5 else "int8"
+    if (g_bits <= 5 and per_token and g.dtype == torch.bfloat16 and n % 16 == 0
+            and _capability(g.device.index) >= (8, 9)):
+        return "cublas_fp8"
+    return "int8"
+
+
+def w_is_e4m3(fmt: str, w_bits: int) -> bool:
+    """HQ's W operand is scaled FP8 (reference.quantize_e4m3) instead of ``w_bits`` levels:
+    on the cuBLAS FP8 GEMM when the levels do not fit e4m3 exactly (8-bit W)."""
+    return fmt == "cublas_fp8" and w_bits > 5
+
+
+def cublas_fp8_mm(a: torch.Tensor, bt: torch.Tensor, row_scale: torch.Tensor,
+                  col_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """a (M, K) e4m3 @ bt (N, K) e4m3 ^T * row_scale[m] * col_scale[n] on cuBLAS.
+
+    Fast accumulation: the products (4-bit level x e4m3) are exact and the tensor core's
+    shorter accumulator costs ~1e-4 relative, against ~0.1 of the 4-bit g_y; it is
+    6-12% faster (layers_2026-11-23T235509)."""
+    return torch._scaled_mm(a, bt.t(), row_scale[:, None], col_scale[None, :],
+                            out_dtype=out_dtype, use_fast_accum=True)

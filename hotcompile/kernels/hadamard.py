@@ -147,6 +147,31 @@ def quantize(v, s, inv_s, u, Q: tl.constexpr, IEEE_DIV: tl.constexpr, AS_INT: tl
 
 
 @triton.jit
+def to_e4m3(v, s, inv_s, IEEE_DIV: tl.constexpr, INTERPRET: tl.constexpr):
+    """Scaled FP8 (reference.quantize_e4m3): v / s (IEEE-rounded, as in ``quantize``)
+    clamped to +-448, NaN -> 0, rounded to the nearest e4m3 (ties to even).
+
+    On the GPU the conversion is the hardware's ``cvt.rn``. Triton 3.6's interpreter
+    rounds wrongly when the mantissa carries into the exponent (31.9 -> 16), so there the
+    value is first rounded onto the e4m3 grid in fp32 (exact steps: a power-of-two
+    spacing, 2**-9 below the smallest normal 2**-6; rounding to an integer by adding and
+    subtracting 1.5 * 2**23, exact in the interpreter's numpy fp32) and the conversion
+    has nothing left to round."""
+    if IEEE_DIV:
+        t = tl.math.div_rn(v, s)
+    else:
+        t0 = v * inv_s
+        t = tl.math.fma(tl.math.fma(t0, -s, v), inv_s, t0)
+    t = tl.clamp(t, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
+    t = tl.where(t == t, t, 0.0)
+    if INTERPRET:
+        e = tl.maximum(((t.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
+        step = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)
+        t = ((t / step + 12582912.0) - 12582912.0) * step     # |t / step| <= 16: RNE via 1.5 * 2**23
+    return t.to(tl.float8e4nv)
+
+
+@triton.jit
 def reciprocal_is_finite(inv_s):
     """Whether every reciprocal of a program's scales is finite (a scalar condition):
     Markstein's correction needs it, and a scale under ~1.2e-38 (amax of denormals)
@@ -298,10 +323,13 @@ def _load_fwht_weight(w_ptr, ins, o0, O, I, stride_wo, stride_wi, BO: tl.constex
 
 
 @triton.jit
-def _hq_weight_kernel(w_ptr, q_ptr, s_ptr, amax_ptr, O, I, O_pad, stride_wo, stride_wi, ldq,
-                      PHASE: tl.constexpr, BI: tl.constexpr, BO: tl.constexpr,
-                      Q: tl.constexpr, FP8: tl.constexpr, INTERPRET: tl.constexpr):
-    """The W side of HQ (reference.hq_weight): q[i, :] = RTN(H along O of W[:, i] / s_i).
+def _hq_weight_kernel(w_ptr, q_ptr, s_ptr, amax_ptr, scale_mul, O, I, O_pad, stride_wo,
+                      stride_wi, ldq, PHASE: tl.constexpr, BI: tl.constexpr, BO: tl.constexpr,
+                      Q: tl.constexpr, FP8: tl.constexpr, E4M3: tl.constexpr,
+                      INTERPRET: tl.constexpr):
+    """The W side of HQ (reference.hq_weight): q[i, :] = RTN(H along O of W[:, i] / s_i),
+    levels (Q = 2**(bits-1) - 1) or, with E4M3, scaled FP8 (Q = 448, ``to_e4m3``).
+    The stored scale is s_i * scale_mul (a power of two: exact).
 
     Output row i (in-feature i) needs the amax over all of O, and W is small next to g,
     so this uses the two-phase scheme of ``_hq_tensor_kernel`` on a 2-D grid of
@@ -320,14 +348,24 @@ def _hq_weight_kernel(w_ptr, q_ptr, s_ptr, amax_ptr, O, I, O_pad, stride_wo, str
     else:
         s = scale_from_amax_bits(tl.load(amax_ptr + ins, mask=ins < I, other=0), Q)
         inv_s = tl.math.div_rn(1.0, s)
-        if reciprocal_is_finite(inv_s):
+        if E4M3:
+            cols = o0 + tl.arange(0, BO)
+            mask = (ins < I)[:, None] & (cols < O_pad)[None, :]
+            ptrs = q_ptr + ins.to(tl.int64)[:, None] * ldq + cols[None, :]
+            if INTERPRET:                                   # no fused FMA there
+                tl.store(ptrs, to_e4m3(v, s[:, None], inv_s[:, None], True, INTERPRET), mask=mask)
+            elif reciprocal_is_finite(inv_s):
+                tl.store(ptrs, to_e4m3(v, s[:, None], inv_s[:, None], False, INTERPRET), mask=mask)
+            else:
+                tl.store(ptrs, to_e4m3(v, s[:, None], inv_s[:, None], True, INTERPRET), mask=mask)
+        elif reciprocal_is_finite(inv_s):
             _quantize_store_rows(q_ptr, v, s[:, None], inv_s[:, None], 0, ins, o0, I, O_pad, ldq,
                                  0, BO, Q, False, FP8, INTERPRET, False)
         else:
             _quantize_store_rows(q_ptr, v, s[:, None], inv_s[:, None], 0, ins, o0, I, O_pad, ldq,
                                  0, BO, Q, False, FP8, INTERPRET, True)
         if o0 == 0:
-            tl.store(s_ptr + ins, s, mask=ins < I)
+            tl.store(s_ptr + ins, s * scale_mul, mask=ins < I)
 
 
 # =========================================================================== launchers
@@ -445,20 +483,26 @@ def hq_act_quant(g: torch.Tensor, bits: int, per_token: bool, seed, fp8: bool = 
     return q, s
 
 
-def hq_weight_quant(w: torch.Tensor, bits: int, fp8: bool = False):
-    """reference.hq_weight: W (O, I) -> (levels (I, O_pad), per-in-feature fp32 scale (I,))."""
+def hq_weight_quant(w: torch.Tensor, bits: int, fp8: bool = False, e4m3: bool = False,
+                    scale_mul: float = 1.0):
+    """reference.hq_weight: W (O, I) -> (levels (I, O_pad), per-in-feature fp32 scale (I,)).
+
+    ``fp8``: the levels stored as e4m3; ``e4m3``: scaled FP8 instead of levels (``bits``
+    unused). The returned scale is multiplied by ``scale_mul``, a power of two: the cuBLAS
+    FP8 GEMM has no alpha, so the g_x GEMM's 1/16 rides on W's scale at no cost."""
     O, I = w.shape
     O_pad = -(-O // 16) * 16
     dev = w.device
-    q = torch.empty((I, O_pad), dtype=level_dtype(fp8), device=dev)
+    q = torch.empty((I, O_pad), dtype=level_dtype(fp8 or e4m3), device=dev)
     s = torch.empty((I,), dtype=torch.float32, device=dev)
     amax = torch.zeros((I,), dtype=torch.int32, device=dev)
     interp = interpreting()
     bi = 32 if not interp else 8                     # 64 contiguous bytes of each W row
     bo = min(256 if not interp else 64, _pow2_at_least(O_pad))
     grid = (triton.cdiv(I, bi) * triton.cdiv(O_pad, bo),)
-    args = (w, q, s, amax, O, I, O_pad, w.stride(0), w.stride(1), O_pad)
-    meta = dict(BI=bi, BO=bo, Q=qmax(bits), FP8=fp8, INTERPRET=interp, num_warps=8 if not interp else 4)
+    args = (w, q, s, amax, float(scale_mul), O, I, O_pad, w.stride(0), w.stride(1), O_pad)
+    meta = dict(BI=bi, BO=bo, Q=448 if e4m3 else qmax(bits), FP8=fp8, E4M3=e4m3, INTERPRET=interp,
+                num_warps=8 if not interp else 4)
     _hq_weight_kernel[grid](*args, PHASE=1, **meta)
     _hq_weight_kernel[grid](*args, PHASE=2, **meta)
     return q, s

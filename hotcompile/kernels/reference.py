@@ -219,6 +219,24 @@ def quantize(v: torch.Tensor, bits: int, per_row: bool, stochastic: bool, seed=0
     return torch.nan_to_num(q, nan=0.0).to(torch.int8), s
 
 
+E4M3_MAX = 448.0
+
+
+def quantize_e4m3(v: torch.Tensor, per_row: bool):
+    """Scaled FP8: (v / s rounded to the nearest e4m3, fp32 scale s = amax / 448).
+
+    The 8-bit operand format of cuBLAS's FP8 GEMM: 3 mantissa bits, so a relative step of
+    2**-3..2**-4 instead of int8's absolute step amax / 127 (the same RMS error for a
+    Gaussian operand within ~2x, far below the 4-bit g_y it multiplies). NaN -> 0 like
+    ``quantize``; the clamp only catches the quotient's last-bit overshoot."""
+    v = v.float()
+    amax = v.abs().amax(dim=1) if per_row else v.abs().amax()
+    s = (amax.double() / E4M3_MAX).float()
+    s = torch.where(amax == 0, torch.ones_like(s), s)
+    t = (v / (s[:, None] if s.dim() == 1 else s)).clamp(-E4M3_MAX, E4M3_MAX)
+    return torch.nan_to_num(t, nan=0.0).to(torch.float8_e4m3fn), s
+
+
 def dequantize(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return q.float() * (s[:, None] if s.dim() == 1 else s)
 
@@ -255,28 +273,35 @@ def int_matmul(a: torch.Tensor, b: torch.Tensor, k_chunk: int | None = None) -> 
 
 
 # --------------------------------------------------------------------------- HOT ops
-def hq_weight(w: torch.Tensor, bits: int, block: int = 16):
-    """The W side of HQ: H along O (the reduction axis), 4-bit RTN, one scale per column.
+def hq_weight(w: torch.Tensor, bits: int, block: int = 16, e4m3: bool = False):
+    """The W side of HQ: H along O (the reduction axis), RTN to ``bits`` levels (or, with
+    ``e4m3``, to scaled FP8: ``quantize_e4m3``), one scale per column.
 
-    Returns the transposed operand ``(I, O_pad)`` int8 and its (I,) scale, so the GEMM
-    reads both operands K-contiguous. Per-column absmax (a scale per in-feature) fits
-    the GEMM epilogue and is finer than the official per-tensor SAWB clip.
+    Returns the transposed operand ``(I, O_pad)`` (int8 levels or e4m3) and its (I,)
+    scale, so the GEMM reads both operands K-contiguous. Per-column absmax (a scale per
+    in-feature) fits the GEMM epilogue and is finer than the official per-tensor SAWB clip.
     """
-    wt = pad_cols(w.float().t(), block)                                # (I, O_pad)
-    return quantize(block_fwht(wt, block), bits, per_row=True, stochastic=False)
+    wh = block_fwht(pad_cols(w.float().t(), block), block)             # (I, O_pad)
+    if e4m3:
+        return quantize_e4m3(wh, per_row=True)
+    return quantize(wh, bits, per_row=True, stochastic=False)
 
 
 def hq_grad_input(g: torch.Tensor, w: torch.Tensor, bits: int, per_token: bool, seed=0,
-                  block: int = 16, w_bits: int | None = None) -> torch.Tensor:
+                  block: int = 16, w_bits: int | None = None, w_e4m3: bool = False) -> torch.Tensor:
     """g_x ~= g_y W via block-Hadamard quantization along O: g_y to ``bits`` levels
-    (stochastic), W to ``w_bits`` levels (nearest; default: ``bits``). bits=0: exact."""
+    (stochastic), W to ``w_bits`` levels (nearest; default: ``bits``), or to scaled FP8
+    with ``w_e4m3`` (``gx_w_e4m3``: the cuBLAS FP8 GEMM's W). bits=0: exact."""
     gh = block_fwht(pad_cols(g.float(), block), block)                 # (L, O_pad)
     if bits == 0:
         wh = block_fwht(pad_cols(w.float().t(), block), block)
         return (gh.double() @ wh.double().t() / block).to(g.dtype)
     qg, sg = quantize(gh, bits, per_row=per_token, stochastic=True, seed=seed)
-    qw, sw = hq_weight(w, bits if w_bits is None else w_bits, block)
-    acc = int_matmul(qg, qw.t())                                       # (L, I)
+    qw, sw = hq_weight(w, bits if w_bits is None else w_bits, block, e4m3=w_e4m3)
+    if w_e4m3:       # products of levels and e4m3 values are exact in fp64, and so is the sum
+        acc = (qg.double() @ qw.double().t()).float()
+    else:
+        acc = int_matmul(qg, qw.t())                                   # (L, I)
     sg = sg[:, None] if sg.dim() == 1 else sg
     return (acc * sg * (sw[None, :] / block)).to(g.dtype)
 
@@ -308,10 +333,11 @@ def hla_grad_weight(g: torch.Tensor, xt: torch.Tensor, x_scale: torch.Tensor, ra
 
 def linear_backward(g: torch.Tensor, w: torch.Tensor, xt: torch.Tensor, x_scale: torch.Tensor,
                     rank: int, gx_bits: int, w_bits: int, gw_bits: int, per_token: bool, seed=0,
-                    block: int = 16, *, seq_len: int = 0, seq_first: bool = False):
+                    block: int = 16, *, seq_len: int = 0, seq_first: bool = False,
+                    w_e4m3: bool = False):
     """A linear layer's whole HOT backward from one seed: (g_x, g_W). The g_x side draws
     its bits from ``seed``, the g_W side from ``seed + 1`` (another Philox key)."""
-    gx = hq_grad_input(g, w, gx_bits, per_token, seed, block, w_bits=w_bits)
+    gx = hq_grad_input(g, w, gx_bits, per_token, seed, block, w_bits=w_bits, w_e4m3=w_e4m3)
     gw = hla_grad_weight(g, xt, x_scale, rank, "1d", gw_bits, seed + 1, block,
                          seq_len=seq_len, seq_first=seq_first)
     return gx, gw

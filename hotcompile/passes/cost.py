@@ -30,7 +30,7 @@ import torch
 from ..kernels.ops import ONE_PASS_MAX_RANK
 
 # one entry per kernel of a HOT site, plus the two bf16 GEMMs of the exact backward
-KERNELS = ("grad_out", "hq_g_token", "hq_w", "hq_int8", "hla_g", "transpose_xq", "hla_int8",
+KERNELS = ("grad_out", "hq_g_token", "hq_w", "hq_cublas", "hla_g", "transpose_xq", "hla_int8",
            "abc_x", "gx_bf16", "gw_bf16")
 
 
@@ -40,8 +40,8 @@ def site_kernels(gx: bool, gw: bool, rank: int = 16) -> tuple:
     pair up to ``ONE_PASS_MAX_RANK``; one of them: ``hq_grad_input`` or
     ``hla_grad_weight`` alone."""
     if gx and gw and rank <= ONE_PASS_MAX_RANK:
-        return ("grad_out", "hq_w", "hq_int8", "transpose_xq", "hla_int8", "abc_x")
-    return ((("hq_g_token", "hq_w", "hq_int8") if gx else ())
+        return ("grad_out", "hq_w", "hq_cublas", "transpose_xq", "hla_int8", "abc_x")
+    return ((("hq_g_token", "hq_w", "hq_cublas") if gx else ())
             + (("hla_g", "transpose_xq", "hla_int8", "abc_x") if gw else ()))
 
 
@@ -53,7 +53,7 @@ def work(kernel: str, L: int, I: int, O: int, rank: int, block: int) -> float:
         "grad_out": 2 * L * O + L * o_pad + lr * O,  # g_y in, both operands out
         "hq_g_token": 2 * L * O + L * o_pad,         # g_y bf16 in, levels out
         "hq_w": 2 * O * I + I * o_pad,
-        "hq_int8": 2 * L * I * o_pad,
+        "hq_cublas": 2 * L * I * o_pad,
         "hla_g": 2 * L * O + lr * O,
         "transpose_xq": 2 * lr * I,
         "hla_int8": 2 * O * I * lr,
@@ -104,7 +104,7 @@ H100 = CostModel(
         "grad_out": (0.0281, 1.4387e-09),
         "hq_g_token": (0.0042, 4.8378e-10),
         "hq_w": (0.0218, 7.2424e-10),
-        "hq_int8": (0.0127, 8.6111e-13),
+        "hq_cublas": (0.0127, 8.6111e-13),
         "hla_g": (0.0266, 1.0028e-09),
         "transpose_xq": (0.0030, 3.9918e-10),
         "hla_int8": (0.0167, 8.7859e-13),
