@@ -53,7 +53,7 @@ def signature(kernel, pointers: dict, constexprs: dict) -> dict:
         elif name in pointers:
             sig[name] = pointers[name]
         else:
-            sig[name] = "fp32" if name == "alpha" else "i32"
+            sig[name] = "fp32" if name in ("alpha", "scale_mul") else "i32"
     return sig
 
 
@@ -102,10 +102,12 @@ def kernels_for(L: int, I: int, O: int, rank: int):
                       "seed_ptr": "*i64"},
                      dict(PHASE=phase, BR=max(1, 4096 // bc), BC=bc, Q=7, FP8=False,
                           INTERPRET=False), 8))
-        rows.append((f"hq W p{phase}", H._hq_weight_kernel,
-                     {"w_ptr": "*bf16", "q_ptr": "*i8", "s_ptr": "*fp32", "amax_ptr": "*i32"},
-                     dict(PHASE=phase, BI=32, BO=min(256, H._pow2_at_least(o_pad)), Q=127,
-                          FP8=False, INTERPRET=False), 8))
+        for e4m3 in (False, True):     # W levels (INT8 GEMM) or scaled e4m3 (cuBLAS FP8)
+            rows.append((f"hq W{' e4m3' if e4m3 else ''} p{phase}", H._hq_weight_kernel,
+                         {"w_ptr": "*bf16", "q_ptr": "*fp8e4nv" if e4m3 else "*i8",
+                          "s_ptr": "*fp32", "amax_ptr": "*i32"},
+                         dict(PHASE=phase, BI=32, BO=min(256, H._pow2_at_least(o_pad)),
+                              Q=448 if e4m3 else 127, FP8=False, E4M3=e4m3, INTERPRET=False), 8))
     hla_ptrs = {"x_ptr": "*bf16", "q_ptr": "*i8", "s_ptr": "*fp32", "amax_ptr": "*i32",
                 "seed_ptr": "*i64"}
     for what, C, stochastic in (("hla g", O, True), ("abc x", I, False)):

@@ -10,7 +10,7 @@ from hotcompile import HOTConfig
 from hotcompile.passes import cost
 
 RESULT = os.path.join(os.path.dirname(__file__), "..", "bench", "results",
-                      "layers_2026-11-23T214911_h100-80gb-hbm3.json")
+                      "layers_2026-11-24T000659_h100-80gb-hbm3.json")
 
 
 def test_h100_model_tracks_the_measured_layers():
