@@ -111,10 +111,10 @@ def kernels_for(L: int, I: int, O: int, rank: int):
     hla_ptrs = {"x_ptr": "*bf16", "q_ptr": "*i8", "s_ptr": "*fp32", "amax_ptr": "*i32",
                 "seed_ptr": "*i64"}
     for what, C, stochastic in (("hla g", O, True), ("abc x", I, False)):
-        bt, bcc, warps, nb = hla._tile_shape(C, False)
+        bt, bcc, warps = hla._tile_shape(C, False)
         for phase in (1, 2):
             rows.append((f"{what} p{phase}", hla._hla_kernel, hla_ptrs,
-                         dict(PHASE=phase, BT=bt, BC=bcc, NB=nb, RP=hla._pow2_at_least(rank), RANK=rank,
+                         dict(PHASE=phase, BT=bt, BC=bcc, RP=hla._pow2_at_least(rank), RANK=rank,
                               KEPT=hla._packed_rows(rank, "1d"), Q=127, STOCHASTIC=stochastic,
                               TRANSPOSED=stochastic, INTERPRET=False), warps))
     bt, bcc, warps, hr = grad_out.tile_shape(o_pad, False)

@@ -168,32 +168,24 @@ def _tile_origin(t, n_ct, BT: tl.constexpr, BC: tl.constexpr):
 @triton.jit
 def _hla_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, seed_ptr, seed_add, S, n_sblk, stride_b, stride_s, C,
                 stride_x, ldq, n_blk, groups_per_row, PHASE: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                NB: tl.constexpr, RP: tl.constexpr, RANK: tl.constexpr, KEPT: tl.constexpr,
-                Q: tl.constexpr, STOCHASTIC: tl.constexpr, TRANSPOSED: tl.constexpr,
-                INTERPRET: tl.constexpr):
-    """NB consecutive tiles of BT token blocks x BC channels per program, one after the other
-    (same channels: a transposed store continues the rows the previous tile wrote).
+                RP: tl.constexpr, RANK: tl.constexpr, KEPT: tl.constexpr, Q: tl.constexpr,
+                STOCHASTIC: tl.constexpr, TRANSPOSED: tl.constexpr, INTERPRET: tl.constexpr):
+    """One tile of BT token blocks x BC channels per program.
 
-    Phase 1: project, max the amax of the kept coefficients over the program's tiles in
-    registers, then one atomic max into ``amax_ptr`` (zeroed). Phase 2: scale, re-project,
-    quantize, store; programs in reverse order so the tiles phase 1 read last (still in
-    L2) come first.
+    Phase 1: project, atomically max the amax of the kept coefficients into ``amax_ptr``
+    (zeroed). Phase 2: scale, re-project, quantize, store; tiles in reverse order so the
+    ones phase 1 read last (still in L2) come first.
     """
     pid = tl.program_id(0)
     n_ct = tl.cdiv(C, BC)
-    if PHASE == 2:
-        pid = tl.num_programs(0) - 1 - pid
-    col0 = (pid % n_ct) * BC
-    first = (pid // n_ct) * (NB * BT)
     if PHASE == 1:
+        blk0, col0 = _tile_origin(pid, n_ct, BT, BC)
+        v = _load_project(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C,
+                          stride_x, BT, BC, RP, RANK, KEPT)
         keep = (tl.arange(0, RP) < RANK)[None, None, :]
-        m = 0
-        for t in tl.range(0, NB):
-            v = _load_project(x_ptr, first + t * BT, col0, n_blk, S, n_sblk, stride_b, stride_s,
-                              C, stride_x, BT, BC, RP, RANK, KEPT)
-            m = tl.maximum(m, tl.max(tl.where(keep, abs_bits(v), 0)))
-        tl.atomic_max(amax_ptr, m)
+        tl.atomic_max(amax_ptr, tl.max(tl.where(keep, abs_bits(v), 0)))
     else:
+        blk0, col0 = _tile_origin(tl.num_programs(0) - 1 - pid, n_ct, BT, BC)
         if STOCHASTIC:
             seed = tl.load(seed_ptr) + seed_add
         else:   # nearest rounding: no seed (callers pass any pointer)
@@ -202,18 +194,16 @@ def _hla_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, seed_ptr, seed_add, S, n_sblk, st
         inv_s = tl.math.div_rn(1.0, s)
         if pid == 0:
             tl.store(s_ptr, s)
-        for t in tl.range(0, NB):
-            blk0 = first + t * BT
-            v = _load_project(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C,
-                              stride_x, BT, BC, RP, RANK, KEPT)
-            if inv_s < float("inf"):
-                _quantize_store_tile(q_ptr, v, s, inv_s, seed, blk0, col0, n_blk, C, ldq,
-                                     groups_per_row, BT, BC, RP, RANK, Q, STOCHASTIC,
-                                     TRANSPOSED, INTERPRET, False)
-            else:
-                _quantize_store_tile(q_ptr, v, s, inv_s, seed, blk0, col0, n_blk, C, ldq,
-                                     groups_per_row, BT, BC, RP, RANK, Q, STOCHASTIC,
-                                     TRANSPOSED, INTERPRET, True)
+        v = _load_project(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C,
+                          stride_x, BT, BC, RP, RANK, KEPT)
+        if inv_s < float("inf"):
+            _quantize_store_tile(q_ptr, v, s, inv_s, seed, blk0, col0, n_blk, C, ldq,
+                                 groups_per_row, BT, BC, RP, RANK, Q, STOCHASTIC, TRANSPOSED,
+                                 INTERPRET, False)
+        else:
+            _quantize_store_tile(q_ptr, v, s, inv_s, seed, blk0, col0, n_blk, C, ldq,
+                                 groups_per_row, BT, BC, RP, RANK, Q, STOCHASTIC, TRANSPOSED,
+                                 INTERPRET, True)
 
 
 # =========================================================================== launcher
@@ -228,8 +218,8 @@ def _pow2_at_least(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-def _tile_shape(C: int, interp: bool) -> tuple[int, int, int, int]:
-    """(BT token blocks, BC channels, warps, NB tiles per program) of a program's work.
+def _tile_shape(C: int, interp: bool) -> tuple[int, int, int]:
+    """(BT token blocks, BC channels, warps) of a program's tile.
 
     BC = 256 * warps makes Triton's coalesced load layout give every thread 8 consecutive
     channels (one 16-byte bf16 vector) of all 16 tokens of a block: the token-axis
@@ -237,15 +227,15 @@ def _tile_shape(C: int, interp: bool) -> tuple[int, int, int, int]:
     counter) are then all in registers, with no layout conversion through shared memory
     (compiled code: 6 instructions per element in phase 1, against 19 and 8 conversions
     for a 16 x 128 tile on 4 warps). Warps: the count that pads C least, then the most.
-    HOT_HLA_TILE="BT,BC,WARPS[,NB]" overrides (tuning).
+    HOT_HLA_TILE="BT,BC,WARPS" overrides (tuning).
     """
     if interp:
-        return 1, 32, 4, 2
+        return 1, 32, 4
     if "HOT_HLA_TILE" in os.environ:
-        v = [int(v) for v in os.environ["HOT_HLA_TILE"].split(",")]
-        return v[0], v[1], v[2], v[3] if len(v) > 3 else 1
+        bt, bc, warps = (int(v) for v in os.environ["HOT_HLA_TILE"].split(","))
+        return bt, bc, warps
     warps = min((4, 2, 1), key=lambda w: (-(-C // (256 * w)) * 256 * w, -w))
-    return 1, 256 * warps, warps, 1
+    return 1, 256 * warps, warps
 
 
 def token_layout(L: int, seq_len: int = 0, seq_first: bool = False):
@@ -286,9 +276,9 @@ def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic:
         q = torch.empty((rows_out, C), dtype=torch.int8, device=dev)
     s = torch.empty((), dtype=torch.float32, device=dev)
     amax = torch.zeros((1,), dtype=torch.int32, device=dev)
-    bt, bc, warps, nb = _tile_shape(C, interpreting())
-    grid = (triton.cdiv(n_blk, bt * nb) * triton.cdiv(C, bc),)
-    meta = dict(BT=bt, BC=bc, NB=nb, RP=_pow2_at_least(rank), RANK=rank, KEPT=_packed_rows(rank, select),
+    bt, bc, warps = _tile_shape(C, interpreting())
+    grid = (triton.cdiv(n_blk, bt) * triton.cdiv(C, bc),)
+    meta = dict(BT=bt, BC=bc, RP=_pow2_at_least(rank), RANK=rank, KEPT=_packed_rows(rank, select),
                 Q=2 ** (bits - 1) - 1, STOCHASTIC=stochastic, TRANSPOSED=transposed,
                 INTERPRET=interpreting(), num_warps=warps)
     seed_t = seed_pointer(seed, dev) if stochastic else amax    # amax: an unread placeholder
