@@ -321,14 +321,18 @@ def run_layer(group, name, L, I, O, args, copies):
         specs += [("hq_g_token_chunked", _with_env("HOT_HQ_TOKEN_TILE", "1024",
                                                     lambda g: H.hq_act_quant(g, GX_BITS, True, seed)),
                    gsets, 2 * L * O + L * o_pad)]
-        # the last two: 4 channels a thread, no rank-16 spill offline (kernel_regs.py)
+        # the last two: 4 channels a thread, no rank-16 spill offline (kernel_regs.py), yet
+        # slower on the H100 (layers_2026-11-23T235509); so was a loop over 4-16 tiles per
+        # program (one atomic per program; 1.5-1.7x slower, layers_2026-11-24T002228)
         for tile in ("1,128,4", "1,256,1", "1,512,2", "2,512,4", "1,512,4", "1,1024,8"):
             specs += [(f"hla_g_tile{tile.replace(',', '_')}", _with_env(
                 "HOT_HLA_TILE", tile, lambda g: HL.hla_quant(g, RANK, "1d", GW_BITS, stochastic=True,
                                                              seed=seed, transposed=True, pad_to=16)),
                        gsets, 2 * L * O + lr * O)]
     for kname, fn, ksets, nbytes in specs:
-        ms = bench(fn, ksets)
+        # CUDA-graph replays: a kernel's GPU time, without the host launch gaps that make
+        # do_bench of a 20 us kernel measure Python
+        ms = bench_graph(fn, ksets)
         c = copy_ms(nbytes // 2, copies)
         kern[kname] = dict(ms=ms, bytes=nbytes, gbps=nbytes / ms / 1e6, copy_ms=c,
                            pct_of_copy=100 * c / ms)
