@@ -11,7 +11,9 @@ HOT's LQS table never leak from one mode into the next. A step is forward + loss
 backward + AdamW step. Per run: median step time (CUDA events after warm-up), tokens/s,
 peak allocated memory over the timed steps, bytes autograd saves for backward (a
 ``saved_tensors_hooks`` sum of the distinct non-parameter storages of one forward),
-compile time (first step minus a median step), what HOT rewrote, and optionally the
+compile time (first step minus a median step), what HOT rewrote, the host time of one
+step's call against its device-event time (host-bound or not) and kernel launches per step
+(torch.profiler, CUDA only, over extra steps after the timed ones), and optionally the
 largest batch that fits (``--max-batch``, binary search). Results go to
 ``<out>/train_<date>_<device>.{json,md}`` and PNG charts; ``--update-docs`` rewrites the
 "End-to-end training" section of docs/BENCHMARKS.md (between ``<!-- train:begin -->`` and
@@ -20,6 +22,7 @@ largest batch that fits (``--max-batch``, binary search). Results go to
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import gc
 import json
@@ -39,6 +42,12 @@ import torch.nn as nn  # noqa: E402
 import common as C  # noqa: E402
 
 ALL_MODES = list(C.MODE_INFO)
+PROFILE_STEPS = 3      # extra steps after the timed ones: host time, then launch counts
+# CUDA runtime/driver calls that launch one kernel (ATen and cuBLAS go through the runtime,
+# Triton through the driver; CUPTI records each call once) and those that replay a graph
+LAUNCH_APIS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cudaLaunchCooperativeKernel",
+               "cuLaunchKernel", "cuLaunchKernelEx")
+GRAPH_LAUNCH_APIS = ("cudaGraphLaunch", "cuGraphLaunch")
 
 
 # ----------------------------------------------------------------------------- workloads
@@ -384,6 +393,12 @@ def run_one(model: str, mode: str, opts: dict) -> dict:
                graphs=graphs_after, graph_breaks=breaks,
                recompiled_while_timing=graphs_after != graphs_before,
                tf32=bool(torch.backends.cuda.matmul.allow_tf32))
+    host = host_ms_per_step(run, PROFILE_STEPS)
+    gpu = med if device.type == "cuda" else None
+    launches, graph_launches = launches_per_step(run, PROFILE_STEPS)
+    rec.update(host_ms_per_step=host, gpu_ms_per_step=gpu,
+               host_gpu_ratio=host / gpu if gpu else None,
+               launches_per_step=launches, graph_launches_per_step=graph_launches)
     rec.update(C.hot_summary(be))
     if be is not None and rec["hot_sites_rewritten"] == 0:
         rec["warning"] = "HOT rewrote no linear layer: these numbers are plain Inductor's"
@@ -395,6 +410,46 @@ def run_one(model: str, mode: str, opts: dict) -> dict:
             step_fn, module, opt, wl, device, amp, opts)
     rec["run_s"] = time.perf_counter() - t_start
     return rec
+
+
+def host_ms_per_step(run: Run, n: int) -> float:
+    """Median wall time (ms) of ``run.step``'s call alone: what the host needs to enqueue
+    one step. Why extra steps, each started on an idle device, and not the timed loop:
+    there the host runs ahead until the launch queue is full and then waits on the GPU, so
+    its per-step time drifts to the GPU's and would hide a host-bound step. Against the
+    device-event time: a host-bound step (the GPU idles between launches) shows host >= GPU,
+    a GPU-bound one host well below it."""
+    times = []
+    for i in range(n):
+        C.sync(run.device)
+        t = time.perf_counter()
+        run.step(i)
+        times.append((time.perf_counter() - t) * 1e3)
+    C.sync(run.device)
+    return statistics.median(times)
+
+
+def launches_per_step(run: Run, n: int) -> Tuple[Optional[float], Optional[float]]:
+    """(kernel launches, CUDA-graph launches) per step: the runtime/driver launch calls
+    torch.profiler records over ``n`` extra steps. Counted on the host side because each
+    launch is host work (a graph replay runs many kernels for one call), and after the
+    timed steps because the profiler slows the host. (None, None) off CUDA, or when the
+    profiler saw no launch at all (CUPTI unavailable) or failed: a run never loses its
+    timing to this."""
+    if run.device.type != "cuda":
+        return None, None
+    try:
+        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=acts) as prof:
+            for i in range(n):
+                run.step(i)
+            torch.cuda.synchronize(run.device)
+        names = collections.Counter(e.name for e in prof.events())
+    except Exception:  # noqa: BLE001
+        return None, None
+    kernels = sum(names[k] for k in LAUNCH_APIS)
+    graphs = sum(names[k] for k in GRAPH_LAUNCH_APIS)
+    return (kernels / n, graphs / n) if kernels or graphs else (None, None)
 
 
 def find_max_batch(step_fn, module, opt, wl: Workload, device, amp, opts):
@@ -515,7 +570,17 @@ def _progress(i, n, rec, wall) -> str:
         hot = f", HOT {rec['hot_sites_rewritten']}/{rec['hot_sites_total']} sites"
     return (f"{head} {rec['step_ms']:8.2f} ms/step  {rec['tokens_per_s']:11.0f} tok/s  {mem}"
             f"  saved {rec['saved_bytes'] / 2 ** 20:8.1f} MiB  compile {rec['compile_s']:.1f} s"
-            f"{hot} ({wall:.0f} s)")
+            f"  {_host_launches(rec)}{hot} ({wall:.0f} s)")
+
+
+def _host_launches(r) -> str:
+    """'launches 812/step host 21.3 ms (1.02x GPU)' for the progress line."""
+    n, g, h, q = (r.get(k) for k in ("launches_per_step", "graph_launches_per_step",
+                                      "host_ms_per_step", "host_gpu_ratio"))
+    text = "launches " + ("-" if n is None else f"{n:.0f}/step")
+    text += f" +{g:.0f} graphs" if g else ""
+    text += "" if h is None else f" host {h:.1f} ms"
+    return text + ("" if q is None else f" ({q:.2f}x GPU)")
 
 
 def run_suite(args) -> dict:
@@ -688,7 +753,8 @@ def acceptance(result: dict) -> List[Tuple[str, str, Optional[float], str]]:
 
 
 HEADER = ["model", "mode", "batch", "ms/step", "tokens/s", "vs inductor", "peak GiB",
-          "mem vs inductor", "saved for bwd MiB", "compile s", "HOT sites", "max batch", "note"]
+          "mem vs inductor", "saved for bwd MiB", "compile s", "HOT sites", "max batch",
+          "host ms/step", "host/GPU", "launches/step", "graph launches/step", "note"]
 
 
 def table_rows(result: dict) -> List[list]:
@@ -696,8 +762,9 @@ def table_rows(result: dict) -> List[list]:
     rows = []
     for r in runs:
         if r.get("status") != "ok":
-            rows.append([r["model"], r["mode"] + ("" if _cm(r) == "default" else f" ({_cm(r)})"), "-", "-", "-", "-", "-", "-", "-", "-", "-", "-",
-                         f"{r.get('status')}: {r.get('error', '')}"[:120]])
+            mode = r["mode"] + ("" if _cm(r) == "default" else f" ({_cm(r)})")
+            rows.append([r["model"], mode] + ["-"] * (len(HEADER) - 3)
+                        + [f"{r.get('status')}: {r.get('error', '')}"[:120]])
             continue
         ref = _ref(runs, r["model"], compile_mode=_cm(r))
         ref_ms = r.get("ref_step_ms") or (ref["step_ms"] if ref else None)
@@ -716,7 +783,9 @@ def table_rows(result: dict) -> List[list]:
                      C.fmt(_peak(r)) if _peak(r) is not None or _cm(r) == "default"
                      else "n/m", mem,
                      C.fmt(r["saved_bytes"] / 2 ** 20, 1), C.fmt(r["compile_s"], 1), sites,
-                     C.fmt(r.get("max_batch")), note])
+                     C.fmt(r.get("max_batch")), C.fmt(r.get("host_ms_per_step")),
+                     C.fmt(r.get("host_gpu_ratio")), C.fmt(r.get("launches_per_step"), 0),
+                     C.fmt(r.get("graph_launches_per_step"), 0), note])
     return rows
 
 
@@ -743,7 +812,12 @@ def markdown(result: dict, title: bool = True) -> str:
                  "holds after one forward. Ratios are against `inductor` (torch.compile, "
                  "bf16 autocast) of the same model and compile mode. n/m: not measured — "
                  "under CUDA graphs (reduce-overhead) replays allocate nothing, so the "
-                 "allocator's peak misses the graph pool; compare memory in default mode.\n")
+                 "allocator's peak misses the graph pool; compare memory in default mode. "
+                 "Host ms/step = wall time of one step's call on an idle device (median of "
+                 f"{PROFILE_STEPS} extra steps); host/GPU = that over ms/step (device events): "
+                 "about 1 or above means host-bound, the GPU waiting on launches. Launches = "
+                 "CUDA kernel-launch (and graph-launch) calls per step, torch.profiler over "
+                 f"{PROFILE_STEPS} steps after the timed ones; - on CPU.\n")
     lines.append(C.md_table(HEADER, table_rows(result)))
     acc = acceptance(result)
     lines.append("\nTargets:\n")

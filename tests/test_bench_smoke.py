@@ -84,7 +84,11 @@ def _finite(v):
 
 
 TRAIN_NUMBERS = ("step_ms", "tokens_per_s", "samples_per_s", "saved_bytes", "compile_s",
-                 "first_step_s", "loss_first", "loss_last", "step_ms_min", "step_ms_max")
+                 "first_step_s", "loss_first", "loss_last", "step_ms_min", "step_ms_max",
+                 "host_ms_per_step")
+# no kernel launches or device events on the CPU: reported as None, not 0 or a crash
+TRAIN_NONE_ON_CPU = ("launches_per_step", "graph_launches_per_step", "gpu_ms_per_step",
+                     "host_gpu_ratio")
 
 
 def test_train_smoke_every_mode(smoke):
@@ -102,7 +106,8 @@ def test_train_smoke_every_mode(smoke):
         assert r["status"] == "ok", r
         for key in TRAIN_NUMBERS:
             assert _finite(r[key]), (r["mode"], key, r.get(key))
-        assert r["step_ms"] > 0 and r["saved_bytes"] > 0
+        assert r["step_ms"] > 0 and r["saved_bytes"] > 0 and r["host_ms_per_step"] > 0
+        assert all(k in r and r[k] is None for k in TRAIN_NONE_ON_CPU), r
         for v in r.values():
             if isinstance(v, float):
                 assert math.isfinite(v), r
@@ -113,6 +118,7 @@ def test_train_smoke_every_mode(smoke):
     assert hot["hot"]["saved_bytes"] < hot["inductor"]["saved_bytes"]
     assert os.path.exists(path[:-5] + ".md")
     assert "[1/7]" in text                                      # a progress line per run
+    assert "launches -" in text and " host " in text            # ... with host and launches
     if importlib.util.find_spec("matplotlib"):
         assert os.path.exists(path[:-5] + "_speed.png")
 
@@ -298,8 +304,15 @@ def test_train_table_separates_compile_modes():
              compile_mode="reduce-overhead"),
         dict(base, model="m", mode="hot", step_ms=4.0, peak_mem_gib=1.0,
              compile_mode="reduce-overhead")]}
+    res["runs"][1].update(host_ms_per_step=21.3, host_gpu_ratio=1.02,
+                          launches_per_step=812.0, graph_launches_per_step=None)
     rows = {r[1]: r for r in T.table_rows(res)}
     assert rows["hot"][5] == "0.50x" and rows["hot"][7] == "0.50x"
+    col = {h: i for i, h in enumerate(T.HEADER)}                # new columns; old files: -
+    assert [rows["hot"][col[h]] for h in ("host ms/step", "host/GPU", "launches/step",
+                                          "graph launches/step")] == ["21.30", "1.02", "812", "-"]
+    assert rows["inductor"][col["launches/step"]] == "-"
+    assert "launches 812/step host 21.3 ms (1.02x GPU)" in T._progress(1, 1, res["runs"][1], 0)
     assert rows["hot (reduce-overhead)"][5] == "1.25x"
     assert rows["hot (reduce-overhead)"][6] == "n/m" and rows["hot (reduce-overhead)"][7] == "-"
 
