@@ -752,6 +752,12 @@ def acceptance(result: dict) -> List[Tuple[str, str, Optional[float], str]]:
     return out
 
 
+def _ratio_text(v: float) -> str:
+    """A target's measured ratio: 3 decimals, so that a verdict never hinges on a hidden
+    digit (0.9986 would print as a failing "1.00x")."""
+    return f"{v:.3f}x"
+
+
 HEADER = ["model", "mode", "batch", "ms/step", "tokens/s", "vs inductor", "peak GiB",
           "mem vs inductor", "saved for bwd MiB", "compile s", "HOT sites", "max batch",
           "host ms/step", "host/GPU", "launches/step", "graph launches/step", "note"]
@@ -822,7 +828,7 @@ def markdown(result: dict, title: bool = True) -> str:
     acc = acceptance(result)
     lines.append("\nTargets:\n")
     lines.append(C.md_table(["target", "goal", "measured", "verdict"],
-                            [[w, t, "-" if v is None else f"{v:.2f}x", s] for w, t, v, s in acc]))
+                            [[w, t, "-" if v is None else _ratio_text(v), s] for w, t, v, s in acc]))
     notes = sorted({f"{r['model']}: {r['notes']}" for r in result["runs"] if r.get("notes")})
     if notes:
         lines.append("\nModels:\n" + "\n".join(f"- {n}" for n in notes))
@@ -888,7 +894,7 @@ def write_outputs(result: dict, base: str) -> None:
     C.log("")
     C.log(C.text_table(HEADER[:-1], [r[:-1] for r in table_rows(result)]))
     for what, target, v, verdict in acceptance(result):
-        C.log(f"  {verdict:4}  {what}: {'-' if v is None else f'{v:.2f}x'} (target {target})")
+        C.log(f"  {verdict:4}  {what}: {'-' if v is None else _ratio_text(v)} (target {target})")
     if result.get("resume_commands"):
         C.log("not run (time budget); to finish:\n  " + "\n  ".join(result["resume_commands"]))
     C.log(f"wrote {base}.json, {base}.md" + "".join(f", {p}" for p in pngs))
