@@ -50,6 +50,9 @@ Two operand formats, same levels:
   fast accumulation 580-920, INT8 670-1220 on the g_x GEMM), so ``gx_format`` picks INT8 of
   the two (and cuBLAS FP8 over both where it applies).
 
+Where cuBLAS's FP8 GEMM applies (``gx_format``: the g_x GEMM with per-token g_y levels in
+e4m3), it runs instead of this kernel: ``cublas_fp8_mm`` (faster than both formats here).
+
 Tiles come from the shape (``tile_config``), never from timing at run time: a new token
 count (dynamic shapes) must not tune inside backward or under CUDA-graph capture, and every
 process must launch the same code.
@@ -380,11 +383,18 @@ def gx_format(g: torch.Tensor, n: int, g_bits: int, w_bits: int, per_token: bool
     """
     if g.device.type != "cuda" or interpreting():
         return "int8"
-    forced = os.environ.get("HOT_GEMM_FORMAT")
+    return gx_rule(g_bits, w_bits, per_token, g.dtype, n, _capability(g.device.index),
+                   os.environ.get("HOT_GEMM_FORMAT"))
+
+
+def gx_rule(g_bits: int, w_bits: int, per_token: bool, dtype: torch.dtype, n: int,
+            capability: tuple[int, int], forced: str | None) -> str:
+    """``gx_format``'s decision for a CUDA device of this compute capability (pure: tested
+    on CPU)."""
     if forced in ("int8", "fp8"):
         return "fp8" if forced == "fp8" and max(g_bits, w_bits) <= 5 else "int8"
-    if (g_bits <= 5 and per_token and g.dtype == torch.bfloat16 and n % 16 == 0
-            and _capability(g.device.index) >= (8, 9)):
+    if (g_bits <= 5 and per_token and dtype == torch.bfloat16 and n % 16 == 0
+            and capability >= (8, 9)):
         return "cublas_fp8"
     return "int8"
 
