@@ -34,3 +34,22 @@ def test_cpu_is_int8_and_w_format_follows_the_path():
     # 4-bit W levels are exact in e4m3: the cuBLAS path keeps them as levels
     q, s = R.hq_weight(torch.randn(48, 32), 4)
     assert torch.equal(q.to(torch.float8_e4m3fn).float(), q.float())
+
+
+def test_cublas_fp8_mm_contract_on_this_torch():
+    """``cublas_fp8_mm``'s call of ``torch._scaled_mm`` (K-major operands, row-wise scales,
+    bf16 out) on this torch version: torch's CPU kernel computes the same contract, so the
+    argument layout is checked here against the exact product (the GPU tests check cuBLAS)."""
+    if not hasattr(torch, "_scaled_mm"):
+        pytest.skip("torch._scaled_mm missing")
+    g = torch.Generator().manual_seed(0)
+    a = torch.randint(-7, 8, (40, 64), generator=g).to(torch.float8_e4m3fn)
+    w, s_w = R.quantize_e4m3(torch.randn(48, 64, generator=g), per_row=True)
+    s_a = torch.rand(40, generator=g) + 0.5
+    try:
+        out = gemm.cublas_fp8_mm(a, w, s_a, s_w / 16, torch.bfloat16)
+    except RuntimeError as e:                       # no CPU kernel in this build
+        pytest.skip(f"no CPU _scaled_mm: {e}")
+    exact = (a.double() @ w.double().t()) * s_a.double()[:, None] * (s_w.double() / 16)[None, :]
+    assert out.dtype == torch.bfloat16 and out.shape == (40, 48)
+    assert float((out.double() - exact).norm() / exact.norm()) < 4e-3
