@@ -113,8 +113,7 @@ def linear_backward(g: torch.Tensor, w: torch.Tensor, xt: torch.Tensor, x_scale:
             or xt.dtype != torch.int8 or g.numel() == 0 or w.numel() == 0 or xt.numel() == 0):
         return (hq_grad_input(g, w, gx_bits, per_token, seed, block, warm_other_scale, w_bits),
                 hla_grad_weight(g, xt, x_scale, rank, "1d", gw_bits, seed + 1, block, **lay))
-    L, O = g.shape
-    I = w.shape[1]
+    L = g.shape[0]
     k = xt.shape[0]
     if k != ref.hla_rows(L, rank, block, seq_len):
         raise ValueError(f"linear_backward: xt has {k} rows, expected "
