@@ -214,6 +214,30 @@ def _instrument(record: dict) -> None:
     rewrite.find_linear_sites = logged
 
 
+def _save_and_exit(obj, rank: int, out_dir: str, timeout_s: float = 600.0) -> None:
+    """Save this rank's result, wait until every rank has saved its own, then leave with
+    ``os._exit(0)``.
+
+    Why not return through ``destroy_process_group`` and interpreter shutdown: gloo's
+    teardown is flaky on this 2-core machine. One rank was seen stuck in a futex after both
+    result files were written, which hung CI. Another died with "terminate called without an
+    active exception", a C++ thread destroyed at exit. A rank whose peers' files all exist
+    knows that every collective finished on every rank (each rank saves after its last
+    one), so nothing is left that needs a clean teardown."""
+    import time
+    path = os.path.join(out_dir, f"rank{rank}.pt")
+    torch.save(obj, path + ".tmp")
+    os.replace(path + ".tmp", path)                  # peers never see a partial file
+    deadline = time.monotonic() + timeout_s
+    while not all(os.path.exists(os.path.join(out_dir, f"rank{r}.pt")) for r in range(WORLD)):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {rank}: peers did not finish within {timeout_s} s")
+        time.sleep(0.05)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def _worker(rank: int, kind: str, init_file: str, out_dir: str) -> None:
     import torch.distributed as dist
     torch.set_num_threads(1)
@@ -253,8 +277,8 @@ def _worker(rank: int, kind: str, init_file: str, out_dir: str) -> None:
             if name == "hot":
                 result[name]["report"] = [(r.graph, r.name, r.reason) for r in be.report.layers]
                 result[name]["errors"] = list(be.report.errors)
-        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
+        _save_and_exit(result, rank, out_dir)
+    finally:                    # reached only on an error: report it with a normal teardown
         dist.destroy_process_group()
 
 
@@ -287,13 +311,13 @@ def _auto_worker(rank: int, kind: str, init_file: str, out_dir: str) -> None:
         train(model, run, x, y, params, steps=6)
         for r in be.report.layers:
             r.refresh_lqs()
-        torch.save({"compiles": compiles,
-                    "report": [(r.graph, r.name, r.reason, r.rank, r.rank_errors)
-                               for r in be.report.layers],
-                    "finite": all(bool(torch.isfinite(t).all())
-                                  for t in full_state(wrapped, kind).values())},
-                   os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
+        _save_and_exit({"compiles": compiles,
+                        "report": [(r.graph, r.name, r.reason, r.rank, r.rank_errors)
+                                   for r in be.report.layers],
+                        "finite": all(bool(torch.isfinite(t).all())
+                                      for t in full_state(wrapped, kind).values())},
+                       rank, out_dir)
+    finally:                    # reached only on an error: report it with a normal teardown
         dist.destroy_process_group()
 
 
