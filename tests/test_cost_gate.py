@@ -112,3 +112,40 @@ def test_one_log_line_per_graph_and_a_warning_when_nothing_is_rewritten(monkeypa
     info = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO
             and "linear layers rewritten" in r.getMessage()]
     assert len(info) == 1 and "2/2 linear layers rewritten" in info[0], caplog.text
+
+
+def test_gx_gemm_follows_the_run_time_path():
+    """The gate predicts a site's g_x GEMM on the path it will run: cuBLAS FP8 for bf16 g_y
+    with per-token scales, the slower INT8 kernel for fp32 g_y and for per-tensor or LQS
+    scales; so an fp32 model is not gated on cuBLAS speeds it will not get."""
+    bf16 = torch.empty(8, 64, dtype=torch.bfloat16)
+    fp32 = torch.empty(8, 64)
+    assert cost.gx_gemm_kernel(HOTConfig(), bf16, 768) == "hq_cublas"
+    assert cost.gx_gemm_kernel(HOTConfig(), fp32, 768) == "hq_int8"
+    assert cost.gx_gemm_kernel(HOTConfig(gx_scale="lqs"), bf16, 768) == "hq_int8"
+    assert cost.gx_gemm_kernel(HOTConfig(gx_scale="tensor"), bf16, 768) == "hq_int8"
+    assert cost.gx_gemm_kernel(HOTConfig(gx_bits=8), bf16, 768) == "hq_int8"
+    dims = (16384, 4096, 16384, 16, 16, True, True, 1.0, True)
+    _, hot_fp8 = cost.H100.predict(*dims, gx_gemm="hq_cublas")
+    _, hot_int8 = cost.H100.predict(*dims, gx_gemm="hq_int8")
+    assert hot_int8 > hot_fp8 + 0.2          # d4096 fc1: 1.91 vs 1.53 ms measured
+
+
+def test_fp32_sites_are_predicted_on_the_int8_kernel(monkeypatch):
+    """End to end on CPU with the H100 table standing in: fp32 g_y (no autocast) is gated
+    with the INT8 GEMM's time, bf16 g_y (autocast) with cuBLAS FP8's."""
+    seen = []
+    real = cost.CostModel.predict
+
+    def spy(self, *a, **k):
+        seen.append(k.get("gx_gemm", a[9] if len(a) > 9 else "hq_cublas"))
+        return real(self, *a, **k)
+    monkeypatch.setattr(cost.CostModel, "predict", spy)
+    cfg = HOTConfig(min_features=0, exclude=(), kernels="reference", min_speedup=0)
+    _compile(cfg, monkeypatch, lambda device: cost.H100)
+    assert seen and set(seen) == {"hq_int8"}
+    seen.clear()
+    torch._dynamo.reset()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _compile(cfg, monkeypatch, lambda device: cost.H100)
+    assert seen and set(seen) == {"hq_cublas"}

@@ -3,7 +3,7 @@ numbers exactly and its row-wise scales fit; the INT8 kernel elsewhere; CPU alwa
 import pytest
 import torch
 
-from hotcompile.kernels import gemm
+from hotcompile.kernels import formats, gemm
 from hotcompile.kernels import reference as R
 
 H100 = (9, 0)
@@ -23,14 +23,14 @@ H100 = (9, 0)
     (4, 8, True, torch.bfloat16, 768, H100, "fp8", "int8"),           # ... not where inexact
 ])
 def test_gx_rule(g_bits, w_bits, per_token, dtype, n, cap, forced, expect):
-    assert gemm.gx_rule(g_bits, w_bits, per_token, dtype, n, cap, forced) == expect
+    assert formats.gx_rule(g_bits, w_bits, per_token, dtype, n, cap, forced) == expect
 
 
 def test_cpu_is_int8_and_w_format_follows_the_path():
     g = torch.randn(32, 48, dtype=torch.bfloat16)
     assert gemm.gx_format(g, 64, 4, 8, True) == "int8"
-    assert gemm.w_is_e4m3("cublas_fp8", 8) and not gemm.w_is_e4m3("cublas_fp8", 4)
-    assert not gemm.w_is_e4m3("int8", 8) and not gemm.w_is_e4m3("fp8", 4)
+    assert formats.w_is_e4m3("cublas_fp8", 8) and not formats.w_is_e4m3("cublas_fp8", 4)
+    assert not formats.w_is_e4m3("int8", 8) and not formats.w_is_e4m3("fp8", 4)
     # 4-bit W levels are exact in e4m3: the cuBLAS path keeps them as levels
     q, s = R.hq_weight(torch.randn(48, 32), 4)
     assert torch.equal(q.to(torch.float8_e4m3fn).float(), q.float())

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from . import gemm, grad_out, hadamard, hla
+from . import formats, gemm, grad_out, hadamard, hla
 from . import reference as ref
 
 _FUSED_BLOCK = 16
@@ -51,10 +51,10 @@ def hq_grad_input(g: torch.Tensor, w: torch.Tensor, bits: int, per_token: bool, 
 
 
 def gx_path(g: torch.Tensor, w: torch.Tensor, bits: int, w_bits: int, per_token: bool):
-    """(GEMM path, W as scaled FP8?) of a fused g_x: ``gemm.gx_format``, ``gemm.w_is_e4m3``
+    """(GEMM path, W as scaled FP8?) of a fused g_x: ``gemm.gx_format``, ``formats.w_is_e4m3``
     (the reference twin takes the second as ``w_e4m3``)."""
     fmt = gemm.gx_format(g, w.shape[1], bits, w_bits, per_token)
-    return fmt, gemm.w_is_e4m3(fmt, w_bits)
+    return fmt, formats.w_is_e4m3(fmt, w_bits)
 
 
 def _gx(g, w, bits: int, w_bits: int, per_token: bool, seed, gq=None, path=None) -> torch.Tensor:

@@ -76,6 +76,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .formats import gx_rule
 from .hadamard import interpreting
 
 
@@ -372,7 +373,7 @@ def gx_format(g: torch.Tensor, n: int, g_bits: int, w_bits: int, per_token: bool
 
     A rule, not a measurement at run time. cuBLAS FP8 (``torch._scaled_mm``, row-wise
     scales) wherever it applies: g_y's stochastic levels are exact in e4m3 (|q| <= 15),
-    W goes to scaled FP8 when its levels would not be (``w_is_e4m3``), the per-token
+    W goes to scaled FP8 when its levels would not be (``formats.w_is_e4m3``), the per-token
     and per-in-feature scales are its row-wise scales, its output is bf16 and N a
     multiple of 16. H100, bench/results/layers_2026-11-23T235509: 1.05-1.45x faster than
     the INT8 kernel (GPT d4096 fc1 1.55 vs 1.85 ms, ViT-B qkv 0.040 vs 0.065 ms). Elsewhere
@@ -385,24 +386,6 @@ def gx_format(g: torch.Tensor, n: int, g_bits: int, w_bits: int, per_token: bool
         return "int8"
     return gx_rule(g_bits, w_bits, per_token, g.dtype, n, _capability(g.device.index),
                    os.environ.get("HOT_GEMM_FORMAT"))
-
-
-def gx_rule(g_bits: int, w_bits: int, per_token: bool, dtype: torch.dtype, n: int,
-            capability: tuple[int, int], forced: str | None) -> str:
-    """``gx_format``'s decision for a CUDA device of this compute capability (pure: tested
-    on CPU)."""
-    if forced in ("int8", "fp8"):
-        return "fp8" if forced == "fp8" and max(g_bits, w_bits) <= 5 else "int8"
-    if (g_bits <= 5 and per_token and dtype == torch.bfloat16 and n % 16 == 0
-            and capability >= (8, 9)):
-        return "cublas_fp8"
-    return "int8"
-
-
-def w_is_e4m3(fmt: str, w_bits: int) -> bool:
-    """HQ's W operand is scaled FP8 (reference.quantize_e4m3) instead of ``w_bits`` levels:
-    on the cuBLAS FP8 GEMM when the levels do not fit e4m3 exactly (8-bit W)."""
-    return fmt == "cublas_fp8" and w_bits > 5
 
 
 def cublas_fp8_mm(a: torch.Tensor, bt: torch.Tensor, row_scale: torch.Tensor,

@@ -17,9 +17,9 @@ sizes, where HOT measured 2.2-3x slower, it is off by -10..+16%). In default com
 time (Python dispatch of its ops, Triton's launcher for ~12 kernels) that the GPU cannot
 hide when the site's GPU work is shorter: there the prediction is
 ``max(gpu, host)``; under CUDA graphs (``reduce-overhead``) only the GPU time counts.
-The g_x GEMM is modelled on the default path (cuBLAS FP8: bf16 g_y, per-token scales); a
-site on the INT8 kernel instead (per-tensor scales, fp32 g_y) is predicted a little
-faster than it runs. Calibrated on the H100 only; other CUDA devices use the H100 table (the report names it),
+The g_x GEMM is modelled on the path the site will take (``gx_gemm_kernel``): cuBLAS FP8
+for bf16 g_y with per-token scales, the INT8 kernel otherwise (fp32 training, per-tensor
+or LQS scales). Calibrated on the H100 only; other CUDA devices use the H100 table (the report names it),
 CPU has no model (the reference kernels are not a performance path) and is not gated.
 """
 from __future__ import annotations
@@ -29,22 +29,35 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from ..kernels.formats import gx_rule
 from ..kernels.ops import ONE_PASS_MAX_RANK
 
 # one entry per kernel of a HOT site, plus the two bf16 GEMMs of the exact backward
-KERNELS = ("grad_out", "hq_g_token", "hq_w", "hq_cublas", "hla_g", "transpose_xq", "hla_int8",
-           "abc_x", "gx_bf16", "gw_bf16")
+KERNELS = ("grad_out", "hq_g_token", "hq_w", "hq_cublas", "hq_int8", "hla_g", "transpose_xq",
+           "hla_int8", "abc_x", "gx_bf16", "gw_bf16")
 
 
-def site_kernels(gx: bool, gw: bool, rank: int = 16) -> tuple:
+def site_kernels(gx: bool, gw: bool, rank: int = 16, gx_gemm: str = "hq_cublas") -> tuple:
     """The kernels of a site's HOT backward (``abc_x``: its share of the forward's ABC).
     Both gradients: one ``hot::linear_backward``, whose g_y operands come from one kernel
     pair up to ``ONE_PASS_MAX_RANK``; one of them: ``hq_grad_input`` or
-    ``hla_grad_weight`` alone."""
+    ``hla_grad_weight`` alone. ``gx_gemm``: the g_x GEMM's path (``gx_gemm_kernel``)."""
     if gx and gw and rank <= ONE_PASS_MAX_RANK:
-        return ("grad_out", "hq_w", "hq_cublas", "transpose_xq", "hla_int8", "abc_x")
-    return ((("hq_g_token", "hq_w", "hq_cublas") if gx else ())
+        return ("grad_out", "hq_w", gx_gemm, "transpose_xq", "hla_int8", "abc_x")
+    return ((("hq_g_token", "hq_w", gx_gemm) if gx else ())
             + (("hla_g", "transpose_xq", "hla_int8", "abc_x") if gw else ()))
+
+
+def gx_gemm_kernel(config, g: torch.Tensor, n: int) -> str:
+    """The table key of a site's g_x GEMM: the path ``formats.gx_rule`` will take at run time
+    for this g_y (dtype, device) and config, without the ``HOT_GEMM_FORMAT`` experiment
+    override. cuBLAS FP8 needs per-token scales: ``gx_scale="lqs"`` may pick per-tensor on
+    a site, so it is predicted on the slower INT8 kernel (the gate errs towards exact). A
+    non-CUDA device (a test's stand-in) is taken as an H100, the table's device."""
+    cap = torch.cuda.get_device_capability(g.device) if g.device.type == "cuda" else (9, 0)
+    path = gx_rule(config.gx_bits, config.gx_w_bits, config.gx_scale == "token", g.dtype,
+                        n, cap, None)
+    return "hq_cublas" if path == "cublas_fp8" else "hq_int8"
 
 
 def work(kernel: str, L: int, I: int, O: int, rank: int, block: int) -> float:
@@ -56,6 +69,7 @@ def work(kernel: str, L: int, I: int, O: int, rank: int, block: int) -> float:
         "hq_g_token": 2 * L * O + L * o_pad,         # g_y bf16 in, levels out
         "hq_w": 2 * O * I + I * o_pad,
         "hq_cublas": 2 * L * I * o_pad,
+        "hq_int8": 2 * L * I * o_pad,
         "hla_g": 2 * L * O + lr * O,
         "transpose_xq": 2 * lr * I,
         "hla_int8": 2 * O * I * lr,
@@ -77,18 +91,20 @@ class CostModel:
         return fixed + slope * work(k, L, I, O, rank, block)
 
     def gpu_ms(self, L: int, I: int, O: int, rank: int, block: int, gx: bool = True,
-               gw: bool = True, abc_share: float = 1.0) -> Tuple[float, float]:
+               gw: bool = True, abc_share: float = 1.0,
+               gx_gemm: str = "hq_cublas") -> Tuple[float, float]:
         """(exact, HOT) GPU time of the site's backward (+ its share of the ABC kernel)."""
         t = lambda k: self.kernel_ms(k, L, I, O, rank, block)  # noqa: E731
         exact = (t("gx_bf16") if gx else 0.0) + (t("gw_bf16") if gw else 0.0)
         hot = sum(t(k) * (abc_share if k == "abc_x" else 1.0)
-                  for k in site_kernels(gx, gw, rank))
+                  for k in site_kernels(gx, gw, rank, gx_gemm))
         return exact, hot
 
     def predict(self, L: int, I: int, O: int, rank: int, block: int, gx: bool, gw: bool,
-                abc_share: float, graphs: bool) -> Tuple[float, float]:
+                abc_share: float, graphs: bool,
+                gx_gemm: str = "hq_cublas") -> Tuple[float, float]:
         """(exact, HOT) predicted ms; ``graphs``: the step replays a CUDA graph (no host)."""
-        exact, hot = self.gpu_ms(L, I, O, rank, block, gx, gw, abc_share)
+        exact, hot = self.gpu_ms(L, I, O, rank, block, gx, gw, abc_share, gx_gemm)
         if not graphs:
             share = (int(gx) + int(gw)) / 2
             exact = max(exact, self.host_exact_ms * share)
@@ -108,6 +124,7 @@ H100 = CostModel(
         "hq_g_token": (0.0050, 5.7356e-10),
         "hq_w": (0.0418, 6.4019e-10),
         "hq_cublas": (0.0120, 6.7863e-13),
+        "hq_int8": (0.0185, 8.7320e-13),
         "hla_g": (0.0158, 1.0219e-09),
         "transpose_xq": (0.0042, 4.0218e-10),
         "hla_int8": (0.0172, 9.1289e-13),

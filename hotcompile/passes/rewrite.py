@@ -118,7 +118,8 @@ def _cost_gate(sites: List[LinearSite], groups, config) -> None:
             continue
         rank = s.rank if isinstance(s.rank, int) else config.block
         exact, hot = model.predict(*dims, rank, config.block, s.gx is not None,
-                                   s.gw is not None, 1.0 / size.get(s.key, 1), graphs)
+                                   s.gw is not None, 1.0 / size.get(s.key, 1), graphs,
+                                   cost.gx_gemm_kernel(config, val, s.I))
         s.cost = (exact, hot, model.name)
         if config.min_speedup > 0 and exact < config.min_speedup * hot:
             s.reason = (f"cost gate: predicted backward {hot:.3f} ms with HOT vs {exact:.3f} ms "
