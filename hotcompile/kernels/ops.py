@@ -147,7 +147,6 @@ sweep of that session, no tile shape better): the (16-token x BC x 16) coefficie
 longer fits the registers next to the HQ half."""
 
 
-
 @torch.library.custom_op("hot::linear_backward", mutates_args=())
 def linear_backward(g: Tensor, xq: Tensor, x_scale: Tensor, rank: int, gw_bits: int, block: int,
                     seq_len: int, seq_first: bool, measure: str, kernels: str, w: Tensor,

@@ -198,10 +198,11 @@ def qmax(bits: int) -> int:
     return 2 ** (bits - 1) - 1
 
 
-def absmax_scale(v: torch.Tensor, bits: int, per_row: bool) -> torch.Tensor:
-    """fp32 scale s = amax / Q (shape (R,) per row, () per tensor); 1 where amax == 0."""
+def absmax_scale(v: torch.Tensor, bits: int, per_row: bool, q: float | None = None) -> torch.Tensor:
+    """fp32 scale s = amax / Q (shape (R,) per row, () per tensor); 1 where amax == 0.
+    Q = ``qmax(bits)``, or ``q`` when given (448 for scaled e4m3)."""
     amax = v.abs().amax(dim=1) if per_row else v.abs().amax()
-    s = (amax.double() / qmax(bits)).float()   # the correctly rounded quotient on every device
+    s = (amax.double() / (qmax(bits) if q is None else q)).float()   # correctly rounded quotient
     return torch.where(amax == 0, torch.ones_like(s), s)
 
 
@@ -226,13 +227,12 @@ def quantize_e4m3(v: torch.Tensor, per_row: bool):
     """Scaled FP8: (v / s rounded to the nearest e4m3, fp32 scale s = amax / 448).
 
     The 8-bit operand format of cuBLAS's FP8 GEMM: 3 mantissa bits, so a relative step of
-    2**-3..2**-4 instead of int8's absolute step amax / 127 (the same RMS error for a
-    Gaussian operand within ~2x, far below the 4-bit g_y it multiplies). NaN -> 0 like
-    ``quantize``; the clamp only catches the quotient's last-bit overshoot."""
+    2**-3..2**-4 instead of int8's absolute step amax / 127: on a Gaussian W about 3.5x
+    int8's RMS error (0.026 vs 0.0074 relative, ``test_reference``), still far below the
+    4-bit g_y it multiplies. NaN -> 0 like ``quantize``; the clamp only catches the
+    quotient's last-bit overshoot."""
     v = v.float()
-    amax = v.abs().amax(dim=1) if per_row else v.abs().amax()
-    s = (amax.double() / E4M3_MAX).float()
-    s = torch.where(amax == 0, torch.ones_like(s), s)
+    s = absmax_scale(v, 8, per_row, q=E4M3_MAX)
     t = (v / (s[:, None] if s.dim() == 1 else s)).clamp(-E4M3_MAX, E4M3_MAX)
     return torch.nan_to_num(t, nan=0.0).to(torch.float8_e4m3fn), s
 

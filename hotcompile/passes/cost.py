@@ -55,8 +55,8 @@ def gx_gemm_kernel(config, g: torch.Tensor, n: int) -> str:
     a site, so it is predicted on the slower INT8 kernel (the gate errs towards exact). A
     non-CUDA device (a test's stand-in) is taken as an H100, the table's device."""
     cap = torch.cuda.get_device_capability(g.device) if g.device.type == "cuda" else (9, 0)
-    path = gx_rule(config.gx_bits, config.gx_w_bits, config.gx_scale == "token", g.dtype,
-                        n, cap, None)
+    path = gx_rule(config.gx_bits, config.gx_w_bits, config.gx_scale == "token", g.dtype, n,
+                   cap, None)
     return "hq_cublas" if path == "cublas_fp8" else "hq_int8"
 
 
