@@ -13,6 +13,7 @@ from typing import Optional, Tuple, Union
 
 _KERNELS = ("auto", "triton", "reference")
 _GX_SCALES = ("lqs", "token", "tensor")
+_GW_FORMATS = ("auto", "int8", "e4m3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +40,10 @@ class HOTConfig:
     (one read of g_y; per-tensor needs a global max first) and the more accurate one
     (ViT-B/16, H100: median g_x cosine 0.90 vs 0.19 when LQS picks per-tensor), so the
     paper's reason to fall back to per-tensor (a cheaper kernel) does not hold here.
+    gw_format: the g_W path's operands: ``e4m3`` (scaled FP8 on cuBLAS, g's coefficients
+    stochastically rounded onto the e4m3 grid, x saved in e4m3), ``int8`` (``gw_bits``
+    levels, the INT8 Triton GEMM), or ``auto`` (default): e4m3 on CUDA devices with FP8
+    tensor cores, int8 elsewhere (``kernels.formats.gw_rule`` has the measurements).
     kernels: ``auto`` = fused Triton on CUDA, reference torch elsewhere.
     include / exclude: layer names to restrict / skip: a name as the compiled module's
     ``named_modules()`` gives it (``blocks.0.fc2``), one dotted component of it (``head``),
@@ -66,6 +71,7 @@ class HOTConfig:
     gx_w_bits: int = 8
     gw_bits: int = 8
     gx_scale: str = "token"
+    gw_format: str = "auto"
     rank_tolerance: float = 0.1
     rank_calibration_steps: int = 2
     rank_calibration_start: int = 100
@@ -109,6 +115,8 @@ class HOTConfig:
             bad("rank_calibration_steps", "must be >= 1")
         if self.rank_calibration_start < 0:
             bad("rank_calibration_start", "must be >= 0")
+        if self.gw_format not in _GW_FORMATS:
+            bad("gw_format", f"must be one of {_GW_FORMATS}")
         if self.kernels not in _KERNELS:
             bad("kernels", f"must be one of {_KERNELS}")
         for f in ("include", "exclude"):

@@ -71,7 +71,7 @@ def test_hot_ops_capture_in_a_cuda_graph():
     TABLE.register("cap3", calibration_steps=1)
 
     def run():
-        xq, xs = torch.ops.hot.abc_compress(x, 8, 8, 16, 0, False, "auto")
+        xq, xs = torch.ops.hot.abc_compress(x, 8, 8, 16, 0, False, "auto", "int8")
         gx = torch.ops.hot.hq_grad_input(g, w, 4, 4, 16, "lqs", "cap", "auto")
         gt = torch.ops.hot.hq_grad_input(g, w, 4, 4, 16, "tensor", "cap2", "auto")
         gw = torch.ops.hot.hla_grad_weight(g, xq, xs, 8, 8, 16, 0, False, "", "auto")

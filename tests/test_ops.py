@@ -5,31 +5,44 @@ import torch
 from hotcompile.kernels import ops  # noqa: F401
 
 
+def _checks(fmt: str) -> tuple:
+    """opcheck's tests for a saved activation of ``fmt``: its schema test multiplies the
+    tensors to detect mutation, which CPU cannot do in float8 (the fake and AOT tests run)."""
+    both = ("test_faketensor", "test_aot_dispatch_static")
+    return both if fmt == "e4m3" else ("test_schema",) + both
+
+
+@pytest.mark.parametrize("fmt", ["int8", "e4m3"])
 @pytest.mark.parametrize("L,O,I", [(48, 32, 24), (37, 40, 19)])
-def test_opcheck(L, O, I):
+def test_opcheck(L, O, I, fmt):
     g, w, x = torch.randn(L, O), torch.randn(O, I), torch.randn(L, I)
     torch.library.opcheck(torch.ops.hot.hq_grad_input.default,
                           (g, w, 4, 4, 16, "token", "site", "reference"),
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
-    xq, xs = torch.ops.hot.abc_compress(x, 8, 8, 16, 0, False, "reference")
-    torch.library.opcheck(torch.ops.hot.abc_compress.default, (x, 8, 8, 16, 0, False, "reference"))
+    xq, xs = torch.ops.hot.abc_compress(x, 8, 8, 16, 0, False, "reference", fmt)
+    torch.library.opcheck(torch.ops.hot.abc_compress.default, (x, 8, 8, 16, 0, False, "reference", fmt),
+                          test_utils=_checks(fmt) + ("test_autograd_registration",))
     torch.library.opcheck(torch.ops.hot.hla_grad_weight.default,
-                          (g, xq, xs, 8, 8, 16, 0, False, "", "reference"),
-                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
-    assert xq.shape == ((L + 15) // 16 * 8, I) and xq.dtype == torch.int8
+                          (g, xq, xs, 8, 8, 16, 0, False, "", "reference"), test_utils=_checks(fmt))
+    rows = (L + 15) // 16 * 8
+    if fmt == "int8":
+        assert xq.shape == (rows, I) and xq.dtype == torch.int8
+    else:   # the cuBLAS g_W GEMM's K-major buffer, rows padded to 16 with zeros
+        assert xq.shape == (I, (rows + 15) // 16 * 16) and xq.dtype == torch.float8_e4m3fn
+        assert not xq[:, rows:].float().any()
     assert torch.ops.hot.hla_grad_weight(g, xq, xs, 8, 8, 16, 0, False, "", "reference").shape == (O, I)
 
 
+@pytest.mark.parametrize("fmt", ["int8", "e4m3"])
 @pytest.mark.parametrize("L,O,I,seq_len", [(48, 32, 24, 0), (39, 40, 19, 13)])
-def test_linear_backward_op(L, O, I, seq_len):
+def test_linear_backward_op(L, O, I, seq_len, fmt):
     """The one-op site backward: registration checks, and the same numbers as the two
     separate reference ops given the seed it draws (g_x from s, g_W from s + 1)."""
     torch.manual_seed(L)
     g, w, x = torch.randn(L, O), torch.randn(O, I), torch.randn(L, I)
-    xq, xs = torch.ops.hot.abc_compress(x, 8, 8, 16, seq_len, False, "reference")
+    xq, xs = torch.ops.hot.abc_compress(x, 8, 8, 16, seq_len, False, "reference", fmt)
     args = (g, xq, xs, 8, 8, 16, seq_len, False, "", "reference", w, 4, 8, "token", "s")
-    torch.library.opcheck(torch.ops.hot.linear_backward.default, args,
-                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
+    torch.library.opcheck(torch.ops.hot.linear_backward.default, args, test_utils=_checks(fmt))
     torch.manual_seed(7)
     seed = ops.draw_seed(torch.device("cpu"))
     torch.manual_seed(7)
@@ -44,7 +57,7 @@ def test_linear_backward_op(L, O, I, seq_len):
 def test_output_dtypes_follow_the_gradient(dtype):
     g, w, x = torch.randn(32, 32, dtype=dtype), torch.randn(32, 16, dtype=dtype), torch.randn(32, 16)
     assert torch.ops.hot.hq_grad_input(g, w, 4, 4, 16, "tensor", "s", "auto").dtype == dtype
-    xq, xs = torch.ops.hot.abc_compress(x.to(dtype), 8, 8, 16, 0, False, "auto")
+    xq, xs = torch.ops.hot.abc_compress(x.to(dtype), 8, 8, 16, 0, False, "auto", "int8")
     assert torch.ops.hot.hla_grad_weight(g, xq, xs, 8, 8, 16, 0, False, "", "auto").dtype == dtype
 
 

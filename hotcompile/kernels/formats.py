@@ -1,4 +1,4 @@
-"""Which GEMM path and operand formats HOT's g_x takes: pure rules, no triton import.
+"""Which GEMM paths and operand formats HOT's g_x and g_W take: pure rules, no triton import.
 
 Why a module of its own: the cost gate (``passes/cost.py``) predicts each site on the path
 it will run, at compile time, also on machines where triton is not installed (CPU runs
@@ -26,3 +26,37 @@ def w_is_e4m3(fmt: str, w_bits: int) -> bool:
     """HQ's W operand is scaled FP8 (reference.quantize_e4m3) instead of ``w_bits`` levels:
     on the cuBLAS FP8 GEMM when the levels do not fit e4m3 exactly (8-bit W)."""
     return fmt == "cublas_fp8" and w_bits > 5
+
+
+GW_FORMATS = ("auto", "int8", "e4m3")
+
+
+def gw_rule(requested: str, device_type: str, capability: tuple[int, int] | None) -> str:
+    """The g_W path's operand format, fixed at compile time (the forward saves x in it):
+    "e4m3" (scaled FP8 on both sides, cuBLAS ``_scaled_mm``) or "int8" (8-bit levels, the
+    INT8 Triton GEMM).
+
+    ``requested`` is ``HOTConfig.gw_format``. "auto": e4m3 on CUDA devices with FP8 tensor
+    cores (compute capability >= 8.9), int8 elsewhere (CPU runs the reference twins, which
+    take either). Why e4m3 there: cuBLAS's FP8 GEMM is ~1.4x the INT8 Triton kernel at
+    Llama's g_W shapes (H100 step profile 2026-11-24: 12 INT8 g_W GEMMs 5.89 ms against
+    3.92 ms for the 12 FP8 g_x GEMMs of equal FLOPs), and the ABC kernel can write x
+    transposed in it, so the backward's transpose disappears. Accuracy: e4m3 keeps a
+    relative step per value where int8 has one absolute step per tensor, so its g_W error
+    is ~2x int8's on Gaussian data but 3x smaller where channel magnitudes spread
+    (``test_reference``). A forced "e4m3" on a CUDA device without FP8 falls back to int8.
+    """
+    if requested not in GW_FORMATS:
+        raise ValueError(f"HOTConfig.gw_format must be one of {GW_FORMATS}, got {requested!r}")
+    fp8_ok = device_type != "cuda" or (capability is not None and capability >= (8, 9))
+    if requested == "int8" or not fp8_ok:
+        return "int8"
+    if requested == "e4m3":
+        return "e4m3"
+    return "e4m3" if device_type == "cuda" else "int8"
+
+
+def gw_format_for(requested: str, device: torch.device) -> str:
+    """``gw_rule`` for a tensor's device (compile time: the pass and the cost gate)."""
+    cap = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    return gw_rule(requested, device.type, cap)

@@ -72,31 +72,60 @@ def _gx(g, w, bits: int, w_bits: int, per_token: bool, seed, gq=None, path=None)
 
 
 def abc_compress(x: torch.Tensor, rank: int, select: str = "1d", bits: int = 8,
-                 block: int = 16, *, seq_len: int = 0, seq_first: bool = False):
-    """The saved activation: HLA-projected x as int8 levels (hla_rows, I), fp32 scale ()."""
+                 block: int = 16, *, seq_len: int = 0, seq_first: bool = False,
+                 fmt: str = "int8"):
+    """The saved activation: HLA-projected x as int8 levels (hla_rows, I), or with
+    ``fmt="e4m3"`` as the scaled-FP8 (I, hla_rows_pad) buffer the cuBLAS g_W GEMM reads
+    (written transposed by the one kernel: no transpose in backward); fp32 scale ()."""
     lay = dict(seq_len=seq_len, seq_first=seq_first)
     if block != _FUSED_BLOCK or not _fused_bits(bits) or x.numel() == 0:
-        return ref.abc_compress(x, rank, select, bits, block, **lay)
+        return ref.abc_compress(x, rank, select, bits, block, **lay, fmt=fmt)
+    if fmt == "e4m3":
+        return hla.hla_quant(x, rank, select, bits, stochastic=False, transposed=True,
+                             pad_to=16, e4m3=True, **lay)
     return hla.hla_quant(x, rank, select, bits, stochastic=False, **lay)
+
+
+def _check_rows(what: str, xt: torch.Tensor, L: int, rank: int, block: int, seq_len) -> int:
+    """L' (the saved activation's rows) after checking the buffer against g's token count."""
+    k = ref.hla_rows(L, rank, block, seq_len)
+    fp8 = xt.dtype == torch.float8_e4m3fn
+    have = xt.shape[1] if fp8 else xt.shape[0]
+    want = -(-k // 16) * 16 if fp8 else k
+    if have != want:
+        raise ValueError(f"{what}: the saved activation has {have} rows, expected {want}")
+    return k
+
+
+def _gw(g, xt, x_scale, rank: int, select: str, bits: int, seed, lay, qg=None,
+        seed_add: int = 0) -> torch.Tensor:
+    """The fused g_W GEMM: g's projected levels (unless given as ``qg`` = (levels, scale);
+    Philox key seed + ``seed_add``) against the saved activation; cuBLAS FP8 when that is
+    e4m3 (``formats.gw_rule``), else the INT8 kernel over the transposed int8 buffer."""
+    k = _check_rows("hla_grad_weight", xt, g.shape[0], rank, _FUSED_BLOCK, lay["seq_len"])
+    xs = x_scale if isinstance(x_scale, torch.Tensor) else torch.tensor(float(x_scale))
+    xs = xs.to(device=g.device, dtype=torch.float32)
+    if xt.dtype == torch.float8_e4m3fn:
+        qg_t, sg = qg or hla.hla_quant(g, rank, select, bits, stochastic=True, seed=seed,
+                                       seed_add=seed_add, transposed=True, pad_to=16,
+                                       e4m3=True, scale_mul=1.0 / _FUSED_BLOCK, **lay)
+        return gemm.cublas_fp8_mm(qg_t, xt, sg, xs, g.dtype)
+    qg_t, sg = qg or hla.hla_quant(g, rank, select, bits, stochastic=True, seed=seed,
+                                   seed_add=seed_add, transposed=True, pad_to=16, **lay)
+    return gemm.scaled_mm(qg_t, gemm.transpose_padded(xt, 16), sg, xs, 1.0 / 16, g.dtype, k=k)
 
 
 def hla_grad_weight(g: torch.Tensor, xt: torch.Tensor, x_scale: torch.Tensor, rank: int,
                     select: str = "1d", bits: int = 8, seed=0, block: int = 16, *,
                     seq_len: int = 0, seq_first: bool = False) -> torch.Tensor:
-    """g_W ~= g_y^T x over the kept low-pass token coefficients. g: (L, O) -> (O, I)."""
+    """g_W ~= g_y^T x over the kept low-pass token coefficients. g: (L, O) -> (O, I).
+    ``xt``: ``abc_compress``'s buffer in either format."""
     lay = dict(seq_len=seq_len, seq_first=seq_first)
-    if (block != _FUSED_BLOCK or not _fused_bits(bits) or xt.dtype != torch.int8
+    if (block != _FUSED_BLOCK or not _fused_bits(bits)
+            or xt.dtype not in (torch.int8, torch.float8_e4m3fn)
             or g.numel() == 0 or xt.numel() == 0):
         return ref.hla_grad_weight(g, xt, x_scale, rank, select, bits, seed, block, **lay)
-    k = xt.shape[0]                                      # L' = blocks * rank
-    if k != ref.hla_rows(g.shape[0], rank, block, seq_len):
-        raise ValueError(f"hla_grad_weight: xt has {k} rows, expected "
-                         f"{ref.hla_rows(g.shape[0], rank, block, seq_len)}")
-    qg_t, sg = hla.hla_quant(g, rank, select, bits, stochastic=True, seed=seed,
-                             transposed=True, pad_to=16, **lay)  # (O, L'_pad)
-    xs = x_scale if isinstance(x_scale, torch.Tensor) else torch.tensor(float(x_scale))
-    xs = xs.to(device=g.device, dtype=torch.float32)
-    return gemm.scaled_mm(qg_t, gemm.transpose_padded(xt, 16), sg, xs, 1.0 / 16, g.dtype, k=k)
+    return _gw(g, xt, x_scale, rank, select, bits, seed, lay)
 
 
 def linear_backward(g: torch.Tensor, w: torch.Tensor, xt: torch.Tensor, x_scale: torch.Tensor,
@@ -106,30 +135,28 @@ def linear_backward(g: torch.Tensor, w: torch.Tensor, xt: torch.Tensor, x_scale:
     """One linear layer's whole HOT backward: (g_x, g_W), bit-equal to ``hq_grad_input(g, w,
     gx_bits, per_token, seed)`` and ``hla_grad_weight(g, xt, x_scale, rank, "1d", gw_bits,
     seed + 1)``. One seed for the site (the HLA side adds 1 on the device). ``one_pass``:
-    g is read by one kernel pair for both operands (``grad_out``), else by the two separate
-    kernels (faster at rank 16: ``ops.ONE_PASS_MAX_RANK``)."""
+    g is read by one kernel pair for both operands (``grad_out``; int8 saved activations
+    only), else by the two separate kernels (faster at rank 16: ``ops.ONE_PASS_MAX_RANK``)."""
     lay = dict(seq_len=seq_len, seq_first=seq_first)
     if (block != _FUSED_BLOCK or not all(_fused_bits(b) for b in (gx_bits, w_bits, gw_bits))
-            or xt.dtype != torch.int8 or g.numel() == 0 or w.numel() == 0 or xt.numel() == 0):
+            or xt.dtype not in (torch.int8, torch.float8_e4m3fn)
+            or g.numel() == 0 or w.numel() == 0 or xt.numel() == 0):
         return (hq_grad_input(g, w, gx_bits, per_token, seed, block, warm_other_scale, w_bits),
                 hla_grad_weight(g, xt, x_scale, rank, "1d", gw_bits, seed + 1, block, **lay))
-    L = g.shape[0]
-    k = xt.shape[0]
-    if k != ref.hla_rows(L, rank, block, seq_len):
-        raise ValueError(f"linear_backward: xt has {k} rows, expected "
-                         f"{ref.hla_rows(L, rank, block, seq_len)}")
+    _check_rows("linear_backward", xt, g.shape[0], rank, block, seq_len)
     path = gx_path(g, w, gx_bits, w_bits, per_token)
     fp8 = path[0] != "int8"
-    if one_pass:
-        qg, sg, qg_t, sg_t = grad_out.grad_out_quant(g, gx_bits, per_token, seed, rank, "1d",
-                                                     gw_bits, seed, fp8, hla_seed_add=1, **lay)
+    qg_t = None
+    if one_pass and xt.dtype == torch.int8:
+        qg, sg, *qg_t = grad_out.grad_out_quant(g, gx_bits, per_token, seed, rank, "1d",
+                                                gw_bits, seed, fp8, hla_seed_add=1, **lay)
     else:
         qg, sg = hadamard.hq_act_quant(g, gx_bits, per_token, seed, fp8=fp8)
-        qg_t, sg_t = hla.hla_quant(g, rank, "1d", gw_bits, stochastic=True, seed=seed,
-                                   seed_add=1, transposed=True, pad_to=16, **lay)
     if warm_other_scale:
         hq_grad_input(g, w, gx_bits, not per_token, seed, block, False, w_bits)
     gx = _gx(g, w, gx_bits, w_bits, per_token, seed, gq=(qg, sg), path=path)
-    xs = x_scale.to(device=g.device, dtype=torch.float32)
-    gw = gemm.scaled_mm(qg_t, gemm.transpose_padded(xt, 16), sg_t, xs, 1.0 / 16, g.dtype, k=k)
+    if qg_t is None:    # g's HLA operand from its own kernel: Philox key seed + 1
+        gw = _gw(g, xt, x_scale, rank, "1d", gw_bits, seed, lay, seed_add=1)
+    else:
+        gw = _gw(g, xt, x_scale, rank, "1d", gw_bits, seed, lay, qg=tuple(qg_t))
     return gx, gw

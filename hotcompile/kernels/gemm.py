@@ -391,12 +391,16 @@ def gx_format(g: torch.Tensor, n: int, g_bits: int, w_bits: int, per_token: bool
 
 def cublas_fp8_mm(a: torch.Tensor, bt: torch.Tensor, row_scale: torch.Tensor,
                   col_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """a (M, K) e4m3 @ bt (N, K) e4m3 ^T * row_scale[m] * col_scale[n] on cuBLAS.
+    """a (M, K) e4m3 @ bt (N, K) e4m3 ^T * row_scale * col_scale on cuBLAS: row-wise
+    scales (vectors (M,) and (N,): the g_x GEMM) or tensor-wise (two 0-d: the g_W GEMM).
 
     Fast accumulation: 5-15% faster than exact accumulation (layers_2026-11-23T235509).
     The products (4-bit level x e4m3) are exact; with the tensor core's shorter
     accumulator and the bf16 output, the fused g_x stays within 0.1-0.2% (relative norm)
     of its exactly summed reference twin at every layer shape of
     layers_2026-11-24T000659, against the ~20% error of the 4-bit g_y itself."""
+    if row_scale.dim() == 0 and col_scale.dim() == 0:
+        return torch._scaled_mm(a, bt.t(), row_scale, col_scale, out_dtype=out_dtype,
+                                use_fast_accum=True)
     return torch._scaled_mm(a, bt.t(), row_scale[:, None], col_scale[None, :],
                             out_dtype=out_dtype, use_fast_accum=True)

@@ -147,16 +147,20 @@ def quantize(v, s, inv_s, u, Q: tl.constexpr, IEEE_DIV: tl.constexpr, AS_INT: tl
 
 
 @triton.jit
-def to_e4m3(v, s, inv_s, IEEE_DIV: tl.constexpr, INTERPRET: tl.constexpr):
+def to_e4m3(v, s, inv_s, IEEE_DIV: tl.constexpr, INTERPRET: tl.constexpr, u=0.0,
+            STOCHASTIC: tl.constexpr = False):
     """Scaled FP8 (reference.quantize_e4m3): v / s (IEEE-rounded, as in ``quantize``)
-    clamped to +-448, NaN -> 0, rounded to the nearest e4m3 (ties to even).
+    clamped to +-448, NaN -> 0, rounded to the nearest e4m3 (ties to even), or with
+    STOCHASTIC to a neighbour on the e4m3 grid: floor(t / step + u) * step, step the
+    spacing of t's binade read from its exponent bits (exact powers of two, so the
+    multiply by 1 / step is exact and the sum with u rounds as the reference's does).
 
-    On the GPU the conversion is the hardware's ``cvt.rn``. Triton 3.6's interpreter
-    rounds wrongly when the mantissa carries into the exponent (31.9 -> 16), so there the
-    value is first rounded onto the e4m3 grid in fp32 (exact steps: a power-of-two
+    On the GPU the nearest conversion is the hardware's ``cvt.rn``. Triton 3.6's
+    interpreter rounds wrongly when the mantissa carries into the exponent (31.9 -> 16), so
+    there the value is first rounded onto the e4m3 grid in fp32 (exact steps: a power-of-two
     spacing, 2**-9 below the smallest normal 2**-6; rounding to an integer by adding and
     subtracting 1.5 * 2**23, exact in the interpreter's numpy fp32) and the conversion
-    has nothing left to round."""
+    has nothing left to round. A stochastic result is on the grid already."""
     if IEEE_DIV:
         t = tl.math.div_rn(v, s)
     else:
@@ -164,10 +168,13 @@ def to_e4m3(v, s, inv_s, IEEE_DIV: tl.constexpr, INTERPRET: tl.constexpr):
         t = tl.math.fma(tl.math.fma(t0, -s, v), inv_s, t0)
     t = tl.clamp(t, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
     t = tl.where(t == t, t, 0.0)
-    if INTERPRET:
+    if STOCHASTIC or INTERPRET:
         e = tl.maximum(((t.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
         step = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)
-        t = ((t / step + 12582912.0) - 12582912.0) * step     # |t / step| <= 16: RNE via 1.5 * 2**23
+        if STOCHASTIC:
+            t = tl.floor(t * ((3 - e + 127) << 23).to(tl.float32, bitcast=True) + u) * step
+        else:
+            t = ((t / step + 12582912.0) - 12582912.0) * step   # |t / step| <= 16: RNE via 1.5 * 2**23
     return t.to(tl.float8e4nv)
 
 

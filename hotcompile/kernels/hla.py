@@ -31,7 +31,7 @@ import triton.language as tl
 
 from . import reference as ref
 from .hadamard import (abs_bits, fwht16, interpreting, philox_uniform16, quantize,
-                       scale_from_amax_bits, seed_pointer)
+                       scale_from_amax_bits, seed_pointer, to_e4m3)
 
 
 @triton.jit
@@ -138,9 +138,11 @@ def _load_project(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C, st
 def _quantize_store_tile(q_ptr, v, s, inv_s, seed, blk0, col0, n_blk, C, ldq, groups_per_row,
                          BT: tl.constexpr, BC: tl.constexpr, RP: tl.constexpr, RANK: tl.constexpr,
                          Q: tl.constexpr, STOCHASTIC: tl.constexpr, TRANSPOSED: tl.constexpr,
-                         INTERPRET: tl.constexpr, IEEE_DIV: tl.constexpr):
-    """Quantize a (BT, BC, RP) tile and store it at rows (blk0 + b) * rank + j of (L', C),
-    or at the transposed positions of a (C, L'_pad) buffer."""
+                         INTERPRET: tl.constexpr, IEEE_DIV: tl.constexpr,
+                         E4M3: tl.constexpr = False):
+    """Quantize a (BT, BC, RP) tile (to int8 levels, or with E4M3 to scaled FP8:
+    ``to_e4m3``) and store it at rows (blk0 + b) * rank + j of (L', C), or at the
+    transposed positions of a (C, L'_pad) buffer."""
     j = tl.arange(0, RP)
     rows = (blk0 + tl.arange(0, BT))[:, None] * RANK + j[None, :]            # (BT, RP)
     cols = col0 + tl.arange(0, BC)
@@ -149,14 +151,17 @@ def _quantize_store_tile(q_ptr, v, s, inv_s, seed, blk0, col0, n_blk, C, ldq, gr
         u = tl.permute(tl.reshape(u, (BT, RP, BC)), (0, 2, 1))
     else:
         u = 0.5
-    q = quantize(v, s, inv_s, u, Q, IEEE_DIV or INTERPRET, not INTERPRET)
+    if E4M3:
+        q = to_e4m3(v, s, inv_s, IEEE_DIV or INTERPRET, INTERPRET, u, STOCHASTIC)
+    else:
+        q = quantize(v, s, inv_s, u, Q, IEEE_DIV or INTERPRET, not INTERPRET).to(tl.int8)
     valid = ((blk0 + tl.arange(0, BT)) < n_blk)[:, None] & (j < RANK)[None, :]
     mask = valid[:, None, :] & (cols < C)[None, :, None]
     if TRANSPOSED:
         ptrs = q_ptr + cols.to(tl.int64)[None, :, None] * ldq + rows[:, None, :]
     else:
         ptrs = q_ptr + rows.to(tl.int64)[:, None, :] * ldq + cols[None, :, None]
-    tl.store(ptrs, q.to(tl.int8), mask=mask)
+    tl.store(ptrs, q, mask=mask)
 
 
 @triton.jit
@@ -166,15 +171,17 @@ def _tile_origin(t, n_ct, BT: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
-def _hla_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, seed_ptr, seed_add, S, n_sblk, stride_b, stride_s, C,
-                stride_x, ldq, n_blk, groups_per_row, PHASE: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                RP: tl.constexpr, RANK: tl.constexpr, KEPT: tl.constexpr, Q: tl.constexpr,
-                STOCHASTIC: tl.constexpr, TRANSPOSED: tl.constexpr, INTERPRET: tl.constexpr):
+def _hla_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, seed_ptr, seed_add, scale_mul, S, n_sblk, stride_b,
+                stride_s, C, stride_x, ldq, n_blk, groups_per_row, PHASE: tl.constexpr,
+                BT: tl.constexpr, BC: tl.constexpr, RP: tl.constexpr, RANK: tl.constexpr,
+                KEPT: tl.constexpr, Q: tl.constexpr, STOCHASTIC: tl.constexpr,
+                TRANSPOSED: tl.constexpr, INTERPRET: tl.constexpr, E4M3: tl.constexpr):
     """One tile of BT token blocks x BC channels per program.
 
     Phase 1: project, atomically max the amax of the kept coefficients into ``amax_ptr``
     (zeroed). Phase 2: scale, re-project, quantize, store; tiles in reverse order so the
-    ones phase 1 read last (still in L2) come first.
+    ones phase 1 read last (still in L2) come first. The stored scale is s * scale_mul
+    (a power of two: exact).
     """
     pid = tl.program_id(0)
     n_ct = tl.cdiv(C, BC)
@@ -193,17 +200,17 @@ def _hla_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, seed_ptr, seed_add, S, n_sblk, st
         s = scale_from_amax_bits(tl.load(amax_ptr), Q)
         inv_s = tl.math.div_rn(1.0, s)
         if pid == 0:
-            tl.store(s_ptr, s)
+            tl.store(s_ptr, s * scale_mul)
         v = _load_project(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C,
                           stride_x, BT, BC, RP, RANK, KEPT)
         if inv_s < float("inf"):
             _quantize_store_tile(q_ptr, v, s, inv_s, seed, blk0, col0, n_blk, C, ldq,
                                  groups_per_row, BT, BC, RP, RANK, Q, STOCHASTIC, TRANSPOSED,
-                                 INTERPRET, False)
+                                 INTERPRET, False, E4M3)
         else:
             _quantize_store_tile(q_ptr, v, s, inv_s, seed, blk0, col0, n_blk, C, ldq,
                                  groups_per_row, BT, BC, RP, RANK, Q, STOCHASTIC, TRANSPOSED,
-                                 INTERPRET, True)
+                                 INTERPRET, True, E4M3)
 
 
 # =========================================================================== launcher
@@ -252,15 +259,19 @@ def token_layout(L: int, seq_len: int = 0, seq_first: bool = False):
 
 def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic: bool, seed=0,
               transposed: bool = False, pad_to: int = 1, seq_len: int = 0,
-              seq_first: bool = False, seed_add: int = 0):
+              seq_first: bool = False, seed_add: int = 0, e4m3: bool = False,
+              scale_mul: float = 1.0):
     """Project x (L, C) along its tokens onto ``rank`` kept rows per block of 16
     neighbouring tokens of one sequence (``reference.sequence_blocks``) and quantize.
 
     ``seed_add`` is added to the seed on the device (another Philox key from the same seed
-    tensor: no launch to compute seed + k). Returns (levels int8, fp32 0-d scale).
-    Levels are (L', C) row-major, or with
-    ``transposed`` a (C, L'_pad) buffer (L'_pad = L' rounded up to ``pad_to``; columns
-    past L' are left unwritten: consumers must mask them) holding the transpose.
+    tensor: no launch to compute seed + k). Returns (levels, fp32 0-d scale): int8 levels,
+    or with ``e4m3`` scaled FP8 (``reference.quantize_e4m3``, ``bits`` unused); the scale
+    is multiplied by ``scale_mul`` (a power of two: a GEMM's constant factor rides on it).
+    Levels are (L', C) row-major, or with ``transposed`` a (C, L'_pad) buffer
+    (L'_pad = L' rounded up to ``pad_to``) holding the transpose; its columns past L'
+    are left unwritten (consumers must mask them), except in e4m3, where they are zeroed:
+    the cuBLAS GEMM reads all L'_pad columns.
     """
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -268,22 +279,25 @@ def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic:
     S, n_sblk, stride_b, stride_s, n_blk = token_layout(L, seq_len, seq_first)
     rows_out = n_blk * rank
     dev = x.device
+    dtype = torch.float8_e4m3fn if e4m3 else torch.int8
     if transposed:
         ldq = -(-rows_out // pad_to) * pad_to
-        q = torch.empty((C, ldq), dtype=torch.int8, device=dev)
+        q = torch.empty((C, ldq), dtype=dtype, device=dev)
+        if e4m3 and ldq > rows_out:
+            q[:, rows_out:].zero_()
     else:
         ldq = C
-        q = torch.empty((rows_out, C), dtype=torch.int8, device=dev)
+        q = torch.empty((rows_out, C), dtype=dtype, device=dev)
     s = torch.empty((), dtype=torch.float32, device=dev)
     amax = torch.zeros((1,), dtype=torch.int32, device=dev)
     bt, bc, warps = _tile_shape(C, interpreting())
     grid = (triton.cdiv(n_blk, bt) * triton.cdiv(C, bc),)
     meta = dict(BT=bt, BC=bc, RP=_pow2_at_least(rank), RANK=rank, KEPT=_packed_rows(rank, select),
-                Q=2 ** (bits - 1) - 1, STOCHASTIC=stochastic, TRANSPOSED=transposed,
-                INTERPRET=interpreting(), num_warps=warps)
+                Q=448 if e4m3 else 2 ** (bits - 1) - 1, STOCHASTIC=stochastic,
+                TRANSPOSED=transposed, INTERPRET=interpreting(), E4M3=e4m3, num_warps=warps)
     seed_t = seed_pointer(seed, dev) if stochastic else amax    # amax: an unread placeholder
-    args = (x, q, s, amax, seed_t, int(seed_add), S, n_sblk, stride_b, stride_s, C, x.stride(0), ldq, n_blk,
-            -(-C // 8))
+    args = (x, q, s, amax, seed_t, int(seed_add), float(scale_mul), S, n_sblk, stride_b,
+            stride_s, C, x.stride(0), ldq, n_blk, -(-C // 8))
     _hla_kernel[grid](*args, PHASE=1, **meta)
     _hla_kernel[grid](*args, PHASE=2, **meta)
     return q, s

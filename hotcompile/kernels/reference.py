@@ -223,18 +223,42 @@ def quantize(v: torch.Tensor, bits: int, per_row: bool, stochastic: bool, seed=0
 E4M3_MAX = 448.0
 
 
-def quantize_e4m3(v: torch.Tensor, per_row: bool):
-    """Scaled FP8: (v / s rounded to the nearest e4m3, fp32 scale s = amax / 448).
+def quantize_e4m3(v: torch.Tensor, per_row: bool, stochastic: bool = False, seed=0):
+    """Scaled FP8: (v / s rounded to an e4m3 value, fp32 scale s = amax / 448).
 
     The 8-bit operand format of cuBLAS's FP8 GEMM: 3 mantissa bits, so a relative step of
     2**-3..2**-4 instead of int8's absolute step amax / 127: on a Gaussian W about 3.5x
     int8's RMS error (0.026 vs 0.0074 relative, ``test_reference``), still far below the
     4-bit g_y it multiplies. NaN -> 0 like ``quantize``; the clamp only catches the
-    quotient's last-bit overshoot."""
+    quotient's last-bit overshoot.
+
+    Rounding: to the nearest e4m3 (ties to even), or with ``stochastic`` to one of the two
+    e4m3 neighbours of t = v / s, the upper one with probability equal to t's distance from
+    the lower in units of their spacing (unbiased, like ``quantize``'s levels): with
+    step = 2**(max(floor(log2 |t|), -6) - 3) the spacing of t's binade (the subnormal step
+    2**-9 below 2**-6), the result is floor(t / step + u) * step with u from ``uniform16``
+    (element (r, c) of the (R, C) tensor). t / step is exact (a power of two) and the
+    fp32 sum with u rounds the same in the kernels; the result is always an e4m3 value
+    (at most 448: |t| <= 448 = 14 * 2**5 is itself on the grid of its binade).
+    """
     v = v.float()
     s = absmax_scale(v, 8, per_row, q=E4M3_MAX)
     t = (v / (s[:, None] if s.dim() == 1 else s)).clamp(-E4M3_MAX, E4M3_MAX)
-    return torch.nan_to_num(t, nan=0.0).to(torch.float8_e4m3fn), s
+    t = torch.nan_to_num(t, nan=0.0)
+    if stochastic:
+        binade = (torch.frexp(t).exponent - 1).clamp_(min=-6)   # floor(log2 |t|), 0 -> -1
+        step = torch.ldexp(torch.ones_like(t), binade - 3)
+        u = uniform16(seed, t.shape[0], t.shape[1], device=t.device)
+        t = torch.floor(t / step + u) * step
+    return t.to(torch.float8_e4m3fn), s
+
+
+def pad_transpose(q: torch.Tensor, pad_to: int = 16) -> torch.Tensor:
+    """q (R, C) -> (C, R_pad) holding q.T, the pad columns zero: the K-major layout the
+    cuBLAS FP8 g_W GEMM reads, whatever R (a zero past R adds nothing to a product)."""
+    out = q.new_zeros((q.shape[1], -(-q.shape[0] // pad_to) * pad_to))
+    out[:, :q.shape[0]] = q.t()
+    return out
 
 
 def dequantize(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
@@ -307,10 +331,25 @@ def hq_grad_input(g: torch.Tensor, w: torch.Tensor, bits: int, per_token: bool, 
 
 
 def abc_compress(x: torch.Tensor, rank: int, select: str = "1d", bits: int = 8,
-                 block: int = 16, *, seq_len: int = 0, seq_first: bool = False):
-    """The saved activation: HLA-projected x, quantized per tensor with RTN."""
+                 block: int = 16, *, seq_len: int = 0, seq_first: bool = False,
+                 fmt: str = "int8"):
+    """The saved activation: HLA-projected x (L', I), quantized per tensor with RTN.
+
+    ``fmt="int8"``: ``bits`` levels (L', I). ``fmt="e4m3"`` (the cuBLAS FP8 g_W GEMM's
+    operand, ``formats.gw_rule``): scaled e4m3, stored transposed as the (I, L'_pad) buffer
+    of ``pad_transpose`` (``bits`` unused)."""
     xt = hla_project(x, rank, select, block, seq_len=seq_len, seq_first=seq_first)
+    if fmt == "e4m3":
+        q, s = quantize_e4m3(xt, per_row=False)
+        return pad_transpose(q), s
+    if fmt != "int8":
+        raise ValueError(f"abc_compress: fmt must be 'int8' or 'e4m3', got {fmt!r}")
     return quantize(xt, bits, per_row=False, stochastic=False)
+
+
+def saved_rows(xq: torch.Tensor, rows) -> torch.Tensor:
+    """The (L', I) view of a saved activation in either format (``abc_compress``)."""
+    return xq[:, :rows].t() if xq.dtype == torch.float8_e4m3fn else xq
 
 
 def hla_grad_weight(g: torch.Tensor, xt: torch.Tensor, x_scale: torch.Tensor, rank: int,
@@ -318,16 +357,25 @@ def hla_grad_weight(g: torch.Tensor, xt: torch.Tensor, x_scale: torch.Tensor, ra
                     seq_len: int = 0, seq_first: bool = False) -> torch.Tensor:
     """g_W ~= g_y^T x over the low-pass token coefficients.
 
-    ``xt`` is the projected x: int8 levels (with ``x_scale``) or floats (x_scale = 1).
+    ``xt`` is the projected x: int8 levels (with ``x_scale``), floats (x_scale = 1), or the
+    transposed e4m3 buffer of ``abc_compress(fmt="e4m3")``, in which case g's coefficients
+    become scaled e4m3 with stochastic rounding (``quantize_e4m3``; ``bits`` unused): the
+    operands of the cuBLAS FP8 GEMM.
     bits=0 skips quantizing the gradient (with rank=block this is exact).
     """
     gt = hla_project(g, rank, select, block, seq_len=seq_len, seq_first=seq_first)  # (L', O)
-    if bits == 0:
+    if xt.dtype == torch.float8_e4m3fn:
+        qg, sg = quantize_e4m3(gt, per_row=False, stochastic=True, seed=seed)
+        xs = saved_rows(xt, gt.shape[0])
+        # products of e4m3 values are exact in fp64; the sum nearly so (the GEMM's is not)
+        acc = (qg.double().t() @ xs.double()).float()
+    elif bits == 0:
         xf = xt.double() * x_scale.double()
         return (gt.double().t() @ xf / block).to(g.dtype)
-    qg, sg = quantize(gt, bits, per_row=False, stochastic=True, seed=seed)
-    acc = int_matmul(qg.t(), xt) if xt.dtype == torch.int8 else \
-        (qg.double().t() @ xt.double()).float()
+    else:
+        qg, sg = quantize(gt, bits, per_row=False, stochastic=True, seed=seed)
+        acc = int_matmul(qg.t(), xt) if xt.dtype == torch.int8 else \
+            (qg.double().t() @ xt.double()).float()
     return (acc * (sg * x_scale.float() / block)).to(g.dtype)
 
 

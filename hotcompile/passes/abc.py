@@ -21,6 +21,7 @@ import operator
 import torch
 from torch.fx import Graph, Node
 
+from ..kernels.formats import gw_format_for
 from .find import LinearSite, is_backward
 from .graph_utils import add_node
 
@@ -92,6 +93,14 @@ def group_by_base(sites: List[LinearSite]) -> Dict[tuple, List[LinearSite]]:
     return groups
 
 
+def saved_format(config, x: Node) -> str:
+    """The saved activation's format for input ``x`` (``formats.gw_rule``): it decides
+    the g_W GEMM's path, so the forward fixes it at compile time from the device."""
+    val = x.meta.get("val")
+    device = val.device if isinstance(val, torch.Tensor) else torch.device("cpu")
+    return gw_format_for(config.gw_format, device)
+
+
 def compress_inputs(graph: Graph, groups: Dict[tuple, List[LinearSite]], config, fake_mode,
                     layout_args) -> Dict[str, Tuple[Node, Node]]:
     """Insert one abc_compress per group; group key -> (levels, scale).
@@ -114,7 +123,8 @@ def compress_inputs(graph: Graph, groups: Dict[tuple, List[LinearSite]], config,
                          key=order.__getitem__)
             tag = "is_backward"
         rank, seq_len, seq_first = layout_args(group, anchor, tag)
-        args = (x, rank, config.gw_bits, config.block, seq_len, seq_first, config.kernels)
+        args = (x, rank, config.gw_bits, config.block, seq_len, seq_first, config.kernels,
+                saved_format(config, x))
         comp = add_node(graph, ABC_OP, args, before=anchor, tag=tag, like=group[0].fwd,
                         fake_mode=fake_mode)
         outs = []

@@ -29,23 +29,29 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from ..kernels.formats import gx_rule
+from ..kernels.formats import gw_rule, gx_rule
 from ..kernels.ops import ONE_PASS_MAX_RANK
 
 # one entry per kernel of a HOT site, plus the two bf16 GEMMs of the exact backward
 KERNELS = ("grad_out", "hq_g_token", "hq_w", "hq_cublas", "hq_int8", "hla_g", "transpose_xq",
-           "hla_int8", "abc_x", "gx_bf16", "gw_bf16")
+           "hla_int8", "hla_cublas", "abc_x", "gx_bf16", "gw_bf16")
 
 
-def site_kernels(gx: bool, gw: bool, rank: int = 16, gx_gemm: str = "hq_cublas") -> tuple:
+def site_kernels(gx: bool, gw: bool, rank: int = 16, gx_gemm: str = "hq_cublas",
+                 gw_gemm: str = "hla_int8") -> tuple:
     """The kernels of a site's HOT backward (``abc_x``: its share of the forward's ABC).
     Both gradients: one ``hot::linear_backward``, whose g_y operands come from one kernel
-    pair up to ``ONE_PASS_MAX_RANK``; one of them: ``hq_grad_input`` or
-    ``hla_grad_weight`` alone. ``gx_gemm``: the g_x GEMM's path (``gx_gemm_kernel``)."""
-    if gx and gw and rank <= ONE_PASS_MAX_RANK:
+    pair up to ``ONE_PASS_MAX_RANK`` (int8 saved activations); one of them:
+    ``hq_grad_input`` or ``hla_grad_weight`` alone. ``gx_gemm`` / ``gw_gemm``: the GEMMs'
+    paths (``gx_gemm_kernel``, ``gw_gemm_kernel``); the e4m3 saved activation is written
+    transposed by ABC itself, so that path has no transpose."""
+    if gw_gemm == "hla_cublas":
+        gw_part = ("hla_g", "hla_cublas", "abc_x")
+    else:
+        gw_part = ("hla_g", "transpose_xq", "hla_int8", "abc_x")
+    if gx and gw and rank <= ONE_PASS_MAX_RANK and gw_gemm == "hla_int8":
         return ("grad_out", "hq_w", gx_gemm, "transpose_xq", "hla_int8", "abc_x")
-    return ((("hq_g_token", "hq_w", gx_gemm) if gx else ())
-            + (("hla_g", "transpose_xq", "hla_int8", "abc_x") if gw else ()))
+    return ((("hq_g_token", "hq_w", gx_gemm) if gx else ()) + (gw_part if gw else ()))
 
 
 def gx_gemm_kernel(config, g: torch.Tensor, n: int) -> str:
@@ -58,6 +64,14 @@ def gx_gemm_kernel(config, g: torch.Tensor, n: int) -> str:
     path = gx_rule(config.gx_bits, config.gx_w_bits, config.gx_scale == "token", g.dtype, n,
                    cap, None)
     return "hq_cublas" if path == "cublas_fp8" else "hq_int8"
+
+
+def gw_gemm_kernel(config, g: torch.Tensor) -> str:
+    """The table key of a site's g_W GEMM: the format ``formats.gw_rule`` fixes for this
+    device (a non-CUDA stand-in is taken as an H100, the table's device)."""
+    cap = torch.cuda.get_device_capability(g.device) if g.device.type == "cuda" else (9, 0)
+    fmt = gw_rule(config.gw_format, "cuda", cap)
+    return "hla_cublas" if fmt == "e4m3" else "hla_int8"
 
 
 def work(kernel: str, L: int, I: int, O: int, rank: int, block: int) -> float:
@@ -73,6 +87,7 @@ def work(kernel: str, L: int, I: int, O: int, rank: int, block: int) -> float:
         "hla_g": 2 * L * O + lr * O,
         "transpose_xq": 2 * lr * I,
         "hla_int8": 2 * O * I * lr,
+        "hla_cublas": 2 * O * I * -(-lr // 16) * 16,
         "abc_x": 2 * L * I + lr * I,                 # forward: x in, compressed x out
         "gx_bf16": 2 * L * I * O,
         "gw_bf16": 2 * L * I * O,
@@ -92,19 +107,19 @@ class CostModel:
 
     def gpu_ms(self, L: int, I: int, O: int, rank: int, block: int, gx: bool = True,
                gw: bool = True, abc_share: float = 1.0,
-               gx_gemm: str = "hq_cublas") -> Tuple[float, float]:
+               gx_gemm: str = "hq_cublas", gw_gemm: str = "hla_int8") -> Tuple[float, float]:
         """(exact, HOT) GPU time of the site's backward (+ its share of the ABC kernel)."""
         t = lambda k: self.kernel_ms(k, L, I, O, rank, block)  # noqa: E731
         exact = (t("gx_bf16") if gx else 0.0) + (t("gw_bf16") if gw else 0.0)
         hot = sum(t(k) * (abc_share if k == "abc_x" else 1.0)
-                  for k in site_kernels(gx, gw, rank, gx_gemm))
+                  for k in site_kernels(gx, gw, rank, gx_gemm, gw_gemm))
         return exact, hot
 
     def predict(self, L: int, I: int, O: int, rank: int, block: int, gx: bool, gw: bool,
-                abc_share: float, graphs: bool,
-                gx_gemm: str = "hq_cublas") -> Tuple[float, float]:
+                abc_share: float, graphs: bool, gx_gemm: str = "hq_cublas",
+                gw_gemm: str = "hla_int8") -> Tuple[float, float]:
         """(exact, HOT) predicted ms; ``graphs``: the step replays a CUDA graph (no host)."""
-        exact, hot = self.gpu_ms(L, I, O, rank, block, gx, gw, abc_share, gx_gemm)
+        exact, hot = self.gpu_ms(L, I, O, rank, block, gx, gw, abc_share, gx_gemm, gw_gemm)
         if not graphs:
             share = (int(gx) + int(gw)) / 2
             exact = max(exact, self.host_exact_ms * share)
@@ -128,6 +143,8 @@ H100 = CostModel(
         "hla_g": (0.0158, 1.0219e-09),
         "transpose_xq": (0.0042, 4.0218e-10),
         "hla_int8": (0.0172, 9.1289e-13),
+        # not fitted yet: the g_x GEMM's cuBLAS FP8 line (same library, same FLOPs)
+        "hla_cublas": (0.0120, 6.7863e-13),
         "abc_x": (0.0251, 5.4095e-10),
         "gx_bf16": (0.0000, 1.5097e-12),
         "gw_bf16": (0.0000, 1.4427e-12),

@@ -26,7 +26,7 @@ from torch.fx import Graph, Node
 from ..runtime import rank as RANK
 from ..runtime.lqs import TABLE as LQS
 from . import cost
-from .abc import compress_inputs, group_by_base
+from .abc import compress_inputs, group_by_base, saved_format
 from .find import LinearSite, find_linear_sites, is_forward
 from .graph_utils import add_node, fake_mode_of, fake_run
 from .tokens import AxisLabels
@@ -81,7 +81,8 @@ def _precheck(site: LinearSite, config, fake_mode, rank: int, layered: bool) -> 
                  else lay.source.meta["val"].shape[lay.axis]) if layered else 0
             seq_first = layered and lay.seq_first
             xq, xs = fake_run(ABC_OP, (site.x, rank, config.gw_bits, config.block, s,
-                                       seq_first, config.kernels), fake_mode)
+                                       seq_first, config.kernels, saved_format(config, site.x)),
+                              fake_mode)
             with fake_mode:
                 gw = HLA_OP(site.grad.meta["val"], xq, xs, rank, config.gw_bits, config.block,
                             s, seq_first, "", config.kernels)
@@ -119,7 +120,8 @@ def _cost_gate(sites: List[LinearSite], groups, config) -> None:
         rank = s.rank if isinstance(s.rank, int) else config.block
         exact, hot = model.predict(*dims, rank, config.block, s.gx is not None,
                                    s.gw is not None, 1.0 / size.get(s.key, 1), graphs,
-                                   cost.gx_gemm_kernel(config, val, s.I))
+                                   cost.gx_gemm_kernel(config, val, s.I),
+                                   cost.gw_gemm_kernel(config, val))
         s.cost = (exact, hot, model.name)
         if config.min_speedup > 0 and exact < config.min_speedup * hot:
             s.reason = (f"cost gate: predicted backward {hot:.3f} ms with HOT vs {exact:.3f} ms "
