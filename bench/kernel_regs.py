@@ -108,15 +108,18 @@ def kernels_for(L: int, I: int, O: int, rank: int):
                           "s_ptr": "*fp32", "amax_ptr": "*i32"},
                          dict(PHASE=phase, BI=32, BO=min(256, H._pow2_at_least(o_pad)),
                               Q=448 if e4m3 else 127, FP8=False, E4M3=e4m3, INTERPRET=False), 8))
-    hla_ptrs = {"x_ptr": "*bf16", "q_ptr": "*i8", "s_ptr": "*fp32", "amax_ptr": "*i32",
-                "seed_ptr": "*i64"}
     for what, C, stochastic in (("hla g", O, True), ("abc x", I, False)):
         bt, bcc, warps = hla._tile_shape(C, False)
-        for phase in (1, 2):
-            rows.append((f"{what} p{phase}", hla._hla_kernel, hla_ptrs,
-                         dict(PHASE=phase, BT=bt, BC=bcc, RP=hla._pow2_at_least(rank), RANK=rank,
-                              KEPT=hla._packed_rows(rank, "1d"), Q=127, STOCHASTIC=stochastic,
-                              TRANSPOSED=stochastic, INTERPRET=False), warps))
+        for e4m3 in (False, True):     # int8 levels (INT8 GEMM) or scaled e4m3 (cuBLAS FP8)
+            ptrs = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv" if e4m3 else "*i8", "s_ptr": "*fp32",
+                    "amax_ptr": "*i32", "seed_ptr": "*i64"}
+            for phase in (1, 2):
+                rows.append((f"{what}{' e4m3' if e4m3 else ''} p{phase}", hla._hla_kernel, ptrs,
+                             dict(PHASE=phase, BT=bt, BC=bcc, RP=hla._pow2_at_least(rank),
+                                  RANK=rank, KEPT=hla._packed_rows(rank, "1d"),
+                                  Q=448 if e4m3 else 127, STOCHASTIC=stochastic,
+                                  TRANSPOSED=stochastic or e4m3, INTERPRET=False, E4M3=e4m3),
+                             warps))
     bt, bcc, warps, hr = grad_out.tile_shape(o_pad, False)
     for phase in (1, 2):
         rows.append((f"grad_out p{phase}", grad_out._grad_out_kernel,

@@ -222,6 +222,16 @@ def check_layer(L, I, O, R, F, H, HL, seed):
     out["ref_gw"] = rel(ref, gw_exact)
     out["fused_gw"] = rel(fus, gw_exact)
     out["gw_fused_vs_ref"] = rel(fus, ref)
+    # the e4m3 g_W path (cuBLAS FP8): fused vs its twin and both vs exact
+    xq8_r, xs8_r = R.abc_compress(x, RANK, "1d", GW_BITS, fmt="e4m3")
+    xq8_f, xs8_f = F.abc_compress(x, RANK, "1d", GW_BITS, fmt="e4m3")
+    out["abc_e4m3_bytes_equal"] = bool(torch.equal(xq8_f.view(torch.uint8), xq8_r.view(torch.uint8)))
+    ref8 = R.hla_grad_weight(g, xq8_r, xs8_r, RANK, "1d", GW_BITS, s)
+    fus8 = F.hla_grad_weight(g, xq8_f, xs8_f, RANK, "1d", GW_BITS, s)
+    out["ref_gw_e4m3"] = rel(ref8, gw_exact)
+    out["fused_gw_e4m3"] = rel(fus8, gw_exact)
+    out["gw_e4m3_fused_vs_ref"] = rel(fus8, ref8)
+    del xq8_r, xq8_f, ref8, fus8
     d = (xq_f.int() - xq_r.int()).abs()
     out["abc_levels_max_diff"] = int(d.max())
     out["abc_levels_diff_fraction"] = float((d > 0).float().mean())
@@ -239,6 +249,7 @@ def check_layer(L, I, O, R, F, H, HL, seed):
 
 def run_layer(group, name, L, I, O, args, copies):
     from hotcompile.kernels import fused as F, gemm as G, grad_out as GO, hadamard as H, hla as HL
+    from hotcompile.kernels.formats import gw_format_for
     from hotcompile.kernels import reference as R
     o_pad, lr = -(-O // 16) * 16, -(-L // 16) * RANK
     set_bytes = 2 * (L * I + O * I + L * O)
@@ -247,8 +258,11 @@ def run_layer(group, name, L, I, O, args, copies):
     res = dict(group=group, name=name, L=L, I=I, O=O, n_sets=len(sets))
     t = {}
     # forward-side buffers for the g_W path (abc_compress output), per set
-    abc_f = [F.abc_compress(x, RANK, "1d", GW_BITS) for x, _, _ in sets]
-    abc_r = [R.abc_compress(x, RANK, "1d", GW_BITS) for x, _, _ in sets] if args.reference else None
+    gw_fmt = gw_format_for("auto", sets[0][0].device)      # the g_W path the default takes
+    res["gemm_format_hla"] = gw_fmt
+    abc_f = [F.abc_compress(x, RANK, "1d", GW_BITS, fmt=gw_fmt) for x, _, _ in sets]
+    abc_r = ([R.abc_compress(x, RANK, "1d", GW_BITS, fmt=gw_fmt) for x, _, _ in sets]
+             if args.reference else None)
     fsets = [(x, w, g, i) for i, (x, w, g) in enumerate(sets)]
 
     def bwd_bf16(x, w, g, i):
@@ -287,10 +301,10 @@ def run_layer(group, name, L, I, O, args, copies):
         torch.backends.cuda.matmul.allow_tf32 = False
         t["fp32"] = bench(bwd_bf16, f32, rep_ms=30)
         del f32
-    t["abc"] = bench(lambda x, w, g, i: F.abc_compress(x, RANK, "1d", GW_BITS), fsets)
+    t["abc"] = bench(lambda x, w, g, i: F.abc_compress(x, RANK, "1d", GW_BITS, fmt=gw_fmt), fsets)
     if args.reference:
-        t["abc_ref"] = bench(lambda x, w, g, i: R.abc_compress(x, RANK, "1d", GW_BITS), fsets,
-                             rep_ms=30)
+        t["abc_ref"] = bench(lambda x, w, g, i: R.abc_compress(x, RANK, "1d", GW_BITS, fmt=gw_fmt),
+                             fsets, rep_ms=30)
     t["bf16_end"] = bench(bwd_bf16, fsets)        # again, after everything else: clock drift
     if args.graphs:
         t["bf16_graph"] = bench_graph(bwd_bf16, fsets)
@@ -312,11 +326,14 @@ def run_layer(group, name, L, I, O, args, copies):
                                                  hla_seed_add=1), gsets,
          2 * L * O + L * o_pad + lr * O),
         ("hla_g", lambda g: HL.hla_quant(g, RANK, "1d", GW_BITS, stochastic=True, seed=seed,
-                                         transposed=True, pad_to=16), gsets, 2 * L * O + lr * O),
-        ("abc_x", lambda x: HL.hla_quant(x, RANK, "1d", GW_BITS, stochastic=False),
+                                         transposed=True, pad_to=16, e4m3=gw_fmt == "e4m3"),
+         gsets, 2 * L * O + lr * O),
+        ("abc_x", lambda x: F.abc_compress(x, RANK, "1d", GW_BITS, fmt=gw_fmt),
          [(x,) for x, _, _ in sets], 2 * L * I + lr * I),
-        ("transpose_xq", lambda q: G.transpose_padded(q, 16), [(q,) for q, _ in abc_f], 2 * lr * I),
     ]
+    if gw_fmt == "int8":      # the e4m3 buffer is written transposed by ABC itself
+        specs += [("transpose_xq", lambda q: G.transpose_padded(q, 16), [(q,) for q, _ in abc_f],
+                   2 * lr * I)]
     if args.explore:
         specs += [("hq_g_token_chunked", _with_env("HOT_HQ_TOKEN_TILE", "1024",
                                                     lambda g: H.hq_act_quant(g, GX_BITS, True, seed)),
@@ -361,16 +378,14 @@ def run_layer(group, name, L, I, O, args, copies):
     gm["hla_int8"] = bench(lambda: G.scaled_mm(qgt, xqt, one, one, 1 / 16, torch.bfloat16, k=lr),
                            [()])
     gm["gw_bf16"] = bench(lambda: torch.mm(sets[0][2].t(), sets[0][0]), [()])
-    if args.explore:   # the g_W GEMM on cuBLAS FP8, per-tensor scales (levels not exact in e4m3)
-        qgf, xqf = qgt.to(torch.float8_e4m3fn), xqt.to(torch.float8_e4m3fn)
-        for fast in (False, True):
-            try:
-                gm[f"hla_cublas_fp8{'_fast' if fast else ''}"] = bench(
-                    lambda: torch._scaled_mm(qgf, xqf.t(), one, one, out_dtype=torch.bfloat16,
-                                             use_fast_accum=fast), [()])
-            except Exception as e:  # noqa: BLE001
-                res.setdefault("errors", []).append(f"cublas hla fast={fast}: {e}")
-        del qgf, xqf
+    # the g_W GEMM on cuBLAS FP8 (tensor-wise scales, e4m3 operands): the default path
+    qgf = torch.randn(qgt.shape, device="cuda").mul_(64).to(torch.float8_e4m3fn)
+    xqf = torch.randn(xqt.shape, device="cuda").mul_(64).to(torch.float8_e4m3fn)
+    gm["hla_cublas"] = bench(lambda: G.cublas_fp8_mm(qgf, xqf, one, one, torch.bfloat16), [()])
+    if args.explore:
+        gm["hla_cublas_exact_acc"] = bench(lambda: torch._scaled_mm(
+            qgf, xqf.t(), one, one, out_dtype=torch.bfloat16, use_fast_accum=False), [()])
+    del qgf, xqf
     res["gemm_ms"] = gm
     res["gemm_tflops"] = {k: (flops_gx if k.startswith(("hq", "gx")) else
                               2 * O * I * (lr if k.startswith("hla") else L)) / v / 1e9
@@ -439,7 +454,8 @@ def tables(data):
     grows = [[f"{r['group']} {r['name']}", k, C.fmt(v, 4), C.fmt(r["gemm_tflops"][k], 0)]
              for r in data["layers"] for k, v in r["gemm_ms"].items()]
     chead = ["layer", "g_x bf16", "g_x ref", "g_x fused", "HQ levels exact", "g_W bf16", "g_W ref",
-             "g_W fused", "g_W fused vs ref", "HLA level flips"]
+             "g_W fused", "g_W fused vs ref", "HLA level flips", "g_W e4m3 ref", "g_W e4m3 fused",
+             "g_W e4m3 fused vs ref"]
     crows = []
     for r in data["layers"]:
         c = r.get("check")
@@ -449,7 +465,9 @@ def tables(data):
                           C.fmt(c["hq_levels_tok_mismatch"] == 0 and c["hq_levels_ten_mismatch"] == 0
                                 and c["hq_scale_tok_is_ieee"] and c["hq_scale_ten_is_ieee"]),
                           C.fmt(c["bf16_gw"], 4), C.fmt(c["ref_gw"], 4), C.fmt(c["fused_gw"], 4),
-                          C.fmt(c["gw_fused_vs_ref"], 2), C.fmt(c["hla_g_levels_diff_fraction"], 2)])
+                          C.fmt(c["gw_fused_vs_ref"], 2), C.fmt(c["hla_g_levels_diff_fraction"], 2),
+                          C.fmt(c.get("ref_gw_e4m3"), 4), C.fmt(c.get("fused_gw_e4m3"), 4),
+                          C.fmt(c.get("gw_e4m3_fused_vs_ref"), 4)])
     return (head, rows), (khead, krows), (ghead, grows), (chead, crows)
 
 

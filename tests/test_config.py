@@ -15,7 +15,7 @@ from hotcompile import HOTConfig
     ({"lqs_ratio": 0}, "lqs_ratio"), ({"lqs_calibration_steps": 0}, "lqs_calibration_steps"),
     ({"rank": 4.0}, "rank"), ({"abc": 1}, "abc"), ({"exclude": None}, "exclude"),
     ({"exclude": 3}, "exclude"), ({"dump_dir": 123}, "dump_dir"), ({"lqs_file": 3}, "lqs_file"),
-    ({"dump_dir": ""}, "dump_dir"),
+    ({"dump_dir": ""}, "dump_dir"), ({"gw_format": "fp8"}, "gw_format"),
 ])
 def test_bad_values_name_the_field(kw, field):
     with pytest.raises(ValueError, match=rf"HOTConfig\.{field}\b"):

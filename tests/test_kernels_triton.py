@@ -64,14 +64,17 @@ def poison(monkeypatch):
     monkeypatch.setattr(torch, "empty_like", lambda *a, **k: fill(real_like(*a, **k)))
 
 
-def _hla_butterfly_reference(x, rank, select, bits, stochastic, seed):
+def _hla_butterfly_reference(x, rank, select, bits, stochastic, seed, project_only=False):
     """reference.quantize of the HLA projection, with the projection summed by the same
-    butterfly as the kernel (reference.block_fwht along the token axis)."""
+    butterfly as the kernel (reference.block_fwht along the token axis); or that
+    projection itself (``project_only``)."""
     xp = R.pad_rows(x.float(), 16)
     coef = R.block_fwht(xp.t().contiguous(), 16)                 # (C, Lp): H on each block
     c, lp = coef.shape
     kept = list(R.low_pass_rows(rank, select, 16))
     proj = coef.reshape(c, lp // 16, 16)[:, :, kept].reshape(c, -1).t()
+    if project_only:
+        return proj
     return R.quantize(proj, bits, per_row=False, stochastic=stochastic, seed=seed)
 
 
@@ -128,6 +131,60 @@ def test_hq_weight_e4m3_bit_exact(poison, O, I):
     assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
     assert torch.allclose(s * 16, sr, rtol=0, atol=0, equal_nan=True)
     assert torch.isnan(s[2]) and q[2].float().abs().sum() == 0
+
+
+@cpu
+@pytest.mark.parametrize("L,C,rank,stochastic", [
+    (64, 40, 16, True), (37, 24, 8, True), (48, 32, 3, True), (33, 16, 16, False), (37, 24, 8, False)])
+def test_hla_e4m3_bit_exact(poison, L, C, rank, stochastic):
+    """The cuBLAS g_W path's operands: the HLA projection in scaled e4m3 (stochastic for g,
+    nearest for the saved x), written transposed, bit-equal to reference.quantize_e4m3 of
+    the butterfly-summed projection; the stored scale times ``scale_mul``; the pad columns
+    zeroed (the GEMM reads them); a NaN makes the scale NaN and every level 0."""
+    x = _randn(L, C) * torch.exp(torch.randn(1, C))       # channels of unlike magnitude
+    q, s = HL.hla_quant(x, rank, "1d", 8, stochastic=stochastic, seed=99, seed_add=2,
+                        transposed=True, pad_to=16, e4m3=True, scale_mul=1 / 16)
+    rows = -(-L // 16) * rank
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (C, -(-rows // 16) * 16)
+    assert not q[:, rows:].float().any()
+    proj = _hla_butterfly_reference(x, rank, "1d", 0, False, 0, project_only=True)
+    qr, sr = R.quantize_e4m3(proj, per_row=False, stochastic=stochastic, seed=101)
+    assert torch.equal(q[:, :rows].t().contiguous().view(torch.uint8), qr.view(torch.uint8))
+    assert float(s) * 16 == float(sr)
+    x[5, 3] = float("nan")
+    q, s = HL.hla_quant(x, rank, "1d", 8, stochastic=stochastic, seed=99, transposed=True,
+                        pad_to=16, e4m3=True)
+    assert torch.isnan(s) and not q.float().any()
+
+
+@cpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("L,O,I,rank,seq_len", [(64, 48, 32, 16, 0), (96, 32, 48, 8, 0),
+                                                (39, 40, 24, 16, 13)])
+def test_gw_e4m3_path_matches_reference(poison, dtype, L, O, I, rank, seq_len):
+    """The whole e4m3 g_W path (ABC writing the transposed e4m3 buffer, g's stochastic
+    e4m3 coefficients, the GEMM via ``torch._scaled_mm``, here its CPU kernel) against the
+    reference twin, also inside ``linear_backward``; and it estimates g_W, unlike a
+    zero or transposed result would."""
+    g, x, w = _randn(L, O, dtype=dtype), _randn(L, I, dtype=dtype), _randn(O, I, dtype=dtype)
+    seed = torch.tensor(77)
+    xq, xs = F.abc_compress(x, rank, fmt="e4m3", seq_len=seq_len)
+    xqr, xsr = R.abc_compress(x, rank, fmt="e4m3", seq_len=seq_len)
+    assert xq.shape == xqr.shape and xq.dtype == torch.float8_e4m3fn
+    # the butterfly and the einsum may round a coefficient differently: compare the GEMM on
+    # the reference's buffer, and the buffers by value
+    assert float((xq.float() - xqr.float()).abs().max()) <= float(xqr.float().abs().max()) / 8
+    out = F.hla_grad_weight(g, xqr, xsr, rank, "1d", 8, seed, seq_len=seq_len)
+    ref = R.hla_grad_weight(g, xqr, xsr, rank, "1d", 8, seed, seq_len=seq_len)
+    assert out.dtype == dtype and out.shape == (O, I)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert rel(out.double(), ref.double()) < tol
+    _, gw = F.linear_backward(g, w, xqr, xsr, rank, 4, 8, 8, True, seed, seq_len=seq_len)
+    gw_sep = F.hla_grad_weight(g, xqr, xsr, rank, "1d", 8, seed + 1, seq_len=seq_len)
+    assert torch.equal(gw, gw_sep)
+    if rank == 16:
+        exact = g.double().t() @ x.double()
+        assert rel(out.double(), exact) < 0.1
 
 
 @cpu
@@ -433,4 +490,44 @@ def test_gpu_hq_cublas_fp8_path(I, O):
     seed.fill_(42)
     graph.replay()
     assert torch.equal(cap, F.hq_grad_input(g, w, 4, True, 42, w_bits=8))
+    assert not torch.equal(cap, out)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("L,I,O,rank", [(VIT["L"], 768, 3072, 16), (8192, 4096, 11008, 16),
+                                        (VIT["L"], 3072, 768, 8)])
+def test_gpu_gw_cublas_fp8_path(L, I, O, rank):
+    """The default g_W path on Ada/Hopper: ABC writes x as scaled e4m3, transposed and
+    zero-padded; g's coefficients are stochastically rounded onto the e4m3 grid; cuBLAS FP8
+    multiplies them. Levels equal to the reference's up to the einsum's last-bit
+    differences; g_W within fast accumulation and bf16 rounding of the twin; the same
+    g_W inside ``linear_backward``; a CUDA-graph replay with a new seed redraws the bits."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("no FP8 tensor cores")
+    torch.manual_seed(3)
+    g = _randn(L, O, dtype=torch.bfloat16, device="cuda")
+    x = _randn(L, I, dtype=torch.bfloat16, device="cuda")
+    w = (_randn(O, I, device="cuda") * 0.01).to(torch.bfloat16)
+    seed = torch.tensor(9, device="cuda")
+    xq, xs = F.abc_compress(x, rank, "1d", 8, fmt="e4m3")
+    xqr, xsr = R.abc_compress(x, rank, "1d", 8, fmt="e4m3")
+    rows = -(-L // 16) * rank
+    assert xq.shape == xqr.shape == (I, -(-rows // 16) * 16) and not xq[:, rows:].float().any()
+    assert float((xs - xsr).abs() / xsr) < 1e-6                 # einsum vs butterfly amax
+    flips = (xq.view(torch.uint8) != xqr.view(torch.uint8)).float().mean()
+    assert float(flips) < 1e-4
+    out = F.hla_grad_weight(g, xq, xs, rank, "1d", 8, seed)
+    ref = R.hla_grad_weight(g, xq, xs, rank, "1d", 8, seed)
+    assert rel(out.float(), ref.float()) < 4e-3
+    if rank == 16:
+        assert rel(out.double(), g.double().t() @ x.double()) < 0.06
+    _, gw = F.linear_backward(g, w, xq, xs, rank, 4, 8, 8, True, seed)
+    assert torch.equal(gw, F.hla_grad_weight(g, xq, xs, rank, "1d", 8, seed + 1))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cap = F.hla_grad_weight(g, xq, xs, rank, "1d", 8, seed)
+    seed.fill_(10)
+    graph.replay()
+    assert torch.equal(cap, F.hla_grad_weight(g, xq, xs, rank, "1d", 8, 10))
     assert not torch.equal(cap, out)
