@@ -46,7 +46,12 @@ def main(path: str) -> None:
     # per-kernel timings carry a launch gap each that CUDA-graph replays of the whole
     # backward do not: scale the HOT kernels' fixed costs by one factor fitted on those
     hot_k = [k for k in KERNELS if "bf16" not in k]
-    unit = site_kernels(True, True, 16)      # what hot_tok_graph replays at rank 16 (+ abc)
+    # what hot_sep_graph replays at rank 16 (+ abc), on the run's g_x and g_W paths
+    gw_gemm = {r.get("gemm_format_hla", "int8") for r in rows}
+    if len(gw_gemm) != 1:
+        raise SystemExit(f"mixed g_W formats in one run: {gw_gemm}")
+    gw_gemm = "hla_cublas" if gw_gemm.pop() == "e4m3" else "hla_int8"
+    unit = site_kernels(True, True, 16, "hq_cublas", gw_gemm)
     def parts(r):
         """(fixed, variable) modelled ms of the layer's HOT backward, and the measured one:
         the separate-ops replay runs exactly the rank-16 kernel list (hot_tok_graph did too
@@ -71,7 +76,7 @@ def main(path: str) -> None:
     print("}")
     print(f"\n{'layer':<20} {'exact meas':>10} {'model':>7} {'hot meas':>9} {'model':>7}")
     for r in rows:
-        e, h = model.gpu_ms(r["L"], r["I"], r["O"], 16, 16)
+        e, h = model.gpu_ms(r["L"], r["I"], r["O"], 16, 16, gw_gemm=gw_gemm)
         t = r["times_ms"]
         print(f"{r['group'] + ' ' + r['name']:<20} {t['bf16_graph']:>10.3f} {e:>7.3f} "
               f"{t.get('hot_sep_graph', t['hot_tok_graph']) + t['abc']:>9.3f} {h:>7.3f}")

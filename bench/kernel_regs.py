@@ -118,9 +118,7 @@ def kernels_for(L: int, I: int, O: int, rank: int):
                              dict(PHASE=phase, BT=bt, BC=bcc, RP=hla._pow2_at_least(rank),
                                   RANK=rank, KEPT=hla._packed_rows(rank, "1d"),
                                   Q=448 if e4m3 else 127, STOCHASTIC=stochastic,
-                                  TRANSPOSED=stochastic or e4m3, INTERPRET=False, E4M3=e4m3,
-                                  CH=min(hla._pow2_at_least(rank),
-                                         int(os.environ.get("HOT_HLA_CHUNK", "8")))),
+                                  TRANSPOSED=stochastic or e4m3, INTERPRET=False, E4M3=e4m3),
                              warps))
     bt, bcc, warps, hr = grad_out.tile_shape(o_pad, False)
     for phase in (1, 2):

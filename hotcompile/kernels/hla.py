@@ -119,34 +119,19 @@ def _token_rows(blk0, n_blk, S, n_sblk, stride_b, stride_s, BT: tl.constexpr):
 
 
 @triton.jit
-def _load_fwht(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C, stride_x,
-               BT: tl.constexpr, BC: tl.constexpr):
+def _load_project(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C, stride_x,
+                  BT: tl.constexpr, BC: tl.constexpr,
+                  RP: tl.constexpr, RANK: tl.constexpr, KEPT: tl.constexpr):
     """Blocks blk0 .. blk0+BT-1 of 16 neighbouring tokens, channels col0 .. col0+BC-1,
-    transformed along the tokens: (BT * BC, 16) fp32, every H_16 coefficient."""
+    projected onto the kept rows: a (BT, BC, RP) fp32 tile, coefficients last (entries
+    >= rank: padding)."""
     tok, valid = _token_rows(blk0, n_blk, S, n_sblk, stride_b, stride_s, BT)
     cols = col0 + tl.arange(0, BC)
     mask = valid[:, None] & (cols < C)[None, :]
     x = tl.load(x_ptr + tok[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
     x = tl.permute(tl.reshape(x.to(tl.float32), (BT, 16, BC)), (0, 2, 1))   # token axis last
-    return fwht16(tl.reshape(x, (BT * BC, 16)))
-
-
-@triton.jit
-def _load_project(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C, stride_x,
-                  BT: tl.constexpr, BC: tl.constexpr,
-                  RP: tl.constexpr, RANK: tl.constexpr, KEPT: tl.constexpr):
-    """The tile of ``_load_fwht`` projected onto the kept rows: a (BT, BC, RP) fp32 tile,
-    coefficients last (entries >= rank: padding)."""
-    y = _load_fwht(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C, stride_x, BT, BC)
-    return tl.reshape(gather_kept(y, RP, RANK, KEPT), (BT, BC, RP))
-
-
-@triton.jit
-def _kept_chunk(y, j0: tl.constexpr, CH: tl.constexpr, RANK: tl.constexpr, KEPT: tl.constexpr):
-    """Kept coefficients j0 .. j0+CH-1 of a (M, 16) coefficient tile, as (M, CH)."""
-    M: tl.constexpr = y.shape[0]
-    LEVELS: tl.constexpr = (CH >= 2) + (CH >= 4) + (CH >= 8) + (CH >= 16)
-    return tl.reshape(_join_kept(y, j0, 1, LEVELS, RANK, KEPT), (M, CH))
+    y = gather_kept(fwht16(tl.reshape(x, (BT * BC, 16))), RP, RANK, KEPT)
+    return tl.reshape(y, (BT, BC, RP))
 
 
 @triton.jit
@@ -154,11 +139,14 @@ def _quantize_store_tile(q_ptr, v, s, inv_s, seed, blk0, col0, n_blk, C, ldq, gr
                          BT: tl.constexpr, BC: tl.constexpr, RP: tl.constexpr, RANK: tl.constexpr,
                          Q: tl.constexpr, STOCHASTIC: tl.constexpr, TRANSPOSED: tl.constexpr,
                          INTERPRET: tl.constexpr, IEEE_DIV: tl.constexpr,
-                         E4M3: tl.constexpr = False, J0: tl.constexpr = 0):
-    """Quantize a (BT, BC, RP) tile of kept coefficients J0 .. J0+RP-1 (to int8 levels, or
-    with E4M3 to scaled FP8: ``to_e4m3``) and store it at rows (blk0 + b) * rank + J0 + j
-    of (L', C), or at the transposed positions of a (C, L'_pad) buffer."""
-    j = J0 + tl.arange(0, RP)
+                         E4M3: tl.constexpr = False):
+    """Quantize a (BT, BC, RP) tile (to int8 levels, or with E4M3 to scaled FP8:
+    ``to_e4m3``) and store it at rows (blk0 + b) * rank + j of (L', C), or at the
+    transposed positions of a (C, L'_pad) buffer.
+
+    (Quantizing 8 coefficients at a time removes phase 2's register spills at rank 16,
+    yet ran 10% slower on the H100, 2026-11-24; so did a register cap of 128 or 168.)"""
+    j = tl.arange(0, RP)
     rows = (blk0 + tl.arange(0, BT))[:, None] * RANK + j[None, :]            # (BT, RP)
     cols = col0 + tl.arange(0, BC)
     if STOCHASTIC:   # uniforms follow the (L', C) layout: generate there, then turn
@@ -190,8 +178,7 @@ def _hla_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, seed_ptr, seed_add, scale_mul, S,
                 stride_s, C, stride_x, ldq, n_blk, groups_per_row, PHASE: tl.constexpr,
                 BT: tl.constexpr, BC: tl.constexpr, RP: tl.constexpr, RANK: tl.constexpr,
                 KEPT: tl.constexpr, Q: tl.constexpr, STOCHASTIC: tl.constexpr,
-                TRANSPOSED: tl.constexpr, INTERPRET: tl.constexpr, E4M3: tl.constexpr,
-                CH: tl.constexpr):
+                TRANSPOSED: tl.constexpr, INTERPRET: tl.constexpr, E4M3: tl.constexpr):
     """One tile of BT token blocks x BC channels per program.
 
     Phase 1: project, atomically max the amax of the kept coefficients into ``amax_ptr``
@@ -217,21 +204,16 @@ def _hla_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, seed_ptr, seed_add, scale_mul, S,
         inv_s = tl.math.div_rn(1.0, s)
         if pid == 0:
             tl.store(s_ptr, s * scale_mul)
-        # quantize and store CH coefficients at a time: the (BT * BC, 16) coefficients stay
-        # in registers, but only one chunk's uniforms and levels live beside them (all 16
-        # at once hit the 255-register cap and spilled, 140-392 bytes: bench/kernel_regs.py)
-        y = _load_fwht(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C, stride_x,
-                       BT, BC)
-        for j0 in tl.static_range(0, RP, CH):
-            v = tl.reshape(_kept_chunk(y, j0, CH, RANK, KEPT), (BT, BC, CH))
-            if inv_s < float("inf"):
-                _quantize_store_tile(q_ptr, v, s, inv_s, seed, blk0, col0, n_blk, C, ldq,
-                                     groups_per_row, BT, BC, CH, RANK, Q, STOCHASTIC,
-                                     TRANSPOSED, INTERPRET, False, E4M3, j0)
-            else:
-                _quantize_store_tile(q_ptr, v, s, inv_s, seed, blk0, col0, n_blk, C, ldq,
-                                     groups_per_row, BT, BC, CH, RANK, Q, STOCHASTIC,
-                                     TRANSPOSED, INTERPRET, True, E4M3, j0)
+        v = _load_project(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C,
+                          stride_x, BT, BC, RP, RANK, KEPT)
+        if inv_s < float("inf"):
+            _quantize_store_tile(q_ptr, v, s, inv_s, seed, blk0, col0, n_blk, C, ldq,
+                                 groups_per_row, BT, BC, RP, RANK, Q, STOCHASTIC, TRANSPOSED,
+                                 INTERPRET, False, E4M3)
+        else:
+            _quantize_store_tile(q_ptr, v, s, inv_s, seed, blk0, col0, n_blk, C, ldq,
+                                 groups_per_row, BT, BC, RP, RANK, Q, STOCHASTIC, TRANSPOSED,
+                                 INTERPRET, True, E4M3)
 
 
 # =========================================================================== launcher
@@ -315,11 +297,7 @@ def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic:
     grid = (triton.cdiv(n_blk, bt) * triton.cdiv(C, bc),)
     meta = dict(BT=bt, BC=bc, RP=_pow2_at_least(rank), RANK=rank, KEPT=_packed_rows(rank, select),
                 Q=448 if e4m3 else 2 ** (bits - 1) - 1, STOCHASTIC=stochastic,
-                TRANSPOSED=transposed, INTERPRET=interpreting(), E4M3=e4m3,
-                CH=min(_pow2_at_least(rank), int(os.environ.get("HOT_HLA_CHUNK", "8"))),
-                num_warps=warps)
-    if os.environ.get("HOT_HLA_MAXNREG"):      # tuning experiments (bench/hla_sweep.py)
-        meta["maxnreg"] = int(os.environ["HOT_HLA_MAXNREG"])
+                TRANSPOSED=transposed, INTERPRET=interpreting(), E4M3=e4m3, num_warps=warps)
     seed_t = seed_pointer(seed, dev) if stochastic else amax    # amax: an unread placeholder
     args = (x, q, s, amax, seed_t, int(seed_add), float(scale_mul), S, n_sblk, stride_b,
             stride_s, C, x.stride(0), ldq, n_blk, -(-C // 8))
