@@ -325,15 +325,19 @@ def run_layer(group, name, L, I, O, args, copies):
         ("grad_out", lambda g: GO.grad_out_quant(g, GX_BITS, True, seed, RANK, "1d", GW_BITS, seed,
                                                  hla_seed_add=1), gsets,
          2 * L * O + L * o_pad + lr * O),
-        ("hla_g", lambda g: HL.hla_quant(g, RANK, "1d", GW_BITS, stochastic=True, seed=seed,
-                                         transposed=True, pad_to=16, e4m3=gw_fmt == "e4m3"),
+        # g's K-major operand as the site makes it: the HLA kernel, then the transpose
+        ("hla_g", lambda g: F._k_major(HL.hla_quant(g, RANK, "1d", GW_BITS, stochastic=True,
+                                                    seed=seed, e4m3=gw_fmt == "e4m3")[0]),
+         gsets, 2 * L * O + lr * O),
+        # ... and written transposed by the HLA kernel itself (before 2026-11-24T03)
+        ("hla_g_direct_t", lambda g: HL.hla_quant(g, RANK, "1d", GW_BITS, stochastic=True,
+                                                  seed=seed, transposed=True, pad_to=16,
+                                                  e4m3=gw_fmt == "e4m3"),
          gsets, 2 * L * O + lr * O),
         ("abc_x", lambda x: F.abc_compress(x, RANK, "1d", GW_BITS, fmt=gw_fmt),
          [(x,) for x, _, _ in sets], 2 * L * I + lr * I),
+        ("transpose_xq", F._k_major, [(q,) for q, _ in abc_f], 2 * lr * I),
     ]
-    if gw_fmt == "int8":      # the e4m3 buffer is written transposed by ABC itself
-        specs += [("transpose_xq", lambda q: G.transpose_padded(q, 16), [(q,) for q, _ in abc_f],
-                   2 * lr * I)]
     if args.explore:
         specs += [("hq_g_token_chunked", _with_env("HOT_HQ_TOKEN_TILE", "1024",
                                                     lambda g: H.hq_act_quant(g, GX_BITS, True, seed)),

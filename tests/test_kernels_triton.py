@@ -138,22 +138,28 @@ def test_hq_weight_e4m3_bit_exact(poison, O, I):
     (64, 40, 16, True), (37, 24, 8, True), (48, 32, 3, True), (33, 16, 16, False), (37, 24, 8, False)])
 def test_hla_e4m3_bit_exact(poison, L, C, rank, stochastic):
     """The cuBLAS g_W path's operands: the HLA projection in scaled e4m3 (stochastic for g,
-    nearest for the saved x), written transposed, bit-equal to reference.quantize_e4m3 of
-    the butterfly-summed projection; the stored scale times ``scale_mul``; the pad columns
-    zeroed (the GEMM reads them); a NaN makes the scale NaN and every level 0."""
+    nearest for the saved x), bit-equal to reference.quantize_e4m3 of the butterfly-summed
+    projection, also written transposed; the stored scale times ``scale_mul``; the K-major
+    copy of the backward (``fused._k_major``) zero-pads; a NaN makes the scale NaN and
+    every level 0."""
     x = _randn(L, C) * torch.exp(torch.randn(1, C))       # channels of unlike magnitude
     q, s = HL.hla_quant(x, rank, "1d", 8, stochastic=stochastic, seed=99, seed_add=2,
-                        transposed=True, pad_to=16, e4m3=True, scale_mul=1 / 16)
+                        e4m3=True, scale_mul=1 / 16)
     rows = -(-L // 16) * rank
-    assert q.dtype == torch.float8_e4m3fn and q.shape == (C, -(-rows // 16) * 16)
-    assert not q[:, rows:].float().any()
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (rows, C)
     proj = _hla_butterfly_reference(x, rank, "1d", 0, False, 0, project_only=True)
     qr, sr = R.quantize_e4m3(proj, per_row=False, stochastic=stochastic, seed=101)
-    assert torch.equal(q[:, :rows].t().contiguous().view(torch.uint8), qr.view(torch.uint8))
+    assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
     assert float(s) * 16 == float(sr)
+    qt, _ = HL.hla_quant(x, rank, "1d", 8, stochastic=stochastic, seed=99, seed_add=2,
+                         transposed=True, pad_to=16, e4m3=True)
+    assert torch.equal(qt[:, :rows].view(torch.uint8), q.t().view(torch.uint8))
+    km = F._k_major(q)
+    assert km.shape == (C, -(-rows // 16) * 16) and km.dtype == torch.float8_e4m3fn
+    assert torch.equal(km[:, :rows].view(torch.uint8), q.t().view(torch.uint8))
+    assert not km[:, rows:].float().any()
     x[5, 3] = float("nan")
-    q, s = HL.hla_quant(x, rank, "1d", 8, stochastic=stochastic, seed=99, transposed=True,
-                        pad_to=16, e4m3=True)
+    q, s = HL.hla_quant(x, rank, "1d", 8, stochastic=stochastic, seed=99, e4m3=True)
     assert torch.isnan(s) and not q.float().any()
 
 
@@ -162,8 +168,8 @@ def test_hla_e4m3_bit_exact(poison, L, C, rank, stochastic):
 @pytest.mark.parametrize("L,O,I,rank,seq_len", [(64, 48, 32, 16, 0), (96, 32, 48, 8, 0),
                                                 (39, 40, 24, 16, 13)])
 def test_gw_e4m3_path_matches_reference(poison, dtype, L, O, I, rank, seq_len):
-    """The whole e4m3 g_W path (ABC writing the transposed e4m3 buffer, g's stochastic
-    e4m3 coefficients, the GEMM via ``torch._scaled_mm``, here its CPU kernel) against the
+    """The whole e4m3 g_W path (ABC's e4m3 buffer, g's stochastic e4m3 coefficients, both
+    made K-major, the GEMM via ``torch._scaled_mm``, here its CPU kernel) against the
     reference twin, also inside ``linear_backward``; and it estimates g_W, unlike a
     zero or transposed result would."""
     g, x, w = _randn(L, O, dtype=dtype), _randn(L, I, dtype=dtype), _randn(O, I, dtype=dtype)
@@ -498,8 +504,8 @@ def test_gpu_hq_cublas_fp8_path(I, O):
 @pytest.mark.parametrize("L,I,O,rank", [(VIT["L"], 768, 3072, 16), (8192, 4096, 11008, 16),
                                         (VIT["L"], 3072, 768, 8)])
 def test_gpu_gw_cublas_fp8_path(L, I, O, rank):
-    """The default g_W path on Ada/Hopper: ABC writes x as scaled e4m3, transposed and
-    zero-padded; g's coefficients are stochastically rounded onto the e4m3 grid; cuBLAS FP8
+    """The default g_W path on Ada/Hopper: ABC saves x as scaled e4m3; g's coefficients
+    are stochastically rounded onto the e4m3 grid; both are made K-major and cuBLAS FP8
     multiplies them. Levels equal to the reference's up to the einsum's last-bit
     differences; g_W within fast accumulation and bf16 rounding of the twin; the same
     g_W inside ``linear_backward``; a CUDA-graph replay with a new seed redraws the bits."""
@@ -513,7 +519,7 @@ def test_gpu_gw_cublas_fp8_path(L, I, O, rank):
     xq, xs = F.abc_compress(x, rank, "1d", 8, fmt="e4m3")
     xqr, xsr = R.abc_compress(x, rank, "1d", 8, fmt="e4m3")
     rows = -(-L // 16) * rank
-    assert xq.shape == xqr.shape == (I, -(-rows // 16) * 16) and not xq[:, rows:].float().any()
+    assert xq.shape == xqr.shape == (rows, I) and xq.dtype == torch.float8_e4m3fn
     assert float((xs - xsr).abs() / xsr) < 1e-6                 # einsum vs butterfly amax
     flips = (xq.view(torch.uint8) != xqr.view(torch.uint8)).float().mean()
     assert float(flips) < 1e-4

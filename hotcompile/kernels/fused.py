@@ -74,45 +74,51 @@ def _gx(g, w, bits: int, w_bits: int, per_token: bool, seed, gq=None, path=None)
 def abc_compress(x: torch.Tensor, rank: int, select: str = "1d", bits: int = 8,
                  block: int = 16, *, seq_len: int = 0, seq_first: bool = False,
                  fmt: str = "int8"):
-    """The saved activation: HLA-projected x as int8 levels (hla_rows, I), or with
-    ``fmt="e4m3"`` as the scaled-FP8 (I, hla_rows_pad) buffer the cuBLAS g_W GEMM reads
-    (written transposed by the one kernel: no transpose in backward); fp32 scale ()."""
+    """The saved activation: HLA-projected x (hla_rows, I) as int8 levels, or with
+    ``fmt="e4m3"`` as scaled FP8 (the cuBLAS g_W GEMM's operand); fp32 scale ()."""
     lay = dict(seq_len=seq_len, seq_first=seq_first)
     if block != _FUSED_BLOCK or not _fused_bits(bits) or x.numel() == 0:
         return ref.abc_compress(x, rank, select, bits, block, **lay, fmt=fmt)
-    if fmt == "e4m3":
-        return hla.hla_quant(x, rank, select, bits, stochastic=False, transposed=True,
-                             pad_to=16, e4m3=True, **lay)
-    return hla.hla_quant(x, rank, select, bits, stochastic=False, **lay)
+    return hla.hla_quant(x, rank, select, bits, stochastic=False, e4m3=fmt == "e4m3", **lay)
 
 
-def _check_rows(what: str, xt: torch.Tensor, L: int, rank: int, block: int, seq_len) -> int:
-    """L' (the saved activation's rows) after checking the buffer against g's token count."""
-    k = ref.hla_rows(L, rank, block, seq_len)
-    fp8 = xt.dtype == torch.float8_e4m3fn
-    have = xt.shape[1] if fp8 else xt.shape[0]
-    want = -(-k // 16) * 16 if fp8 else k
-    if have != want:
-        raise ValueError(f"{what}: the saved activation has {have} rows, expected {want}")
-    return k
+def _k_major(q: torch.Tensor) -> torch.Tensor:
+    """(L', C) levels -> the (C, L'_pad) K-major buffer the g_W GEMMs read (``pad_to`` 16).
+
+    A separate transpose beats writing the HLA kernels' output transposed: their transposed
+    stores are 16-byte runs, one per channel, and on the H100 the g side's kernel ran
+    1.3-1.5x slower that way than non-transposed plus this copy (layers_2026-11-24T025738
+    vs ..T030xxx). The pad columns are zeroed for the cuBLAS GEMM, which reads all of them
+    (the INT8 kernel masks them)."""
+    k = q.shape[0]
+    out = gemm.transpose_padded(q.view(torch.uint8) if q.dtype != torch.int8 else q, 16)
+    if q.dtype == torch.float8_e4m3fn:
+        out = out.view(torch.float8_e4m3fn)
+        if out.shape[1] > k:
+            out[:, k:].zero_()
+    return out
 
 
 def _gw(g, xt, x_scale, rank: int, select: str, bits: int, seed, lay, qg=None,
         seed_add: int = 0) -> torch.Tensor:
-    """The fused g_W GEMM: g's projected levels (unless given as ``qg`` = (levels, scale);
-    Philox key seed + ``seed_add``) against the saved activation; cuBLAS FP8 when that is
-    e4m3 (``formats.gw_rule``), else the INT8 kernel over the transposed int8 buffer."""
-    k = _check_rows("hla_grad_weight", xt, g.shape[0], rank, _FUSED_BLOCK, lay["seq_len"])
+    """The fused g_W GEMM: g's projected levels (given as ``qg`` = transposed levels and
+    scale, or computed with Philox key seed + ``seed_add``) against the saved activation;
+    cuBLAS FP8 when that is e4m3 (``formats.gw_rule``), else the INT8 kernel."""
+    k = ref.hla_rows(g.shape[0], rank, _FUSED_BLOCK, lay["seq_len"])
+    if xt.shape[0] != k:
+        raise ValueError(f"hla_grad_weight: the saved activation has {xt.shape[0]} rows, "
+                         f"expected {k}")
     xs = x_scale if isinstance(x_scale, torch.Tensor) else torch.tensor(float(x_scale))
     xs = xs.to(device=g.device, dtype=torch.float32)
-    if xt.dtype == torch.float8_e4m3fn:
-        qg_t, sg = qg or hla.hla_quant(g, rank, select, bits, stochastic=True, seed=seed,
-                                       seed_add=seed_add, transposed=True, pad_to=16,
-                                       e4m3=True, scale_mul=1.0 / _FUSED_BLOCK, **lay)
-        return gemm.cublas_fp8_mm(qg_t, xt, sg, xs, g.dtype)
-    qg_t, sg = qg or hla.hla_quant(g, rank, select, bits, stochastic=True, seed=seed,
-                                   seed_add=seed_add, transposed=True, pad_to=16, **lay)
-    return gemm.scaled_mm(qg_t, gemm.transpose_padded(xt, 16), sg, xs, 1.0 / 16, g.dtype, k=k)
+    fp8 = xt.dtype == torch.float8_e4m3fn
+    if qg is None:
+        q, sg = hla.hla_quant(g, rank, select, bits, stochastic=True, seed=seed,
+                              seed_add=seed_add, e4m3=fp8,
+                              scale_mul=1.0 / _FUSED_BLOCK if fp8 else 1.0, **lay)
+        qg = (_k_major(q), sg)                                          # (O, L'_pad)
+    if fp8:
+        return gemm.cublas_fp8_mm(qg[0], _k_major(xt), qg[1], xs, g.dtype)
+    return gemm.scaled_mm(qg[0], _k_major(xt), qg[1], xs, 1.0 / 16, g.dtype, k=k)
 
 
 def hla_grad_weight(g: torch.Tensor, xt: torch.Tensor, x_scale: torch.Tensor, rank: int,
@@ -143,7 +149,10 @@ def linear_backward(g: torch.Tensor, w: torch.Tensor, xt: torch.Tensor, x_scale:
             or g.numel() == 0 or w.numel() == 0 or xt.numel() == 0):
         return (hq_grad_input(g, w, gx_bits, per_token, seed, block, warm_other_scale, w_bits),
                 hla_grad_weight(g, xt, x_scale, rank, "1d", gw_bits, seed + 1, block, **lay))
-    _check_rows("linear_backward", xt, g.shape[0], rank, block, seq_len)
+    k = xt.shape[0]
+    if k != ref.hla_rows(g.shape[0], rank, block, seq_len):
+        raise ValueError(f"linear_backward: xt has {k} rows, expected "
+                         f"{ref.hla_rows(g.shape[0], rank, block, seq_len)}")
     path = gx_path(g, w, gx_bits, w_bits, per_token)
     fp8 = path[0] != "int8"
     qg_t = None

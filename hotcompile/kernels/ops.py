@@ -95,9 +95,8 @@ def _(g, w, bits, w_bits, block, scale, site, kernels):
 @torch.library.custom_op("hot::abc_compress", mutates_args=())
 def abc_compress(x: Tensor, rank: int, bits: int, block: int, seq_len: int, seq_first: bool,
                  kernels: str, fmt: str) -> tuple[Tensor, Tensor]:
-    """x (L, I) -> (HLA-projected x, fp32 scale ()): int8 levels (hla_rows, I), or with
-    ``fmt="e4m3"`` the scaled-FP8 (I, hla_rows rounded up to 16) buffer of the cuBLAS g_W
-    GEMM (``formats.gw_rule``).
+    """x (L, I) -> (HLA-projected x (hla_rows, I), fp32 scale ()): int8 levels, or with
+    ``fmt="e4m3"`` scaled FP8, the cuBLAS g_W GEMM's operand (``formats.gw_rule``).
 
     Blocks hold ``block`` neighbouring tokens of one sequence of ``seq_len`` tokens
     (rows ``b*S + s``, or ``s*B + b`` with ``seq_first``); ``seq_len=0``: one flat axis."""
@@ -110,21 +109,8 @@ def abc_compress(x: Tensor, rank: int, bits: int, block: int, seq_len: int, seq_
 @abc_compress.register_fake
 def _(x, rank, bits, block, seq_len, seq_first, kernels, fmt):
     rows = ref.hla_rows(x.shape[0], rank, block, seq_len)
-    scale = x.new_empty((), dtype=torch.float32)
-    if fmt == "e4m3":
-        return x.new_empty((x.shape[1], (rows + 15) // 16 * 16), dtype=torch.float8_e4m3fn), scale
-    return x.new_empty((rows, x.shape[1]), dtype=torch.int8), scale
-
-
-def _saved_shape(what: str, g: Tensor, xq: Tensor, rank: int, block: int, seq_len) -> int:
-    """In-features of a saved activation (either format), after checking its rows against g."""
-    rows = ref.hla_rows(g.shape[0], rank, block, seq_len)
-    if xq.dtype == torch.float8_e4m3fn:
-        torch._check(xq.shape[1] == (rows + 15) // 16 * 16,
-                     lambda: f"{what}: compressed buffer rows disagree with g")
-        return xq.shape[0]
-    torch._check(xq.shape[0] == rows, lambda: f"{what}: compressed buffer rows disagree with g")
-    return xq.shape[1]
+    dtype = torch.float8_e4m3fn if fmt == "e4m3" else torch.int8
+    return x.new_empty((rows, x.shape[1]), dtype=dtype), x.new_empty((), dtype=torch.float32)
 
 
 # ----------------------------------------------------------------------- HLA (g_W)
@@ -146,7 +132,9 @@ def hla_grad_weight(g: Tensor, xq: Tensor, x_scale: Tensor, rank: int, bits: int
 
 @hla_grad_weight.register_fake
 def _(g, xq, x_scale, rank, bits, block, seq_len, seq_first, measure, kernels):
-    return g.new_empty((g.shape[1], _saved_shape("hla_grad_weight", g, xq, rank, block, seq_len)))
+    torch._check(xq.shape[0] == ref.hla_rows(g.shape[0], rank, block, seq_len),
+                 lambda: "hla_grad_weight: compressed buffer rows disagree with g")
+    return g.new_empty((g.shape[1], xq.shape[1]))
 
 
 # ----------------------------------------------------------------------- both (one site)
@@ -189,8 +177,9 @@ def linear_backward(g: Tensor, xq: Tensor, x_scale: Tensor, rank: int, gw_bits: 
 def _(g, xq, x_scale, rank, gw_bits, block, seq_len, seq_first, measure, kernels, w, gx_bits,
       w_bits, scale, site):
     torch._check(g.shape[1] == w.shape[0], lambda: "linear_backward: g and w disagree on O")
-    i = _saved_shape("linear_backward", g, xq, rank, block, seq_len)
-    return g.new_empty((g.shape[0], w.shape[1])), g.new_empty((g.shape[1], i))
+    torch._check(xq.shape[0] == ref.hla_rows(g.shape[0], rank, block, seq_len),
+                 lambda: "linear_backward: compressed buffer rows disagree with g")
+    return g.new_empty((g.shape[0], w.shape[1])), g.new_empty((g.shape[1], xq.shape[1]))
 
 
 OPS = (torch.ops.hot.hq_grad_input.default, torch.ops.hot.abc_compress.default,

@@ -253,14 +253,6 @@ def quantize_e4m3(v: torch.Tensor, per_row: bool, stochastic: bool = False, seed
     return t.to(torch.float8_e4m3fn), s
 
 
-def pad_transpose(q: torch.Tensor, pad_to: int = 16) -> torch.Tensor:
-    """q (R, C) -> (C, R_pad) holding q.T, the pad columns zero: the K-major layout the
-    cuBLAS FP8 g_W GEMM reads, whatever R (a zero past R adds nothing to a product)."""
-    out = q.new_zeros((q.shape[1], -(-q.shape[0] // pad_to) * pad_to))
-    out[:, :q.shape[0]] = q.t()
-    return out
-
-
 def dequantize(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return q.float() * (s[:, None] if s.dim() == 1 else s)
 
@@ -333,23 +325,15 @@ def hq_grad_input(g: torch.Tensor, w: torch.Tensor, bits: int, per_token: bool, 
 def abc_compress(x: torch.Tensor, rank: int, select: str = "1d", bits: int = 8,
                  block: int = 16, *, seq_len: int = 0, seq_first: bool = False,
                  fmt: str = "int8"):
-    """The saved activation: HLA-projected x (L', I), quantized per tensor with RTN.
-
-    ``fmt="int8"``: ``bits`` levels (L', I). ``fmt="e4m3"`` (the cuBLAS FP8 g_W GEMM's
-    operand, ``formats.gw_rule``): scaled e4m3, stored transposed as the (I, L'_pad) buffer
-    of ``pad_transpose`` (``bits`` unused)."""
+    """The saved activation: HLA-projected x (L', I), quantized per tensor with RTN:
+    ``bits`` levels (``fmt="int8"``) or scaled e4m3 (``fmt="e4m3"``: the cuBLAS FP8 g_W
+    GEMM's operand, ``formats.gw_rule``; ``bits`` unused)."""
     xt = hla_project(x, rank, select, block, seq_len=seq_len, seq_first=seq_first)
     if fmt == "e4m3":
-        q, s = quantize_e4m3(xt, per_row=False)
-        return pad_transpose(q), s
+        return quantize_e4m3(xt, per_row=False)
     if fmt != "int8":
         raise ValueError(f"abc_compress: fmt must be 'int8' or 'e4m3', got {fmt!r}")
     return quantize(xt, bits, per_row=False, stochastic=False)
-
-
-def saved_rows(xq: torch.Tensor, rows) -> torch.Tensor:
-    """The (L', I) view of a saved activation in either format (``abc_compress``)."""
-    return xq[:, :rows].t() if xq.dtype == torch.float8_e4m3fn else xq
 
 
 def hla_grad_weight(g: torch.Tensor, xt: torch.Tensor, x_scale: torch.Tensor, rank: int,
@@ -357,18 +341,17 @@ def hla_grad_weight(g: torch.Tensor, xt: torch.Tensor, x_scale: torch.Tensor, ra
                     seq_len: int = 0, seq_first: bool = False) -> torch.Tensor:
     """g_W ~= g_y^T x over the low-pass token coefficients.
 
-    ``xt`` is the projected x: int8 levels (with ``x_scale``), floats (x_scale = 1), or the
-    transposed e4m3 buffer of ``abc_compress(fmt="e4m3")``, in which case g's coefficients
-    become scaled e4m3 with stochastic rounding (``quantize_e4m3``; ``bits`` unused): the
+    ``xt`` is the projected x: int8 levels (with ``x_scale``), floats (x_scale = 1), or
+    scaled e4m3 (``abc_compress(fmt="e4m3")``), in which case g's coefficients become
+    scaled e4m3 with stochastic rounding (``quantize_e4m3``; ``bits`` unused): the
     operands of the cuBLAS FP8 GEMM.
     bits=0 skips quantizing the gradient (with rank=block this is exact).
     """
     gt = hla_project(g, rank, select, block, seq_len=seq_len, seq_first=seq_first)  # (L', O)
     if xt.dtype == torch.float8_e4m3fn:
         qg, sg = quantize_e4m3(gt, per_row=False, stochastic=True, seed=seed)
-        xs = saved_rows(xt, gt.shape[0])
         # products of e4m3 values are exact in fp64; the sum nearly so (the GEMM's is not)
-        acc = (qg.double().t() @ xs.double()).float()
+        acc = (qg.double().t() @ xt.double()).float()
     elif bits == 0:
         xf = xt.double() * x_scale.double()
         return (gt.double().t() @ xf / block).to(g.dtype)

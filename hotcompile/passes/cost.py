@@ -39,19 +39,16 @@ KERNELS = ("grad_out", "hq_g_token", "hq_w", "hq_cublas", "hq_int8", "hla_g", "t
 
 def site_kernels(gx: bool, gw: bool, rank: int = 16, gx_gemm: str = "hq_cublas",
                  gw_gemm: str = "hla_int8") -> tuple:
-    """The kernels of a site's HOT backward (``abc_x``: its share of the forward's ABC).
+    """The kernels of a site's HOT backward (``abc_x``: its share of the forward's ABC;
+    ``hla_g``: g's HLA operand made K-major; ``transpose_xq``: the saved x made K-major).
     Both gradients: one ``hot::linear_backward``, whose g_y operands come from one kernel
-    pair up to ``ONE_PASS_MAX_RANK`` (int8 saved activations); one of them:
+    pair up to ``ONE_PASS_MAX_RANK`` (int8 saved activations only); one of them:
     ``hq_grad_input`` or ``hla_grad_weight`` alone. ``gx_gemm`` / ``gw_gemm``: the GEMMs'
-    paths (``gx_gemm_kernel``, ``gw_gemm_kernel``); the e4m3 saved activation is written
-    transposed by ABC itself, so that path has no transpose."""
-    if gw_gemm == "hla_cublas":
-        gw_part = ("hla_g", "hla_cublas", "abc_x")
-    else:
-        gw_part = ("hla_g", "transpose_xq", "hla_int8", "abc_x")
+    paths (``gx_gemm_kernel``, ``gw_gemm_kernel``)."""
     if gx and gw and rank <= ONE_PASS_MAX_RANK and gw_gemm == "hla_int8":
         return ("grad_out", "hq_w", gx_gemm, "transpose_xq", "hla_int8", "abc_x")
-    return ((("hq_g_token", "hq_w", gx_gemm) if gx else ()) + (gw_part if gw else ()))
+    return ((("hq_g_token", "hq_w", gx_gemm) if gx else ())
+            + (("hla_g", "transpose_xq", gw_gemm, "abc_x") if gw else ()))
 
 
 def gx_gemm_kernel(config, g: torch.Tensor, n: int) -> str:

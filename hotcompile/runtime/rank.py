@@ -88,8 +88,7 @@ def measure(key: str, g: torch.Tensor, xq: torch.Tensor, x_scale: torch.Tensor, 
     with torch.no_grad():
         gb = ref.sequence_blocks(g.float(), block, seq_len, seq_first)        # (nb, 16, O)
         gt = torch.einsum("rk,bkc->brc", st.h, gb)     # (nb, 16, O), sequency order
-        xs = ref.saved_rows(xq, gt.shape[0] * block)
-        xt = ref.dequantize(xs, x_scale.float()).reshape(gt.shape[0], block, -1)
+        xt = ref.dequantize(xq, x_scale.float()).reshape(gt.shape[0], block, -1)
         full = gt.reshape(-1, gt.shape[2]).t() @ xt.reshape(-1, xt.shape[2])
         part = torch.zeros_like(full)
         errs = []
