@@ -325,14 +325,9 @@ def run_layer(group, name, L, I, O, args, copies):
         ("grad_out", lambda g: GO.grad_out_quant(g, GX_BITS, True, seed, RANK, "1d", GW_BITS, seed,
                                                  hla_seed_add=1), gsets,
          2 * L * O + L * o_pad + lr * O),
-        # g's K-major operand as the site makes it: the HLA kernel, then the transpose
-        ("hla_g", lambda g: F._k_major(HL.hla_quant(g, RANK, "1d", GW_BITS, stochastic=True,
-                                                    seed=seed, e4m3=gw_fmt == "e4m3")[0]),
-         gsets, 2 * L * O + lr * O),
-        # ... and written transposed by the HLA kernel itself (before 2026-11-24T03)
-        ("hla_g_direct_t", lambda g: HL.hla_quant(g, RANK, "1d", GW_BITS, stochastic=True,
-                                                  seed=seed, transposed=True, pad_to=16,
-                                                  e4m3=gw_fmt == "e4m3"),
+        # g's K-major operand as the site makes it: written transposed by the HLA kernel
+        ("hla_g", lambda g: HL.hla_quant(g, RANK, "1d", GW_BITS, stochastic=True, seed=seed,
+                                         transposed=True, pad_to=16, e4m3=gw_fmt == "e4m3"),
          gsets, 2 * L * O + lr * O),
         ("abc_x", lambda x: F.abc_compress(x, RANK, "1d", GW_BITS, fmt=gw_fmt),
          [(x,) for x, _, _ in sets], 2 * L * I + lr * I),

@@ -139,9 +139,9 @@ def test_hq_weight_e4m3_bit_exact(poison, O, I):
 def test_hla_e4m3_bit_exact(poison, L, C, rank, stochastic):
     """The cuBLAS g_W path's operands: the HLA projection in scaled e4m3 (stochastic for g,
     nearest for the saved x), bit-equal to reference.quantize_e4m3 of the butterfly-summed
-    projection, also written transposed; the stored scale times ``scale_mul``; the K-major
-    copy of the backward (``fused._k_major``) zero-pads; a NaN makes the scale NaN and
-    every level 0."""
+    projection, also written transposed (zero pad: the GEMM reads it); the stored scale
+    times ``scale_mul``; the saved x's K-major copy (``fused._k_major``) zero-pads too; a
+    NaN makes the scale NaN and every level 0."""
     x = _randn(L, C) * torch.exp(torch.randn(1, C))       # channels of unlike magnitude
     q, s = HL.hla_quant(x, rank, "1d", 8, stochastic=stochastic, seed=99, seed_add=2,
                         e4m3=True, scale_mul=1 / 16)
@@ -152,8 +152,9 @@ def test_hla_e4m3_bit_exact(poison, L, C, rank, stochastic):
     assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
     assert float(s) * 16 == float(sr)
     qt, _ = HL.hla_quant(x, rank, "1d", 8, stochastic=stochastic, seed=99, seed_add=2,
-                         transposed=True, pad_to=16, e4m3=True)
+                         transposed=True, pad_to=16, e4m3=True)     # g's operand: K-major
     assert torch.equal(qt[:, :rows].view(torch.uint8), q.t().view(torch.uint8))
+    assert qt.shape == (C, -(-rows // 16) * 16) and not qt[:, rows:].float().any()
     km = F._k_major(q)
     assert km.shape == (C, -(-rows // 16) * 16) and km.dtype == torch.float8_e4m3fn
     assert torch.equal(km[:, :rows].view(torch.uint8), q.t().view(torch.uint8))
@@ -249,6 +250,10 @@ def test_transpose_padded(poison):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("L,O,I", [(37, 40, 24), (64, 48, 32)])
 def test_fused_ops_match_reference(poison, dtype, L, O, I):
+    # seeded: the HLA kernel sums by butterfly and the reference by einsum, so a level on a
+    # rounding boundary can flip (a few per million) and move g_W past the fp32 tolerance;
+    # unseeded, that failed about one run in twenty (2026-11-24)
+    torch.manual_seed(L * 1000 + O)
     g, w, x = _randn(L, O, dtype=dtype), _randn(O, I, dtype=dtype), _randn(L, I, dtype=dtype)
     seed = torch.tensor(12345)
     for per_token in (True, False):

@@ -83,13 +83,13 @@ def abc_compress(x: torch.Tensor, rank: int, select: str = "1d", bits: int = 8,
 
 
 def _k_major(q: torch.Tensor) -> torch.Tensor:
-    """(L', C) levels -> the (C, L'_pad) K-major buffer the g_W GEMMs read (``pad_to`` 16).
-
-    A separate transpose beats writing the HLA kernels' output transposed: their transposed
-    stores are 16-byte runs, one per channel, and on the H100 the g side's kernel ran
-    1.3-1.5x slower that way than non-transposed plus this copy (layers_2026-11-24T025738
-    vs ..T030xxx). The pad columns are zeroed for the cuBLAS GEMM, which reads all of them
-    (the INT8 kernel masks them)."""
+    """The saved (L', I) activation -> the (I, L'_pad) K-major buffer the g_W GEMMs read
+    (``pad_to`` 16), by the transpose kernel (1-byte elements: int8 or e4m3 alike). The pad
+    columns are zeroed for the cuBLAS GEMM, which reads all of them (the INT8 kernel masks
+    them). Why not have ABC write it transposed: its transposed stores made the forward
+    kernel slower than this copy (H100, GPT d4096 fc2: 0.86 ms against 0.53 + 0.22 ms,
+    layers_2026-11-24T025738 and ..T030739), and a row-major buffer is one layout for both
+    formats."""
     k = q.shape[0]
     out = gemm.transpose_padded(q.view(torch.uint8) if q.dtype != torch.int8 else q, 16)
     if q.dtype == torch.float8_e4m3fn:
@@ -102,8 +102,10 @@ def _k_major(q: torch.Tensor) -> torch.Tensor:
 def _gw(g, xt, x_scale, rank: int, select: str, bits: int, seed, lay, qg=None,
         seed_add: int = 0) -> torch.Tensor:
     """The fused g_W GEMM: g's projected levels (given as ``qg`` = transposed levels and
-    scale, or computed with Philox key seed + ``seed_add``) against the saved activation;
-    cuBLAS FP8 when that is e4m3 (``formats.gw_rule``), else the INT8 kernel."""
+    scale, or computed with Philox key seed + ``seed_add``, written transposed by the HLA
+    kernel: as fast as row-major plus a transpose, one launch fewer, ..T030739) against
+    the saved activation; cuBLAS FP8 when that is e4m3 (``formats.gw_rule``), else the
+    INT8 kernel."""
     k = ref.hla_rows(g.shape[0], rank, _FUSED_BLOCK, lay["seq_len"])
     if xt.shape[0] != k:
         raise ValueError(f"hla_grad_weight: the saved activation has {xt.shape[0]} rows, "
@@ -111,11 +113,9 @@ def _gw(g, xt, x_scale, rank: int, select: str, bits: int, seed, lay, qg=None,
     xs = x_scale if isinstance(x_scale, torch.Tensor) else torch.tensor(float(x_scale))
     xs = xs.to(device=g.device, dtype=torch.float32)
     fp8 = xt.dtype == torch.float8_e4m3fn
-    if qg is None:
-        q, sg = hla.hla_quant(g, rank, select, bits, stochastic=True, seed=seed,
-                              seed_add=seed_add, e4m3=fp8,
-                              scale_mul=1.0 / _FUSED_BLOCK if fp8 else 1.0, **lay)
-        qg = (_k_major(q), sg)                                          # (O, L'_pad)
+    qg = qg or hla.hla_quant(g, rank, select, bits, stochastic=True, seed=seed,
+                             seed_add=seed_add, transposed=True, pad_to=16, e4m3=fp8,
+                             scale_mul=1.0 / _FUSED_BLOCK if fp8 else 1.0, **lay)
     if fp8:
         return gemm.cublas_fp8_mm(qg[0], _k_major(xt), qg[1], xs, g.dtype)
     return gemm.scaled_mm(qg[0], _k_major(xt), qg[1], xs, 1.0 / 16, g.dtype, k=k)

@@ -272,10 +272,9 @@ def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic:
     or with ``e4m3`` scaled FP8 (``reference.quantize_e4m3``, ``bits`` unused); the scale
     is multiplied by ``scale_mul`` (a power of two: a GEMM's constant factor rides on it).
     Levels are (L', C) row-major, or with ``transposed`` a (C, L'_pad) buffer
-    (L'_pad = L' rounded up to ``pad_to``) holding the transpose, its columns past L'
-    unwritten (consumers must mask them). The backward writes row-major and transposes
-    separately (``fused._k_major``: faster); the transposed form is the grad_out pair's
-    twin.
+    (L'_pad = L' rounded up to ``pad_to``) holding the transpose; its columns past L'
+    are left unwritten (consumers must mask them), except in e4m3, where they are zeroed:
+    the cuBLAS GEMM reads all L'_pad columns.
     """
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -287,6 +286,8 @@ def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic:
     if transposed:
         ldq = -(-rows_out // pad_to) * pad_to
         q = torch.empty((C, ldq), dtype=dtype, device=dev)
+        if e4m3 and ldq > rows_out:
+            q[:, rows_out:].zero_()
     else:
         ldq = C
         q = torch.empty((rows_out, C), dtype=dtype, device=dev)
