@@ -9,15 +9,16 @@ slow a model down, so a site is rewritten only when the model predicts
 
 The model: every kernel of a site is ``t = fixed + work / rate`` with ``work`` the bytes a
 transform kernel moves or the FLOPs of a GEMM, one (fixed, slope) pair per kernel, fitted
-by ``bench/fit_cost.py`` on the per-kernel timings of a ``bench/layers.py`` run (12 shapes
-of ViT-B and GPT d2048/d4096 layers). Against the run's CUDA-graph replays of whole
-backwards it is within 10% from GPT d2048 up, and it never under-estimates HOT by more than
-10% (the fit raises the fixed costs until it does not: the gate errs towards exact; at ViT-B
-sizes, where HOT measured 2.2-3x slower, it is off by -10..+16%). In default compile mode each HOT site also costs host
+by ``bench/fit_cost.py`` on the per-kernel timings of a ``bench/layers.py`` run (5 shapes
+of ViT-B and GPT d4096 layers). Against the run's CUDA-graph replays of whole backwards it
+over-estimates HOT by 4-7% at GPT d4096, and it never under-estimates HOT by more than 10%
+(the fit raises the fixed costs until it does not: the gate errs towards exact; at ViT-B
+sizes, where HOT measured 1.3-2.4x slower, it is off by -10..+12%). In default compile mode each HOT site also costs host
 time (Python dispatch of its ops, Triton's launcher for ~12 kernels) that the GPU cannot
 hide when the site's GPU work is shorter: there the prediction is
 ``max(gpu, host)``; under CUDA graphs (``reduce-overhead``) only the GPU time counts.
-The g_x GEMM is modelled on the path the site will take (``gx_gemm_kernel``): cuBLAS FP8
+Both GEMMs are modelled on the paths the site will take (``gx_gemm_kernel``,
+``gw_gemm_kernel``). The g_x GEMM: cuBLAS FP8
 for bf16 g_y with per-token scales, the INT8 kernel otherwise (fp32 training, per-tensor
 or LQS scales). Calibrated on the H100 only; other CUDA devices use the H100 table (the report names it),
 CPU has no model (the reference kernels are not a performance path) and is not gated.
@@ -124,27 +125,27 @@ class CostModel:
         return exact, hot
 
 
-# Fitted by bench/fit_cost.py on bench/results/layers_2026-11-24T000659_h100-80gb-hbm3.json
+# Fitted by bench/fit_cost.py on bench/results/layers_2026-11-24T030739_h100-80gb-hbm3.json
 # (defaults: g_y 4-bit per token, W 8-bit, HLA rank 16; g_x on cuBLAS FP8 with W as scaled
-# e4m3, g_W on the INT8 Triton GEMM; site backward = hot::linear_backward). Host times from
-# the 2026-11-23T201819 run: the eager HOT backward of the smallest layer (ViT-B proj, GPU
-# 0.14 ms) took 0.275 ms, the exact one is GPU-bound.
+# e4m3; g_W on cuBLAS FP8 with e4m3 operands, x saved row-major and made K-major by the
+# transpose kernel; site backward = hot::linear_backward; the INT8 GEMM lines from the same
+# run's GEMM timings). Host times from the 2026-11-23T201819 run: the eager HOT backward of
+# the smallest layer (ViT-B proj, GPU 0.14 ms) took 0.275 ms, the exact one is GPU-bound.
 H100 = CostModel(
-    name="H100 (layers_2026-11-24T000659)",
+    name="H100 (layers_2026-11-24T030739)",
     kernels={
-        "grad_out": (0.0411, 1.4425e-09),
-        "hq_g_token": (0.0050, 5.7356e-10),
-        "hq_w": (0.0418, 6.4019e-10),
-        "hq_cublas": (0.0120, 6.7863e-13),
-        "hq_int8": (0.0185, 8.7320e-13),
-        "hla_g": (0.0158, 1.0219e-09),
-        "transpose_xq": (0.0042, 4.0218e-10),
-        "hla_int8": (0.0172, 9.1289e-13),
-        # not fitted yet: the g_x GEMM's cuBLAS FP8 line (same library, same FLOPs)
-        "hla_cublas": (0.0120, 6.7863e-13),
-        "abc_x": (0.0251, 5.4095e-10),
-        "gx_bf16": (0.0000, 1.5097e-12),
-        "gw_bf16": (0.0000, 1.4427e-12),
+        "grad_out": (0.0746, 1.4523e-09),
+        "hq_g_token": (0.0133, 6.6051e-10),
+        "hq_w": (0.0092, 9.4608e-10),
+        "hq_cublas": (0.0308, 6.7540e-13),
+        "hq_int8": (0.0453, 8.1998e-13),
+        "hla_g": (0.0232, 1.2559e-09),
+        "transpose_xq": (0.0029, 4.0908e-10),
+        "hla_int8": (0.0429, 8.6548e-13),
+        "hla_cublas": (0.0067, 7.6944e-13),
+        "abc_x": (0.0148, 6.3958e-10),
+        "gx_bf16": (0.0000, 1.4792e-12),
+        "gw_bf16": (0.0069, 1.4026e-12),
     },
     host_hot_ms=0.30,
     host_exact_ms=0.01,
