@@ -13,14 +13,14 @@ by ``bench/fit_cost.py`` on the per-kernel timings of a ``bench/layers.py`` run 
 of ViT-B and GPT d4096 layers). Against the run's CUDA-graph replays of whole backwards it
 over-estimates HOT by 4-7% at GPT d4096, and it never under-estimates HOT by more than 10%
 (the fit raises the fixed costs until it does not: the gate errs towards exact; at ViT-B
-sizes, where HOT measured 1.3-2.4x slower, it is off by -10..+12%). In default compile mode each HOT site also costs host
+sizes, where HOT measured 2.2-2.4x slower, it is off by -10..+12%). In default compile mode each HOT site also costs host
 time (Python dispatch of its ops, Triton's launcher for ~12 kernels) that the GPU cannot
 hide when the site's GPU work is shorter: there the prediction is
 ``max(gpu, host)``; under CUDA graphs (``reduce-overhead``) only the GPU time counts.
 Both GEMMs are modelled on the paths the site will take (``gx_gemm_kernel``,
-``gw_gemm_kernel``). The g_x GEMM: cuBLAS FP8
-for bf16 g_y with per-token scales, the INT8 kernel otherwise (fp32 training, per-tensor
-or LQS scales). Calibrated on the H100 only; other CUDA devices use the H100 table (the report names it),
+``gw_gemm_kernel``). The g_x GEMM: cuBLAS FP8 for bf16 g_y with per-token scales, the INT8
+kernel otherwise (fp32 training, per-tensor or LQS scales). The g_W GEMM: cuBLAS FP8 where
+the saved activation is e4m3 (``formats.gw_rule``), else the INT8 kernel. Calibrated on the H100 only; other CUDA devices use the H100 table (the report names it),
 CPU has no model (the reference kernels are not a performance path) and is not gated.
 """
 from __future__ import annotations
