@@ -54,11 +54,16 @@ def test_block_trains_with_e4m3_saved_activations(autocast):
     """A transformer block compiled with ``gw_format="e4m3"`` on CPU: the forward saves e4m3
     buffers, every g_W comes from them, and the gradients are close to the exact ones
     (as close as the int8 format's, within a factor covering e4m3's coarser step)."""
+    reports = []
+
     def grads(config):
         torch.manual_seed(0)
         model = Block()
         x = torch.randn(2, 32, 64, requires_grad=True)
-        cm = torch.compile(model, backend=hotcompile.backend(config)) if config else model
+        if config:
+            be = hotcompile.backend(config)
+            reports.append(be.report)
+        cm = torch.compile(model, backend=be) if config else model
         with capture_graphs() as graphs:
             ctx = (torch.autocast("cpu", dtype=autocast) if autocast
                    else torch.autocast("cpu", enabled=False))
@@ -72,6 +77,9 @@ def test_block_trains_with_e4m3_saved_activations(autocast):
     e4m3, graphs = grads(HOTConfig(min_features=0, exclude=(), gw_format="e4m3"))
     torch._dynamo.reset()
     int8, _ = grads(HOTConfig(min_features=0, exclude=(), gw_format="int8"))
+    e4_rows, i8_rows = (r.layers for r in reports)
+    assert e4_rows and all(r.gw_path == "HLA r=16/16 e4m3" for r in e4_rows)   # the report tells
+    assert all(r.gw_path == "HLA r=16/16 int8" for r in i8_rows)
     fw = [g for g in graphs if not is_bw(g)]
     abc = [n for g in fw for n in g.nodes if n.target is HOT_OPS["abc"]]
     assert abc and all(n.args[-1] == "e4m3" for n in abc)

@@ -87,7 +87,7 @@ def record_site(site: "LinearSite", graph_index: int, config, plan=None) -> Site
         before = site.L * site.I * _ITEMSIZE[dtype]
         after = before
         if site.eligible and site.abc == "forward" and isinstance(rank, int):
-            # int8 levels (4-bit levels are carried in int8 too) + one fp32 scale
+            # 8-bit values (int8 levels, 4-bit ones carried in int8 too, or e4m3) + one fp32 scale
             # (per-sequence padding of a known layout adds at most block-1 tokens/sequence)
             after = math.ceil(site.L / config.block) * rank * site.I + 4
         elif site.eligible and "shares" in site.abc:
@@ -97,8 +97,8 @@ def record_site(site: "LinearSite", graph_index: int, config, plan=None) -> Site
         scale = "lqs" if config.gx_scale == "lqs" else config.gx_scale
         gx = (f"HQ g{config.gx_bits}/w{config.gx_w_bits} ({scale})" if site.gx is not None
               else "- (x needs no grad)")
-        gw = f"HLA r={rank}/{config.block} int{config.gw_bits}" if site.gw is not None \
-            else "- (frozen weight)"
+        fmt = "e4m3" if site.gw_format == "e4m3" else f"int{config.gw_bits}"
+        gw = f"HLA r={rank}/{config.block} {fmt}" if site.gw is not None else "- (frozen weight)"
     else:
         gx = "exact" if site.gx is not None else "-"
         gw = "exact" if site.gw is not None else "-"

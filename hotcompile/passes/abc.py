@@ -123,8 +123,10 @@ def compress_inputs(graph: Graph, groups: Dict[tuple, List[LinearSite]], config,
                          key=order.__getitem__)
             tag = "is_backward"
         rank, seq_len, seq_first = layout_args(group, anchor, tag)
-        args = (x, rank, config.gw_bits, config.block, seq_len, seq_first, config.kernels,
-                saved_format(config, x))
+        fmt = saved_format(config, x)
+        for s in group:
+            s.gw_format = fmt
+        args = (x, rank, config.gw_bits, config.block, seq_len, seq_first, config.kernels, fmt)
         comp = add_node(graph, ABC_OP, args, before=anchor, tag=tag, like=group[0].fwd,
                         fake_mode=fake_mode)
         outs = []

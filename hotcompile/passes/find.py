@@ -61,6 +61,7 @@ class LinearSite:
     abc: str = "-"                # "forward" | "backward" | "-"
     layout: object = None         # tokens.TokenLayout of x's rows
     rank: object = None           # HLA rank the rewrite used (int), set by the rewrite
+    gw_format: str = "-"          # the saved activation's format ("int8" | "e4m3"), set there too
     group: str = ""               # key of the ABC group (sites sharing one compressed x)
     rewritten_gx: Optional[Node] = None
     rewritten_gw: Optional[Node] = None
