@@ -165,7 +165,7 @@ def test_hla_e4m3_bit_exact(poison, L, C, rank, stochastic):
 
 
 @cpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("L,O,I,rank,seq_len", [(64, 48, 32, 16, 0), (96, 32, 48, 8, 0),
                                                 (39, 40, 24, 16, 13)])
 def test_gw_e4m3_path_matches_reference(poison, dtype, L, O, I, rank, seq_len):
