@@ -9,10 +9,13 @@ Each op is a short pipeline of single-pass kernels (``hadamard``, ``hla``, ``gem
   acc * s_g * s_W / 16 in its epilogue. The GEMM (``gx_path``): cuBLAS FP8 where it
   applies (bf16 g_y with per-token scales on Ada/Hopper; W then scaled e4m3 when its
   levels would not be exact), else this package's INT8 kernel.
-* ``abc_compress``: x (L, I) -> projected, RTN int8 levels (L', I) and a per-tensor scale.
+* ``abc_compress``: x (L, I) -> projected, RTN int8 levels (L', I) (or scaled e4m3) and a
+  per-tensor scale.
 * ``hla_grad_weight``: g (L, O) -> projected stochastic int8 levels written transposed
   (O, L'); the saved (L', I) levels transposed once to (I, L') (the GEMM reads both
-  operands along L'); one GEMM with acc * s_g * s_x / 16 in its epilogue.
+  operands along L'); one GEMM with acc * s_g * s_x / 16 in its epilogue. When the saved
+  activation is e4m3 (``formats.gw_rule``), g's coefficients are stochastic e4m3 and the
+  GEMM is cuBLAS FP8 with tensor-wise scales.
 
 ``seed`` is a 0-d int64 tensor on the device (kernels load it: CUDA-graph replays read
 the current value) or a Python int. Only ``block=16`` has fused kernels; other blocks,
@@ -103,8 +106,8 @@ def _gw(g, xt, x_scale, rank: int, select: str, bits: int, seed, lay, qg=None,
         seed_add: int = 0) -> torch.Tensor:
     """The fused g_W GEMM: g's projected levels (given as ``qg`` = transposed levels and
     scale, or computed with Philox key seed + ``seed_add``, written transposed by the HLA
-    kernel: as fast as row-major plus a transpose, one launch fewer, ..T030739) against
-    the saved activation; cuBLAS FP8 when that is e4m3 (``formats.gw_rule``), else the
+    kernel: as fast as row-major plus a transpose, one launch fewer, layers_2026-11-24T030739)
+    against the saved activation; cuBLAS FP8 when that is e4m3 (``formats.gw_rule``), else the
     INT8 kernel."""
     k = ref.hla_rows(g.shape[0], rank, _FUSED_BLOCK, lay["seq_len"])
     if xt.shape[0] != k:

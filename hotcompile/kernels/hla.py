@@ -12,6 +12,9 @@ Used twice per linear layer:
   rounding (Philox map of ``reference.uniform16`` over the (L', O) tensor), written
   transposed as (O, L') so the g_W GEMM reads both operands along its reduction axis.
 
+Both write int8 levels, or (``E4M3``, the cuBLAS FP8 g_W path) scaled e4m3 with the same
+scale rule at Q = 448: ``hadamard.to_e4m3``, stochastic onto the e4m3 grid for g.
+
 Per-tensor scales need the global amax first: phase 1 projects every tile and atomically
 maxes its amax into one word, phase 2 re-projects (tiles in reverse order, for L2 hits)
 and quantizes. L is padded with zero tokens to a multiple of 16, like the reference.
