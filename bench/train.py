@@ -717,8 +717,17 @@ def _peak(r):
 
 def acceptance(result: dict) -> List[Tuple[str, str, Optional[float], str]]:
     """The execution issue's targets (issue 11, acceptance 1), in default compile mode and
-    in every other mode measured: (what, target, measured, PASS/FAIL/n/a)."""
+    in every other mode measured: (what, target, measured, PASS/FAIL/n/a).
+
+    A run made with ``--hot`` overrides is judged as ``hot [k=v, ...]`` (the label
+    ``merge_results`` gives it), never against the default config's target: a
+    ``--hot rank=8`` run once printed PASS for the default's 1.12x."""
     runs = result["runs"]
+    hot = (result.get("options") or {}).get("hot") or {}
+    if hot and "envs" not in result:          # one invocation's result, not a merged one
+        tag = " [" + ", ".join(f"{k}={v}" for k, v in hot.items()) + "]"
+        runs = [dict(r, mode=r["mode"] + tag) if r["mode"].startswith("hot")
+                and "[" not in r["mode"] else r for r in runs]
     out = []
 
     def ratio(model, mode, key, invert, cm):
