@@ -195,6 +195,20 @@ def test_gw_e4m3_path_matches_reference(poison, dtype, L, O, I, rank, seq_len):
 
 
 @cpu
+@pytest.mark.parametrize("fmt", ["int8", "e4m3"])
+def test_mismatched_saved_activation_is_a_clear_error(poison, fmt):
+    """A saved activation whose rows do not match g's token count (another rank or
+    length) raises, in the op alone and in the site's one-op backward (both g paths)."""
+    g, x, w = _randn(64, 32), _randn(48, 24), _randn(32, 24)
+    xq, xs = F.abc_compress(x, 16, fmt=fmt)                  # 48 rows, g has 64 tokens
+    with pytest.raises(ValueError, match="saved activation has 48 rows, expected 64"):
+        F.hla_grad_weight(g, xq, xs, 16, "1d", 8, 1)
+    for one_pass in (False, True):
+        with pytest.raises(ValueError, match="saved activation has 48 rows"):
+            F.linear_backward(g, w, xq, xs, 16, 4, 8, 8, True, 1, one_pass=one_pass)
+
+
+@cpu
 @pytest.mark.parametrize("L,C,rank,select,stochastic,transposed", [
     (37, 24, 8, "1d", False, False), (64, 40, 8, "1d", True, True),
     (37, 24, 10, "2d", True, False), (33, 16, 16, "1d", False, True), (16, 8, 3, "1d", True, True)])

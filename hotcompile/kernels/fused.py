@@ -94,11 +94,9 @@ def _k_major(q: torch.Tensor) -> torch.Tensor:
     layers_2026-11-24T025738 and ..T030739), and a row-major buffer is one layout for both
     formats."""
     k = q.shape[0]
-    out = gemm.transpose_padded(q.view(torch.uint8) if q.dtype != torch.int8 else q, 16)
-    if q.dtype == torch.float8_e4m3fn:
-        out = out.view(torch.float8_e4m3fn)
-        if out.shape[1] > k:
-            out[:, k:].zero_()
+    out = gemm.transpose_padded(q.view(torch.int8), 16).view(q.dtype)
+    if q.dtype == torch.float8_e4m3fn and out.shape[1] > k:
+        out[:, k:].zero_()
     return out
 
 
@@ -111,8 +109,8 @@ def _gw(g, xt, x_scale, rank: int, select: str, bits: int, seed, lay, qg=None,
     INT8 kernel."""
     k = ref.hla_rows(g.shape[0], rank, _FUSED_BLOCK, lay["seq_len"])
     if xt.shape[0] != k:
-        raise ValueError(f"hla_grad_weight: the saved activation has {xt.shape[0]} rows, "
-                         f"expected {k}")
+        raise ValueError(f"g_W: the saved activation has {xt.shape[0]} rows, expected {k} "
+                         f"for {g.shape[0]} tokens at rank {rank}")
     xs = x_scale if isinstance(x_scale, torch.Tensor) else torch.tensor(float(x_scale))
     xs = xs.to(device=g.device, dtype=torch.float32)
     fp8 = xt.dtype == torch.float8_e4m3fn
@@ -155,10 +153,6 @@ def linear_backward(g: torch.Tensor, w: torch.Tensor, xt: torch.Tensor, x_scale:
             or g.numel() == 0 or w.numel() == 0 or xt.numel() == 0):
         return (hq_grad_input(g, w, gx_bits, per_token, seed, block, warm_other_scale, w_bits),
                 hla_grad_weight(g, xt, x_scale, rank, "1d", gw_bits, seed + 1, block, **lay))
-    k = xt.shape[0]
-    if k != ref.hla_rows(g.shape[0], rank, block, seq_len):
-        raise ValueError(f"linear_backward: xt has {k} rows, expected "
-                         f"{ref.hla_rows(g.shape[0], rank, block, seq_len)}")
     path = gx_path(g, w, gx_bits, w_bits, per_token)
     fp8 = path[0] != "int8"
     qg_t = None

@@ -58,18 +58,21 @@ def gx_gemm_kernel(config, g: torch.Tensor, n: int) -> str:
     override. cuBLAS FP8 needs per-token scales: ``gx_scale="lqs"`` may pick per-tensor on
     a site, so it is predicted on the slower INT8 kernel (the gate errs towards exact). A
     non-CUDA device (a test's stand-in) is taken as an H100, the table's device."""
-    cap = torch.cuda.get_device_capability(g.device) if g.device.type == "cuda" else (9, 0)
     path = gx_rule(config.gx_bits, config.gx_w_bits, config.gx_scale == "token", g.dtype, n,
-                   cap, None)
+                   _capability(g), None)
     return "hq_cublas" if path == "cublas_fp8" else "hq_int8"
 
 
 def gw_gemm_kernel(config, g: torch.Tensor) -> str:
     """The table key of a site's g_W GEMM: the format ``formats.gw_rule`` fixes for this
     device (a non-CUDA stand-in is taken as an H100, the table's device)."""
-    cap = torch.cuda.get_device_capability(g.device) if g.device.type == "cuda" else (9, 0)
-    fmt = gw_rule(config.gw_format, "cuda", cap)
+    fmt = gw_rule(config.gw_format, "cuda", _capability(g))
     return "hla_cublas" if fmt == "e4m3" else "hla_int8"
+
+
+def _capability(g: torch.Tensor) -> tuple:
+    """g's CUDA compute capability; an H100's (9, 0) for a non-CUDA stand-in."""
+    return torch.cuda.get_device_capability(g.device) if g.device.type == "cuda" else (9, 0)
 
 
 def work(kernel: str, L: int, I: int, O: int, rank: int, block: int) -> float:
