@@ -45,7 +45,7 @@ def main(path: str) -> None:
         table[k] = fit(pts) if len(pts) >= 2 else H100.kernels[k]   # not timed in this run
     # per-kernel timings carry a launch gap each that CUDA-graph replays of the whole
     # backward do not: scale the HOT kernels' fixed costs by one factor fitted on those
-    hot_k = [k for k in KERNELS if "bf16" not in k]
+    hot_k = [k for k in KERNELS if "bf16" not in k and not k.startswith("fwd_")]
     # what hot_sep_graph replays at rank 16 (+ abc), on the run's g_x and g_W paths
     gw_gemm = {r.get("gemm_format_hla", "int8") for r in rows}
     if len(gw_gemm) != 1:

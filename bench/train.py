@@ -751,7 +751,14 @@ def acceptance(result: dict) -> List[Tuple[str, str, Optional[float], str]]:
             ("ViT-B/16 bs64 peak memory, hot / Inductor bf16", "vit_b16_bs64", "hot", "peak",
              False, "<= 0.99x", lambda v: v <= 0.99),    # "below", by more than noise
             ("GPT-2 124M speed-up, hot vs Inductor bf16", "gpt2", "hot", "step_ms", True,
-             ">= 1.00x", lambda v: v >= 1.0)):
+             ">= 1.00x", lambda v: v >= 1.0),
+            # issue 12: HOT + FP8 forward
+            ("Llama d=4096 speed-up, hot forward=fp8 vs Inductor bf16", "llama_d4096",
+             "hot [forward=fp8]", "step_ms", True, ">= 1.30x", lambda v: v >= 1.30),
+            ("ViT-B/16 bs64 speed-up, hot forward=fp8 vs Inductor bf16", "vit_b16_bs64",
+             "hot [forward=fp8]", "step_ms", True, ">= 1.10x", lambda v: v >= 1.10),
+            ("GPT-2 124M speed-up, hot forward=fp8 vs Inductor bf16", "gpt2",
+             "hot [forward=fp8]", "step_ms", True, ">= 1.10x", lambda v: v >= 1.10)):
         for cm in cms:
             v = ratio(model, mode, key, invert, cm)
             if v is None and (key == "peak" or len(cms) > 1 or "[" in mode):

@@ -14,6 +14,7 @@ from typing import Optional, Tuple, Union
 _KERNELS = ("auto", "triton", "reference")
 _GX_SCALES = ("lqs", "token", "tensor")
 _GW_FORMATS = ("auto", "int8", "e4m3")
+_FORWARDS = ("bf16", "fp8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +45,10 @@ class HOTConfig:
     stochastically rounded onto the e4m3 grid, x saved in e4m3), ``int8`` (``gw_bits``
     levels, the INT8 Triton GEMM), or ``auto`` (default): e4m3 on CUDA devices with FP8
     tensor cores, int8 elsewhere (``kernels.formats.gw_rule`` has the measurements).
+    forward: the forward GEMM of a rewritten site: ``bf16`` (default: as Inductor compiles
+    it) or ``fp8`` (tensor-wise scaled e4m3 operands on ``torch._scaled_mm``, the casts
+    Inductor-fused aten ops: ``kernels/fp8_forward.py``), where the forward cost gate
+    predicts it faster and the GPU has FP8 tensor cores; the report says per site.
     kernels: ``auto`` = fused Triton on CUDA, reference torch elsewhere.
     include / exclude: layer names to restrict / skip: a name as the compiled module's
     ``named_modules()`` gives it (``blocks.0.fc2``), one dotted component of it (``head``),
@@ -72,6 +77,7 @@ class HOTConfig:
     gw_bits: int = 8
     gx_scale: str = "token"
     gw_format: str = "auto"
+    forward: str = "bf16"
     rank_tolerance: float = 0.1
     rank_calibration_steps: int = 2
     rank_calibration_start: int = 100
@@ -117,6 +123,8 @@ class HOTConfig:
             bad("rank_calibration_start", "must be >= 0")
         if self.gw_format not in _GW_FORMATS:
             bad("gw_format", f"must be one of {_GW_FORMATS}")
+        if self.forward not in _FORWARDS:
+            bad("forward", f"must be one of {_FORWARDS}")
         if self.kernels not in _KERNELS:
             bad("kernels", f"must be one of {_KERNELS}")
         for f in ("include", "exclude"):

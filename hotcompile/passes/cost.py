@@ -35,7 +35,8 @@ from ..kernels.ops import ONE_PASS_MAX_RANK
 
 # one entry per kernel of a HOT site, plus the two bf16 GEMMs of the exact backward
 KERNELS = ("grad_out", "hq_g_token", "hq_w", "hq_cublas", "hq_int8", "hla_g", "transpose_xq",
-           "hla_int8", "hla_cublas", "abc_x", "gx_bf16", "gw_bf16")
+           "hla_int8", "hla_cublas", "abc_x", "gx_bf16", "gw_bf16", "fwd_cast_x", "fwd_cast_w",
+           "fwd_fp8", "fwd_bf16")
 
 
 def site_kernels(gx: bool, gw: bool, rank: int = 16, gx_gemm: str = "hq_cublas",
@@ -92,6 +93,10 @@ def work(kernel: str, L: int, I: int, O: int, rank: int, block: int) -> float:
         "abc_x": 2 * L * I + lr * I,                 # forward: x in, compressed x out
         "gx_bf16": 2 * L * I * O,
         "gw_bf16": 2 * L * I * O,
+        "fwd_cast_x": 5 * L * I,                     # amax read, cast read, e4m3 write
+        "fwd_cast_w": 5 * O * I,
+        "fwd_fp8": 2 * L * I * O,
+        "fwd_bf16": 2 * L * I * O,
     }[kernel]
 
 
@@ -115,6 +120,13 @@ class CostModel:
         hot = sum(t(k) * (abc_share if k == "abc_x" else 1.0)
                   for k in site_kernels(gx, gw, rank, gx_gemm, gw_gemm))
         return exact, hot
+
+    def predict_forward(self, L: int, I: int, O: int, x_share: float = 1.0) -> Tuple[float, float]:
+        """(bf16, FP8) predicted ms of a site's forward GEMM with its casts (``x_share``: the
+        site's part of an x cast shared by the sites reading the same input). Inductor
+        launches the casts and the extern GEMM itself in both cases: GPU time only."""
+        t = lambda k: self.kernel_ms(k, L, I, O, 16, 16)  # noqa: E731
+        return t("fwd_bf16"), t("fwd_fp8") + x_share * t("fwd_cast_x") + t("fwd_cast_w")
 
     def predict(self, L: int, I: int, O: int, rank: int, block: int, gx: bool, gw: bool,
                 abc_share: float, graphs: bool, gx_gemm: str = "hq_cublas",
@@ -149,6 +161,13 @@ H100 = CostModel(
         "abc_x": (0.0148, 6.3958e-10),
         "gx_bf16": (0.0000, 1.4792e-12),
         "gw_bf16": (0.0069, 1.4026e-12),
+        # forward lines, not fitted yet: the GEMMs are the g_x bf16 and g_W cuBLAS FP8 lines
+        # (same cuBLAS calls, tensor-wise scales); a cast (two Inductor kernels: amax, then
+        # scale+convert) is taken at 2.5 TB/s, 83% of the run's copy bandwidth, plus 2 launches
+        "fwd_cast_x": (0.0050, 4.0e-10),
+        "fwd_cast_w": (0.0050, 4.0e-10),
+        "fwd_fp8": (0.0067, 7.6944e-13),
+        "fwd_bf16": (0.0000, 1.4792e-12),
     },
     host_hot_ms=0.30,
     host_exact_ms=0.01,

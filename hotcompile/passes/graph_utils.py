@@ -42,3 +42,38 @@ def add_node(graph: Graph, op, args: tuple, before: Node, tag: str, like: Option
     node.meta["partitioner_tag"] = tag
     node.meta["val"] = val if val is not None else fake_run(op, args, fake_mode)
     return node
+
+
+def emit(graph: Graph, fn, args: tuple, before: Node, tag: str, like: Optional[Node],
+         fake_mode, meta: Optional[dict] = None):
+    """Record ``fn(*args)`` into ``graph`` before ``before`` and return its outputs as nodes.
+
+    ``fn`` is written in aten ops (a reference twin, e.g. ``kernels.fp8_forward``); node
+    arguments are passed to it as ``torch.fx.Proxy`` objects, so every op it calls becomes
+    a node, in order. Each new node gets a fake value (run on the args' metadata), the
+    partitioner tag, ``like``'s provenance metadata and the extra ``meta`` entries (e.g. an
+    activation-checkpointing policy). Why: the graph then computes the reference by
+    construction, not a hand-copied pattern of it."""
+    tracer = torch.fx.proxy.GraphAppendingTracer(graph)
+    wrap = lambda a: torch.fx.Proxy(a, tracer) if isinstance(a, Node) else a  # noqa: E731
+    existing = set(graph.nodes)
+    with graph.inserting_before(before):
+        out = fn(*(wrap(a) for a in args))
+    for node in list(graph.nodes):
+        if node in existing:
+            continue
+        if like is not None:
+            for k in _COPIED_META:
+                if k in like.meta:
+                    node.meta[k] = like.meta[k]
+        node.meta["partitioner_tag"] = tag
+        node.meta.update(meta or {})
+        node.meta["val"] = _fake_node(node, fake_mode)
+    unwrap = lambda o: o.node if isinstance(o, torch.fx.Proxy) else o  # noqa: E731
+    return tuple(unwrap(o) for o in out) if isinstance(out, tuple) else unwrap(out)
+
+
+def _fake_node(node: Node, fake_mode):
+    kwargs = {k: v.meta["val"] if isinstance(v, Node) else v for k, v in node.kwargs.items()}
+    with fake_mode:
+        return node.target(*_fake_args(node.args), **kwargs)

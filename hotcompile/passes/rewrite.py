@@ -28,6 +28,7 @@ from ..runtime.lqs import TABLE as LQS
 from . import cost
 from .abc import compress_inputs, group_by_base, saved_format
 from .find import LinearSite, find_linear_sites, is_forward
+from .forward import rewrite_forward
 from .graph_utils import add_node, fake_mode_of, fake_run
 from .tokens import AxisLabels
 
@@ -204,6 +205,7 @@ def rewrite_joint_graph(graph: Graph, config, params: Optional[Set[Node]] = None
                       before=s.gx, tag="is_backward", like=s.gx, fake_mode=fake_mode)
         s.rewritten_gx = gx
         _replace(graph, s.gx, gx, s.gx_t, fake_mode)
+    rewrite_forward(graph, todo, config, fake_mode)
     for s in todo:
         for old in (s.gx, s.gw):
             if old is not None and not old.users:

@@ -1,0 +1,99 @@
+"""The FP8 forward GEMM (``HOTConfig(forward="fp8")``): tensor-wise scaled e4m3 operands on
+``torch._scaled_mm``, written in aten ops only.
+
+Why aten ops and not a Triton kernel: the casts are an amax reduction and one pointwise
+pass per operand, which Inductor fuses with their producers (the RMSNorm or GELU that
+made x, the bf16 cast of an fp32 master weight) and launches itself: no Python at run
+time, no opaque op. The same functions serve twice: called on real tensors they are the
+reference twin; called on ``torch.fx.Proxy`` objects (``passes/graph_utils.emit``) they
+record exactly these ops into the joint graph. So the compiled graph computes the
+reference by construction, and the tests compare the two on random data.
+
+Numerics (as torchao's float8 tensor-wise recipe): s = max(amax(|t|), 1e-12) / 448,
+q = e4m3(clamp(t * (448 / max(amax, 1e-12)), -448, 448)) rounded to nearest even; the GEMM
+computes (q_x q_w^T) * s_x * s_w with fp32 accumulation. The clamp is needed: torch's
+fp32 -> e4m3fn conversion does not saturate (it gives NaN above 448). NaN in an operand
+makes its amax NaN, so the output is NaN, as a bf16 GEMM's would be somewhere.
+
+``FAST_ACCUM``: the forward GEMM accumulates with Hopper's fast FP8 accumulation, as
+torchao's forward does by default (its backward GEMMs do not); the accuracy gates ran
+with it (docs/BENCHMARKS.md).
+"""
+from __future__ import annotations
+
+import torch
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+E4M3_MAX = 448.0
+AMAX_FLOOR = 1e-12
+FAST_ACCUM = True
+
+
+def tensorwise_e4m3(t, contiguous: bool = False):
+    """(e4m3 levels of ``t``, fp32 0-d dequantization scale). ``t``: 2-D, any float dtype.
+    ``contiguous``: the levels are written row-major whatever ``t``'s strides (the GEMM's
+    operand layout; fused with the cast by Inductor)."""
+    t32 = prims.convert_element_type.default(t, torch.float32)
+    amax = aten.clamp_min.default(aten.amax.default(aten.abs.default(t32), [0, 1]), AMAX_FLOOR)
+    q = aten.mul.Tensor(t32, aten.reciprocal.default(aten.div.Tensor(amax, E4M3_MAX)))
+    # clamp_min/clamp_max, not clamp: the joint graph is past decomposition, and these two
+    # are what Inductor lowers (NaN passes through both)
+    q = aten.clamp_max.default(aten.clamp_min.default(q, -E4M3_MAX), E4M3_MAX)
+    q = prims.convert_element_type.default(q, torch.float8_e4m3fn)
+    if contiguous:
+        q = aten.clone.default(q, memory_format=torch.contiguous_format)
+    return q, aten.div.Tensor(amax, E4M3_MAX)
+
+
+def scaled_linear(xq, sx, wtq, sw, bias, dtype: torch.dtype, fast_accum: bool = FAST_ACCUM):
+    """y = (xq sx) (wtq sw) + bias in ``dtype``; ``wtq``: the (I, O) operand, column-major
+    (the transpose of a row-major (O, I) buffer: cuBLAS's FP8 layout). bf16 and fp32 outputs
+    come from the GEMM (bf16 with its bias fused), fp16 through an fp32 output and a cast."""
+    out = torch.float32 if dtype == torch.float16 else dtype
+    fused_bias = bias is not None and out == torch.bfloat16
+    y = aten._scaled_mm.default(xq, wtq, sx, sw, bias if fused_bias else None, None, out,
+                                fast_accum)
+    if bias is not None and not fused_bias:
+        y = aten.add.Tensor(y, bias)
+    if out != dtype:
+        y = prims.convert_element_type.default(y, dtype)
+    return y
+
+
+def weight_operand(wt):
+    """The (I, O) forward operand ``wt`` -> (column-major e4m3 (I, O), scale): quantize W
+    = wt^T as a row-major (O, I) buffer, then view it transposed."""
+    q, s = tensorwise_e4m3(aten.permute.default(wt, [1, 0]), contiguous=True)
+    return aten.permute.default(q, [1, 0]), s
+
+
+def fp8_linear(x, wt, bias=None, dtype: torch.dtype | None = None):
+    """The reference twin of a rewritten forward site: x (L, I) @ wt (I, O) (+ bias) on
+    tensor-wise e4m3 operands."""
+    xq, sx = tensorwise_e4m3(x, contiguous=True)
+    wq, sw = weight_operand(wt)
+    return scaled_linear(xq, sx, wq, sw, bias, dtype or x.dtype)
+
+
+FORWARDS = ("bf16", "fp8")
+
+
+def forward_rule(requested: str, device: torch.device, I, O) -> tuple[str, str]:
+    """(format, reason) of a site's forward GEMM: "fp8" where asked for and possible, else
+    "bf16" with the reason. Needs FP8 tensor cores on CUDA (compute capability >= 8.9;
+    CPU runs ``_scaled_mm``'s reference kernel, for tests) and in/out features that are
+    multiples of 16 (cuBLAS's FP8 layout rule)."""
+    if requested not in FORWARDS:
+        raise ValueError(f"HOTConfig.forward must be one of {FORWARDS}, got {requested!r}")
+    if requested == "bf16":
+        return "bf16", ""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        return "bf16", "FP8 forward needs compute capability >= 8.9"
+    if device.type not in ("cuda", "cpu"):
+        return "bf16", f"no FP8 GEMM on {device.type}"
+    for name, n in (("in", I), ("out", O)):
+        if not isinstance(n, int) or n % 16:
+            return "bf16", f"FP8 forward needs {name}-features a multiple of 16 (got {n})"
+    return "fp8", ""

@@ -1,0 +1,77 @@
+"""The forward pass: a rewritten site's forward GEMM on FP8 (``HOTConfig(forward="fp8")``).
+
+Why only rewritten sites: the FP8 forward rides on the decision the backward's cost gate
+made (a site HOT leaves exact stays exactly as Inductor compiles it), and it has a gate
+of its own (``cost.CostModel.predict_forward``): the two casts cost a pass over x and W,
+which small GEMMs do not pay back. Sites that share an input (q/k/v, gate/up: one ABC
+group) share one cast of it. The replacement is ``kernels.fp8_forward`` recorded op for
+op (``graph_utils.emit``): aten ops Inductor fuses and launches, and the reference twin
+the tests compare against. The forward's saved tensors do not change: backward reads W
+and ABC's buffer, never the FP8 operands.
+"""
+from __future__ import annotations
+
+from typing import Dict, List
+
+import torch
+from torch.fx import Graph
+
+from ..kernels import fp8_forward as F8
+from . import cost
+from .find import LinearSite
+from .graph_utils import emit
+
+aten = torch.ops.aten
+
+
+def _bias(site: LinearSite):
+    return site.fwd.args[0] if site.fwd.target == aten.addmm.default else None
+
+
+def _gate(sites: List[LinearSite], config, shares: Dict[str, int]) -> None:
+    """Set each site's ``forward`` ("fp8" or "bf16") and, for bf16, ``forward_reason``."""
+    for s in sites:
+        x = s.x.meta.get("val")
+        fmt, why = F8.forward_rule(config.forward, x.device, s.I, s.O)
+        if fmt == "fp8":
+            model = cost.model_for(x.device)
+            if model is not None and isinstance(s.L, int):
+                exact, fp8 = model.predict_forward(s.L, s.I, s.O, 1.0 / shares.get(s.group, 1))
+                s.forward_ms = (exact, fp8)
+                if config.min_speedup > 0 and exact < config.min_speedup * fp8:
+                    fmt, why = "bf16", (f"cost gate: predicted forward {fp8:.3f} ms in FP8 vs "
+                                        f"{exact:.3f} ms bf16 ({exact / fp8:.2f}x < min_speedup "
+                                        f"{config.min_speedup:g})")
+        s.forward, s.forward_reason = fmt, why
+
+
+def rewrite_forward(graph: Graph, sites: List[LinearSite], config, fake_mode) -> None:
+    """Replace the forward GEMM of every rewritten site the gate lets through."""
+    if config.forward == "bf16":
+        return
+    shares: Dict[str, int] = {}
+    for s in sites:
+        if s.group:
+            shares[s.group] = shares.get(s.group, 0) + 1
+    _gate(sites, config, shares)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    todo = sorted((s for s in sites if s.forward == "fp8"), key=lambda s: order[s.fwd])
+    casts: Dict[object, tuple] = {}
+    for s in todo:
+        meta = {k: s.fwd.meta[k] for k in ("recompute", "ac_graph_id") if k in s.fwd.meta}
+        key = s.group or s.key
+        if key not in casts:     # the group's first forward GEMM: cast x there, once
+            casts[key] = emit(graph, lambda x: F8.tensorwise_e4m3(x, contiguous=True), (s.x,),
+                              s.fwd, "is_forward", s.fwd, fake_mode, meta)
+        xq, sx = casts[key]
+        dtype = s.fwd.meta["val"].dtype
+
+        def site_gemm(wt, xq, sx, bias, dtype=dtype):
+            wq, sw = F8.weight_operand(wt)
+            return F8.scaled_linear(xq, sx, wq, sw, bias, dtype)
+
+        y = emit(graph, site_gemm, (s.wt, xq, sx, _bias(s)), s.fwd, "is_forward", s.fwd,
+                 fake_mode, meta)
+        s.fwd.replace_all_uses_with(y)
+        graph.erase_node(s.fwd)
+        s.fwd = y

@@ -1,0 +1,205 @@
+"""FP8 forward (issue 12): HOTConfig(forward="fp8") puts a rewritten site's forward GEMM on
+tensor-wise e4m3 operands (kernels/fp8_forward.py), recorded into the graph op for op."""
+import pytest
+import torch
+
+import hotcompile
+from hotcompile import HOTConfig
+from hotcompile.kernels import fp8_forward as F8
+from hotcompile.passes import cost
+
+from helpers import MLP, Block, capture_graphs
+
+aten = torch.ops.aten
+
+
+def _cfg(**kw):
+    return HOTConfig(**{"min_features": 0, "exclude": (), "kernels": "reference",
+                        "forward": "fp8", **kw})
+
+
+def _e4m3_grid_ok(q: torch.Tensor) -> bool:
+    v = q.float()
+    return bool(torch.equal(v.to(torch.float8_e4m3fn).float(), v) and v.abs().max() <= 448)
+
+
+# --------------------------------------------------------------------------- reference twin
+def test_config_field_is_validated():
+    with pytest.raises(ValueError, match="HOTConfig.forward"):
+        HOTConfig(forward="fp16")
+    assert HOTConfig().forward == "bf16"
+
+
+def test_tensorwise_cast_scale_and_grid():
+    torch.manual_seed(1)
+    t = torch.randn(37, 48) * 3.0
+    q, s = F8.tensorwise_e4m3(t)
+    assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32 and s.dim() == 0
+    assert torch.equal(s, t.abs().max() / 448)
+    assert _e4m3_grid_ok(q) and q.float().abs().max() == 448       # amax lands on 448
+    rel = ((q.float() * s - t).abs() / t.abs().clamp_min(1e-3 * t.abs().max())).max()
+    assert rel <= 2 ** -4 + 1e-6                                     # half an e4m3 step
+
+
+def test_tensorwise_cast_zeros_nan_and_layout():
+    q, s = F8.tensorwise_e4m3(torch.zeros(16, 16))
+    assert torch.equal(q.float(), torch.zeros(16, 16)) and s > 0 and torch.isfinite(s)
+    t = torch.randn(16, 32)
+    t[3, 5] = float("nan")
+    q, s = F8.tensorwise_e4m3(t)
+    assert torch.isnan(s)
+    q, _ = F8.tensorwise_e4m3(torch.randn(32, 16).t(), contiguous=True)
+    assert q.is_contiguous()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp8_linear_matches_dequantized_matmul(dtype, bias):
+    torch.manual_seed(2)
+    x = torch.randn(40, 64).to(dtype)
+    w = torch.randn(48, 64).to(dtype) / 8
+    b = torch.randn(48).to(dtype) if bias else None
+    y = F8.fp8_linear(x, w.t(), b)
+    assert y.dtype == dtype and y.shape == (40, 48)
+    xq, sx = F8.tensorwise_e4m3(x)
+    wq, sw = F8.tensorwise_e4m3(w)
+    want = (xq.float() * sx) @ (wq.float() * sw).t() + (b.float() if bias else 0)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
+    assert (y.float() - want).abs().max() <= tol * want.abs().max()
+    exact = x.float() @ w.float().t() + (b.float() if bias else 0)
+    assert (y.float() - exact).norm() / exact.norm() < 0.06          # e4m3: ~3% per operand
+
+
+def test_forward_rule(monkeypatch):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert F8.forward_rule("bf16", cpu, 64, 64) == ("bf16", "")
+    assert F8.forward_rule("fp8", cpu, 64, 64) == ("fp8", "")
+    fmt, why = F8.forward_rule("fp8", cpu, 64, 72)
+    assert fmt == "bf16" and "out-features a multiple of 16 (got 72)" in why
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (8, 0))
+    assert F8.forward_rule("fp8", cuda, 64, 64)[0] == "bf16"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
+    assert F8.forward_rule("fp8", cuda, 64, 64) == ("fp8", "")
+    with pytest.raises(ValueError, match="HOTConfig.forward"):
+        F8.forward_rule("e5m2", cpu, 64, 64)
+
+
+# --------------------------------------------------------------------------- the pass
+def _run(model, cfg, *xs, dynamic=None):
+    be = hotcompile.backend(cfg)
+    with capture_graphs() as graphs:
+        y = torch.compile(model, backend=be, dynamic=dynamic)(*xs)
+        y.float().sum().backward()
+    return be, y, graphs
+
+
+def _count(graphs, target):
+    return sum(1 for g in graphs for n in g.nodes if n.target == target)
+
+
+def test_compiled_forward_is_the_reference_bit_for_bit():
+    torch.manual_seed(3)
+    m, x = MLP(64, 96, 48), torch.randn(4, 8, 64)
+    be, y, graphs = _run(m, _cfg(), x)
+    assert [r.forward for r in be.report.layers] == ["fp8", "fp8"]
+    assert _count(graphs, aten._scaled_mm.default) == 2
+    assert _count(graphs, aten.mm.default) == 0 or all(     # no bf16 forward GEMM left
+        n.meta.get("partitioner_tag") != "is_forward" for g in graphs for n in g.nodes
+        if n.target in (aten.mm.default, aten.addmm.default))
+    h = F8.fp8_linear(x.reshape(-1, 64), m.fc1.weight.t(), m.fc1.bias).relu()
+    want = F8.fp8_linear(h, m.fc2.weight.t(), m.fc2.bias)
+    assert torch.equal(y.reshape(-1, 48).detach(), want.detach())
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in m.parameters())
+    assert " fp8 " in str(be.report)
+
+
+def test_sites_reading_one_input_share_its_cast():
+    """Block: qkv and fc1 read different inputs; the MLP's fc1 and a second projection of the
+    same LayerNorm output would share. Here: three projections of one x, one x cast."""
+    class QKV(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k, self.v = (torch.nn.Linear(64, 64) for _ in range(3))
+
+        def forward(self, x):
+            return self.q(x) * self.k(x) + self.v(x)
+
+    torch.manual_seed(4)
+    m, x = QKV(), torch.randn(2, 16, 64)
+    be, y, graphs = _run(m, _cfg(), x)
+    assert [r.forward for r in be.report.layers] == ["fp8"] * 3
+    assert _count(graphs, aten._scaled_mm.default) == 3
+    # one amax per weight + one for the shared x (the backward has none: HQ/HLA are hot ops)
+    assert _count(graphs, aten.amax.default) == 4
+
+
+def test_bf16_autocast_block_and_dynamic_lengths():
+    torch.manual_seed(5)
+    m = Block(64)
+    be = hotcompile.backend(_cfg())
+    f = torch.compile(m, backend=be, dynamic=True)
+    for t in (16, 24, 40):
+        x = torch.randn(2, t, 64)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = f(x)
+        y.float().sum().backward()
+        assert torch.isfinite(y.float()).all()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ref = m(x)
+        assert (y.float() - ref.float()).norm() / ref.float().norm() < 0.05
+    assert [r.forward for r in be.report.training] == ["fp8"] * 4
+
+
+def test_unaligned_features_keep_bf16_with_the_reason():
+    m, x = MLP(64, 72, 48), torch.randn(2, 8, 64)
+    be, y, graphs = _run(m, _cfg(), x)
+    fwd = {r.name: r.forward for r in be.report.layers}
+    assert fwd["fc1"].startswith("bf16 (FP8 forward needs out-features a multiple of 16")
+    assert fwd["fc2"].startswith("bf16 (FP8 forward needs in-features")
+    assert "forward bf16: FP8 forward needs" in str(be.report)
+    assert _count(graphs, aten._scaled_mm.default) == 0
+
+
+def test_forward_cost_gate(monkeypatch):
+    """With a cost model, a site keeps its bf16 forward where FP8 is predicted slower, and
+    the report carries both predictions; the backward's gate is independent of it."""
+    slow_fp8 = cost.CostModel(name="slow fp8", host_hot_ms=0.0, host_exact_ms=0.0, kernels={
+        k: (0.0, 1e-15 if "bf16" not in k else 1e-9) for k in cost.KERNELS})
+    slow_fp8.kernels["fwd_cast_x"] = (1.0, 0.0)
+    monkeypatch.setattr(cost, "model_for", lambda device: slow_fp8)
+    be, y, graphs = _run(MLP(64, 96, 48), _cfg(), torch.randn(2, 8, 64))
+    for r in be.report.layers:
+        assert r.reason is None, r                          # the backward is rewritten
+        assert r.forward.startswith("bf16 (cost gate: predicted forward"), r.forward
+        assert r.forward_ms[1] > r.forward_ms[0]
+    assert _count(graphs, aten._scaled_mm.default) == 0
+    fast_fp8 = cost.CostModel(name="fast fp8", host_hot_ms=0.0, host_exact_ms=0.0, kernels={
+        k: (0.0, 1e-15 if "bf16" not in k else 1e-9) for k in cost.KERNELS})
+    monkeypatch.setattr(cost, "model_for", lambda device: fast_fp8)
+    be, y, graphs = _run(MLP(64, 96, 48), _cfg(), torch.randn(2, 8, 64))
+    assert [r.forward for r in be.report.layers] == ["fp8", "fp8"]
+
+
+def test_exact_sites_keep_their_forward():
+    """A site the backward leaves exact (min_features) is not touched by the forward pass."""
+    be, y, graphs = _run(MLP(64, 96, 48), _cfg(min_features=80), torch.randn(2, 8, 64))
+    assert [r.forward for r in be.report.layers] == ["bf16", "bf16"]
+    assert all(r.reason for r in be.report.layers)
+    assert _count(graphs, aten._scaled_mm.default) == 0
+
+
+def test_checkpointed_block_recomputes_the_fp8_forward():
+    torch.manual_seed(6)
+    m = MLP(64, 96, 48)
+
+    def f(x):
+        return torch.utils.checkpoint.checkpoint(m, x, use_reentrant=False)
+
+    x = torch.randn(2, 8, 64)
+    be = hotcompile.backend(_cfg())
+    y = torch.compile(f, backend=be)(x)
+    y.sum().backward()
+    h = F8.fp8_linear(x.reshape(-1, 64), m.fc1.weight.t(), m.fc1.bias).relu()
+    want = F8.fp8_linear(h, m.fc2.weight.t(), m.fc2.bias)
+    assert torch.equal(y.reshape(-1, 48).detach(), want.detach())
+    assert all(torch.isfinite(p.grad).all() for p in m.parameters())
