@@ -3,8 +3,10 @@
 Why: the forward cost gate (``passes/cost.py``, ``predict_forward``) needs three lines
 measured on the device: the FP8 GEMM, the cast of x and the cast of W, each as
 ``fixed + slope * work``. Each variant is compiled by Inductor exactly as the pass emits
-it (``kernels.fp8_forward``), timed as the median of device events over many calls on
-fresh inputs, and checked against the eager reference twin. Prints the fitted lines in
+it (``kernels.fp8_forward``, static shapes, as in a training graph), timed as GPU time (CUDA
+graph replays over two input sets: the cost gate compares GPU times) and, for the whole
+forward both ways, also as calls with their host gaps (triton's do_bench), and checked
+against the eager reference twin. Prints the fitted lines in
 the cost table's format.
 
     python bench/forward_layers.py [--out DIR] [--tag T]
@@ -21,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import common as C  # noqa: E402
-from layers import LAYERS, bench  # noqa: E402
+from layers import LAYERS, bench, bench_graph  # noqa: E402
 from fit_cost import fit  # noqa: E402
 
 from hotcompile.kernels import fp8_forward as F8  # noqa: E402
@@ -45,7 +47,7 @@ def _fns():
     def cast_w(x, w):
         return F8.weight_operand(w.t())
 
-    return {k: torch.compile(f) for k, f in
+    return {k: torch.compile(f, dynamic=False) for k, f in
             (("bf16", bf16), ("fp8", fp8), ("cast_x", cast_x), ("cast_w", cast_w))}
 
 
@@ -57,7 +59,8 @@ def main() -> None:
     dev = torch.device("cuda")
     fns = _fns()
     rows = []
-    for group, name, L, I, O in [l for l in LAYERS if l[0] != "GPT d=2048"] + EXTRA:
+    layers = [l for l in LAYERS if l[0] == "ViT-B/16 bs64" or l[1] == "fc1"] + EXTRA
+    for group, name, L, I, O in [l for l in layers if l[0] != "GPT d=2048"]:
         sets = [(torch.randn(L, I, device=dev, dtype=torch.bfloat16),
                  torch.randn(O, I, device=dev, dtype=torch.bfloat16) / I ** 0.5)
                 for _ in range(2)]
@@ -68,14 +71,18 @@ def main() -> None:
         err_exact = ((got.float() - exact).norm() / exact.norm()).item()
         xq, sx = F8.tensorwise_e4m3(x, contiguous=True)
         wq, sw = F8.weight_operand(w.t())
-        t = {k: bench(f, sets) for k, f in fns.items()}
-        t["gemm_fp8"] = bench(lambda a, b, ops=(xq, sx, wq, sw): F8.scaled_linear(
-            *ops, None, torch.bfloat16), sets)
+        gemm = lambda a, b, ops=(xq, sx, wq, sw): F8.scaled_linear(  # noqa: E731
+            *ops, None, torch.bfloat16)
+        t = {k: bench_graph(f, sets) for k, f in fns.items()}           # GPU time only
+        t["gemm_fp8"] = bench_graph(gemm, sets)
+        t["calls_bf16"] = bench(fns["bf16"], sets)                        # with host gaps
+        t["calls_fp8"] = bench(fns["fp8"], sets)
         rows.append(dict(group=group, name=name, L=L, I=I, O=O, ms=t, err_vs_reference=err_ref,
                          err_vs_exact=err_exact))
         print(f"{group:<14} {name:<8} bf16 {t['bf16']:.3f}  fp8 {t['fp8']:.3f} "
               f"({t['bf16'] / t['fp8']:.2f}x)  gemm {t['gemm_fp8']:.3f}  cast x {t['cast_x']:.3f}"
-              f"  cast w {t['cast_w']:.3f}  err vs ref {err_ref:.1e}  vs exact {err_exact:.3f}",
+              f"  cast w {t['cast_w']:.3f}  calls bf16/fp8 {t['calls_bf16']:.3f}/{t['calls_fp8']:.3f}"
+              f"  err vs ref {err_ref:.1e}  vs exact {err_exact:.3f}",
               flush=True)
         del sets, x, w, xq, wq, got, want, exact
         torch.cuda.empty_cache()
@@ -89,17 +96,19 @@ def main() -> None:
     C.write_json(base + ".json", dict(kind="forward_layers", env=C.environment(dev), rows=rows,
                                       fitted=lines))
     text = [f"# FP8 forward per layer: {dev_name}", "",
-            f"torch {torch.__version__}, git {C.git_commit()}, {C.stamp()}. Median ms of "
-            "Inductor-compiled calls (triton do_bench), bf16 operands; fp8 = casts + GEMM as "
-            "the pass emits them.", "",
+            f"torch {torch.__version__}, git {C.git_commit()}, {C.stamp()}. GPU ms (median of "
+            "CUDA-graph replays) of Inductor-compiled functions, bf16 operands; fp8 = casts + "
+            "GEMM as the pass emits them; calls = the same two as plain calls (host gaps "
+            "included).", "",
             "| layer | L | I | O | bf16 | fp8 | speed-up | FP8 GEMM | cast x | cast W | "
-            "err vs twin | err vs exact |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "calls bf16 / fp8 | err vs twin | err vs exact |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         t = r["ms"]
         text.append(f"| {r['group']} {r['name']} | {r['L']} | {r['I']} | {r['O']} | "
                     f"{t['bf16']:.3f} | {t['fp8']:.3f} | {t['bf16'] / t['fp8']:.2f}x | "
                     f"{t['gemm_fp8']:.3f} | {t['cast_x']:.3f} | {t['cast_w']:.3f} | "
-                    f"{r['err_vs_reference']:.1e} | {r['err_vs_exact']:.4f} |")
+                    f"{t['calls_bf16']:.3f} / {t['calls_fp8']:.3f} | {r['err_vs_reference']:.1e} | {r['err_vs_exact']:.4f} |")
     text += ["", "Fitted lines (fixed ms, ms per unit of work):", ""]
     text += [f"- `{k}`: ({v[0]:.4f}, {v[1]:.4e})" for k, v in lines.items()]
     C.write_text(base + ".md", "\n".join(text) + "\n")

@@ -1,9 +1,11 @@
 """On CUDA, HOTConfig(forward="fp8") runs the forward GEMMs on cuBLAS FP8 (issue 12).
 
 Skipped without a GPU (or without FP8 tensor cores). Checks: every rewritten site's forward
-is a ``_scaled_mm`` in the compiled forward, the compiled output equals the eager reference
-twin (``kernels.fp8_forward``) up to the GEMM's summation order, and training gradients stay
-as close to fp64 as the bf16-forward HOT run's.
+is a ``_scaled_mm`` in the compiled forward; in fp32 the compiled output is the eager
+reference twin (``kernels.fp8_forward``); under bf16 autocast it is within the twin's own
+ambiguity (Inductor fuses autocast's bf16 casts of x and W into the FP8 cast and keeps the
+values in fp32, ``emulate_precision_casts=False``: levels round from the unrounded value, so
+the output lies between the twin on bf16 operands and the twin on fp32 ones); training gradients stay as close to fp64 as the bf16-forward HOT run's.
 """
 import pytest
 import torch
@@ -18,37 +20,57 @@ pytestmark = [pytest.mark.gpu,
                                  or torch.cuda.get_device_capability() < (8, 9),
                                  reason="needs CUDA with FP8 tensor cores")]
 
+CFG = dict(min_features=0, min_speedup=0, exclude=())
 
-def _run(model, x, cfg):
+
+def _run(model, x, cfg, autocast=True):
     model.zero_grad(set_to_none=True)
+    torch._dynamo.reset()
     be = hotcompile.backend(cfg)
-    with capture_graphs() as graphs, torch.autocast("cuda", dtype=torch.bfloat16):
+    with capture_graphs() as graphs, torch.autocast("cuda", dtype=torch.bfloat16,
+                                                    enabled=autocast):
         y = torch.compile(model, backend=be)(x)
     (y.float() * torch.linspace(-1, 1, y.shape[-1], device=y.device)).sum().backward()
     grads = [p.grad.double() for p in model.parameters() if p.dim() == 2]
     return be, y, graphs, grads
 
 
-def test_gpu_fp8_forward_matches_its_twin_and_trains():
+def _twin(m, x, dtype, out=None):
+    """The MLP through the reference twin, its operands cast to ``dtype`` first (``out``:
+    the GEMMs' output dtype, default ``dtype``)."""
+    out = out or dtype
+    with torch.no_grad():
+        h = F8.fp8_linear(x.reshape(-1, x.shape[-1]).to(dtype), m.fc1.weight.to(dtype).t(),
+                          m.fc1.bias.to(out), out).relu()
+        return F8.fp8_linear(h, m.fc2.weight.to(dtype).t(), m.fc2.bias.to(out), out)
+
+
+def test_gpu_fp8_forward_is_its_twin_in_fp32():
     torch.manual_seed(0)
     m = MLP(512, 2048, 512).cuda()
     x = torch.randn(8, 256, 512, device="cuda")
-    cfg = dict(min_features=0, min_speedup=0, exclude=())
-    be, y, graphs, g_fp8 = _run(m, x, HOTConfig(forward="fp8", **cfg))
+    be, y, graphs, _ = _run(m, x, HOTConfig(forward="fp8", **CFG), autocast=False)
     assert [r.forward for r in be.report.layers] == ["fp8", "fp8"]
-    fwd = [n for g in graphs for n in g.nodes if n.target == torch.ops.aten._scaled_mm.default]
-    assert len(fwd) == 2
-    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
-        h = F8.fp8_linear(x.reshape(-1, 512).bfloat16(), m.fc1.weight.bfloat16().t(),
-                          m.fc1.bias.bfloat16()).relu()
-        want = F8.fp8_linear(h, m.fc2.weight.bfloat16().t(), m.fc2.bias.bfloat16())
-    err = rel(y.reshape(-1, 512).double(), want.double())
-    assert err < 2e-3, err
-    torch._dynamo.reset()
-    _, _, _, g_bf16 = _run(m, x, HOTConfig(**cfg))
+    assert sum(n.target == torch.ops.aten._scaled_mm.default
+               for g in graphs for n in g.nodes) == 2
+    assert rel(y.reshape(-1, 512), _twin(m, x, torch.float32)) < 1e-6
+
+
+def test_gpu_fp8_forward_under_autocast_trains_like_the_bf16_forward():
+    torch.manual_seed(0)
+    m = MLP(512, 2048, 512).cuda()
+    x = torch.randn(8, 256, 512, device="cuda")
+    be, y, graphs, g_fp8 = _run(m, x, HOTConfig(forward="fp8", **CFG))
+    assert [r.forward for r in be.report.layers] == ["fp8", "fp8"]
     m64 = MLP(512, 2048, 512).cuda().double()
     m64.load_state_dict(m.state_dict())
     y64 = m64(x.double())
+    # the rounding source is ambiguous by as much as the twin on bf16-rounded vs fp32
+    # operands differ (1.4% per layer on this MLP, CPU)
+    bf16, fp32 = _twin(m, x, torch.bfloat16), _twin(m, x, torch.float32, torch.bfloat16)
+    assert rel(y.reshape(-1, 512), bf16) < 1.5 * rel(fp32, bf16) + 2e-3
+    assert rel(y.double(), y64) < 0.06
+    _, _, _, g_bf16 = _run(m, x, HOTConfig(**CFG))
     (y64 * torch.linspace(-1, 1, 512, device="cuda", dtype=torch.float64)).sum().backward()
     for a, b, e in zip(g_fp8, g_bf16, [p.grad for p in m64.parameters() if p.dim() == 2]):
         assert torch.isfinite(a).all()
