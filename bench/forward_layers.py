@@ -35,11 +35,17 @@ EXTRA = [("Llama d4096", "qkv", 8192, 4096, 12288), ("Llama d4096", "o", 8192, 4
 
 
 def _fns():
+    """Freshly compiled functions (one set per shape: static kernels, no recompile limit)."""
+    torch._dynamo.reset()
+
     def bf16(x, w):
         return x @ w.t()
 
     def fp8(x, w):
         return F8.fp8_linear(x, w.t())
+
+    def fp8_row(x, w):
+        return F8.fp8_linear(x, w.t(), rowwise=True)
 
     def cast_x(x, w):
         return F8.tensorwise_e4m3(x, contiguous=True)
@@ -47,8 +53,11 @@ def _fns():
     def cast_w(x, w):
         return F8.weight_operand(w.t())
 
-    return {k: torch.compile(f, dynamic=False) for k, f in
-            (("bf16", bf16), ("fp8", fp8), ("cast_x", cast_x), ("cast_w", cast_w))}
+    def cast_x_row(x, w):
+        return F8.e4m3_cast(x, rowwise=True, contiguous=True)
+
+    return {f.__name__: torch.compile(f, dynamic=False)
+            for f in (bf16, fp8, fp8_row, cast_x, cast_w, cast_x_row)}
 
 
 def main() -> None:
@@ -57,7 +66,6 @@ def main() -> None:
     p.add_argument("--tag", default="")
     args = p.parse_args()
     dev = torch.device("cuda")
-    fns = _fns()
     rows = []
     layers = [l for l in LAYERS if l[0] == "ViT-B/16 bs64" or l[1] == "fc1"] + EXTRA
     for group, name, L, I, O in [l for l in layers if l[0] != "GPT d=2048"]:
@@ -65,6 +73,7 @@ def main() -> None:
                  torch.randn(O, I, device=dev, dtype=torch.bfloat16) / I ** 0.5)
                 for _ in range(2)]
         x, w = sets[0]
+        fns = _fns()
         got, want = fns["fp8"](x, w), F8.fp8_linear(x, w.t())
         err_ref = ((got.float() - want.float()).norm() / want.float().norm()).item()
         exact = x.float() @ w.float().t()
@@ -75,16 +84,21 @@ def main() -> None:
             *ops, None, torch.bfloat16)
         t = {k: bench_graph(f, sets) for k, f in fns.items()}           # GPU time only
         t["gemm_fp8"] = bench_graph(gemm, sets)
+        xr, sxr = F8.e4m3_cast(x, rowwise=True, contiguous=True)
+        wr, swr = F8.weight_operand(w.t(), rowwise=True)
+        t["gemm_fp8_row"] = bench_graph(lambda a, b, ops=(xr, sxr, wr, swr): F8.scaled_linear(
+            *ops, None, torch.bfloat16), sets)
         t["calls_bf16"] = bench(fns["bf16"], sets)                        # with host gaps
         t["calls_fp8"] = bench(fns["fp8"], sets)
         rows.append(dict(group=group, name=name, L=L, I=I, O=O, ms=t, err_vs_reference=err_ref,
                          err_vs_exact=err_exact))
         print(f"{group:<14} {name:<8} bf16 {t['bf16']:.3f}  fp8 {t['fp8']:.3f} "
               f"({t['bf16'] / t['fp8']:.2f}x)  gemm {t['gemm_fp8']:.3f}  cast x {t['cast_x']:.3f}"
-              f"  cast w {t['cast_w']:.3f}  calls bf16/fp8 {t['calls_bf16']:.3f}/{t['calls_fp8']:.3f}"
+              f"  cast w {t['cast_w']:.3f}  row: fp8 {t['fp8_row']:.3f} gemm {t['gemm_fp8_row']:.3f}"
+              f" cast x {t['cast_x_row']:.3f}  calls bf16/fp8 {t['calls_bf16']:.3f}/{t['calls_fp8']:.3f}"
               f"  err vs ref {err_ref:.1e}  vs exact {err_exact:.3f}",
               flush=True)
-        del sets, x, w, xq, wq, got, want, exact
+        del sets, x, w, xq, wq, xr, wr, got, want, exact
         torch.cuda.empty_cache()
     lines = {}
     for k, col in (("fwd_fp8", "gemm_fp8"), ("fwd_bf16", "bf16"), ("fwd_cast_x", "cast_x"),
@@ -101,13 +115,14 @@ def main() -> None:
             "GEMM as the pass emits them; calls = the same two as plain calls (host gaps "
             "included).", "",
             "| layer | L | I | O | bf16 | fp8 | speed-up | FP8 GEMM | cast x | cast W | "
-            "calls bf16 / fp8 | err vs twin | err vs exact |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "row-wise fp8 / GEMM / cast x | calls bf16 / fp8 | err vs twin | err vs exact |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         t = r["ms"]
         text.append(f"| {r['group']} {r['name']} | {r['L']} | {r['I']} | {r['O']} | "
                     f"{t['bf16']:.3f} | {t['fp8']:.3f} | {t['bf16'] / t['fp8']:.2f}x | "
                     f"{t['gemm_fp8']:.3f} | {t['cast_x']:.3f} | {t['cast_w']:.3f} | "
+                    f"{t['fp8_row']:.3f} / {t['gemm_fp8_row']:.3f} / {t['cast_x_row']:.3f} | "
                     f"{t['calls_bf16']:.3f} / {t['calls_fp8']:.3f} | {r['err_vs_reference']:.1e} | {r['err_vs_exact']:.4f} |")
     text += ["", "Fitted lines (fixed ms, ms per unit of work):", ""]
     text += [f"- `{k}`: ({v[0]:.4f}, {v[1]:.4e})" for k, v in lines.items()]

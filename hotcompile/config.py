@@ -14,7 +14,7 @@ from typing import Optional, Tuple, Union
 _KERNELS = ("auto", "triton", "reference")
 _GX_SCALES = ("lqs", "token", "tensor")
 _GW_FORMATS = ("auto", "int8", "e4m3")
-_FORWARDS = ("bf16", "fp8")
+_FORWARDS = ("bf16", "fp8", "fp8_rowwise")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,8 +46,9 @@ class HOTConfig:
     levels, the INT8 Triton GEMM), or ``auto`` (default): e4m3 on CUDA devices with FP8
     tensor cores, int8 elsewhere (``kernels.formats.gw_rule`` has the measurements).
     forward: the forward GEMM of a rewritten site: ``bf16`` (default: as Inductor compiles
-    it) or ``fp8`` (tensor-wise scaled e4m3 operands on ``torch._scaled_mm``, the casts
-    Inductor-fused aten ops: ``kernels/fp8_forward.py``), where the forward cost gate
+    it), ``fp8`` (tensor-wise scaled e4m3 operands on ``torch._scaled_mm``, the casts
+    Inductor-fused aten ops: ``kernels/fp8_forward.py``) or ``fp8_rowwise`` (a scale per
+    token and per output feature; bf16 forwards only), where the forward cost gate
     predicts it faster and the GPU has FP8 tensor cores; the report says per site.
     kernels: ``auto`` = fused Triton on CUDA, reference torch elsewhere.
     include / exclude: layer names to restrict / skip: a name as the compiled module's

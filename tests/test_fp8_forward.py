@@ -133,10 +133,11 @@ def test_sites_reading_one_input_share_its_cast():
     assert _count(graphs, aten.amax.default) == 4
 
 
-def test_bf16_autocast_block_and_dynamic_lengths():
+@pytest.mark.parametrize("forward", ["fp8", "fp8_rowwise"])
+def test_bf16_autocast_block_and_dynamic_lengths(forward):
     torch.manual_seed(5)
     m = Block(64)
-    be = hotcompile.backend(_cfg())
+    be = hotcompile.backend(_cfg(forward=forward))
     f = torch.compile(m, backend=be, dynamic=True)
     for t in (16, 24, 40):
         x = torch.randn(2, t, 64)
@@ -147,7 +148,7 @@ def test_bf16_autocast_block_and_dynamic_lengths():
         with torch.autocast("cpu", dtype=torch.bfloat16):
             ref = m(x)
         assert (y.float() - ref.float()).norm() / ref.float().norm() < 0.05
-    assert [r.forward for r in be.report.training] == ["fp8"] * 4
+    assert [r.forward for r in be.report.training] == [forward] * 4
 
 
 def test_unaligned_features_keep_bf16_with_the_reason():
@@ -203,3 +204,42 @@ def test_checkpointed_block_recomputes_the_fp8_forward():
     want = F8.fp8_linear(h, m.fc2.weight.t(), m.fc2.bias)
     assert torch.equal(y.reshape(-1, 48).detach(), want.detach())
     assert all(torch.isfinite(p.grad).all() for p in m.parameters())
+
+
+def test_rowwise_cast_and_twin():
+    torch.manual_seed(7)
+    t = torch.randn(24, 64) * torch.logspace(-3, 3, 24)[:, None]    # rows 6 decades apart
+    q, s = F8.e4m3_cast(t, rowwise=True)
+    assert s.shape == (24, 1) and torch.equal(s, t.abs().amax(1, keepdim=True) / 448)
+    assert _e4m3_grid_ok(q) and torch.equal(q.float().abs().amax(1), torch.full((24,), 448.0))
+    w = torch.randn(48, 64).bfloat16()
+    y = F8.fp8_linear(t.bfloat16(), w.t(), rowwise=True)
+    xq, sx = F8.e4m3_cast(t.bfloat16(), rowwise=True)
+    wq, sw = F8.e4m3_cast(w, rowwise=True)
+    want = (xq.float() * sx) @ (wq.float() * sw).t()
+    assert ((y.float() - want).abs() / want.abs().amax(1, keepdim=True)).max() < 1e-2
+    # per-row scales keep every row's relative error; a tensor-wise scale loses the small rows
+    exact = t.bfloat16().float() @ w.float().t()
+    row_err = lambda a: ((a.float() - exact).norm(dim=1) / exact.norm(dim=1)).max()  # noqa: E731
+    assert row_err(y) < 0.08 < row_err(F8.fp8_linear(t.bfloat16(), w.t()))
+
+
+def test_rowwise_needs_a_bf16_forward():
+    fmt, why = F8.forward_rule("fp8_rowwise", torch.device("cpu"), 64, 64, torch.float32)
+    assert fmt == "bf16" and "row-wise FP8 needs a bf16 forward (got float32)" in why
+    assert F8.forward_rule("fp8_rowwise", torch.device("cpu"), 64, 64) == ("fp8_rowwise", "")
+
+
+def test_compiled_rowwise_forward_is_the_reference_bit_for_bit():
+    torch.manual_seed(8)
+    m, x = MLP(64, 96, 48).bfloat16(), torch.randn(4, 8, 64).bfloat16()
+    be, y, graphs = _run(m, _cfg(forward="fp8_rowwise"), x)
+    assert [r.forward for r in be.report.layers] == ["fp8_rowwise"] * 2
+    scaled = [n for g in graphs for n in g.nodes if n.target == aten._scaled_mm.default]
+    assert len(scaled) == 2 and all(n.args[2].meta["val"].shape == (32, 1) for n in scaled)
+    h = F8.fp8_linear(x.reshape(-1, 64), m.fc1.weight.t(), m.fc1.bias, rowwise=True).relu()
+    want = F8.fp8_linear(h, m.fc2.weight.t(), m.fc2.bias, rowwise=True)
+    assert torch.equal(y.reshape(-1, 48).detach(), want.detach())
+    fp32 = _run(MLP(64, 96, 48), _cfg(forward="fp8_rowwise"), torch.randn(4, 8, 64))[0]
+    assert all(r.forward.startswith("bf16 (row-wise FP8 needs a bf16 forward")
+               for r in fp32.report.layers)

@@ -2,7 +2,7 @@
 
 Skipped without a GPU (or without FP8 tensor cores). Checks: every rewritten site's forward
 is a ``_scaled_mm`` in the compiled forward; in fp32 the compiled output is the eager
-reference twin (``kernels.fp8_forward``); under bf16 autocast it is within the twin's own
+reference twin (``kernels.fp8_forward``) up to boundary levels; under bf16 autocast it is within the twin's own
 ambiguity (Inductor fuses autocast's bf16 casts of x and W into the FP8 cast and keeps the
 values in fp32, ``emulate_precision_casts=False``: levels round from the unrounded value, so
 the output lies between the twin on bf16 operands and the twin on fp32 ones); training gradients stay as close to fp64 as the bf16-forward HOT run's.
@@ -53,7 +53,10 @@ def test_gpu_fp8_forward_is_its_twin_in_fp32():
     assert [r.forward for r in be.report.layers] == ["fp8", "fp8"]
     assert sum(n.target == torch.ops.aten._scaled_mm.default
                for g in graphs for n in g.nodes) == 2
-    assert rel(y.reshape(-1, 512), _twin(m, x, torch.float32)) < 1e-6
+    # not bit-equal: Inductor's reciprocal is Triton's fp32 division (not IEEE-rounded), so
+    # a level sitting on a rounding boundary may flip
+    err = rel(y.reshape(-1, 512), _twin(m, x, torch.float32))
+    assert err < 1e-3, err
 
 
 def test_gpu_fp8_forward_under_autocast_trains_like_the_bf16_forward():

@@ -35,26 +35,48 @@ AMAX_FLOOR = 1e-12
 FAST_ACCUM = True
 
 
-def tensorwise_e4m3(t, contiguous: bool = False):
-    """(e4m3 levels of ``t``, fp32 0-d dequantization scale). ``t``: 2-D, any float dtype.
-    ``contiguous``: the levels are written row-major whatever ``t``'s strides (the GEMM's
-    operand layout; fused with the cast by Inductor)."""
+def _cast(t, rowwise: bool, contiguous: bool, scale_as_row: bool = False):
+    """(levels, scale): the scale 0-d, or with ``rowwise`` one per row of ``t``, shaped (R, 1)
+    or with ``scale_as_row`` (1, R) (the GEMM's x and W scales). The 2-D scale is an
+    ``as_strided`` view with unit strides of the 1-D scale: Inductor gives a view made by
+    ``unsqueeze`` (or a keepdim reduction) any stride on its size-1 axis (0 or R seen on
+    CPU), which ``_scaled_mm`` rejects; ``as_strided`` fixes both."""
     t32 = prims.convert_element_type.default(t, torch.float32)
-    amax = aten.clamp_min.default(aten.amax.default(aten.abs.default(t32), [0, 1]), AMAX_FLOOR)
-    q = aten.mul.Tensor(t32, aten.reciprocal.default(aten.div.Tensor(amax, E4M3_MAX)))
+    amax = aten.amax.default(aten.abs.default(t32), [1] if rowwise else [0, 1])
+    scale = aten.div.Tensor(aten.clamp_min.default(amax, AMAX_FLOOR), E4M3_MAX)
+    inv = aten.reciprocal.default(scale)
+    q = aten.mul.Tensor(t32, aten.unsqueeze.default(inv, 1) if rowwise else inv)
     # clamp_min/clamp_max, not clamp: the joint graph is past decomposition, and these two
     # are what Inductor lowers (NaN passes through both)
     q = aten.clamp_max.default(aten.clamp_min.default(q, -E4M3_MAX), E4M3_MAX)
     q = prims.convert_element_type.default(q, torch.float8_e4m3fn)
     if contiguous:
         q = aten.clone.default(q, memory_format=torch.contiguous_format)
-    return q, aten.div.Tensor(amax, E4M3_MAX)
+    if rowwise:
+        n = aten.sym_size.int(t, 0)
+        scale = aten.as_strided.default(scale, [1, n] if scale_as_row else [n, 1],
+                                        [n, 1] if scale_as_row else [1, 1])
+    return q, scale
+
+
+def e4m3_cast(t, rowwise: bool = False, contiguous: bool = False):
+    """(e4m3 levels of ``t``, fp32 dequantization scale): one scale for the tensor (0-d), or
+    with ``rowwise`` one per row ((R, 1)). ``t``: 2-D, any float dtype. ``contiguous``: the
+    levels are written row-major whatever ``t``'s strides (the GEMM's operand layout; fused
+    with the cast by Inductor)."""
+    return _cast(t, rowwise, contiguous)
+
+
+def tensorwise_e4m3(t, contiguous: bool = False):
+    """``e4m3_cast`` with one scale for the tensor."""
+    return e4m3_cast(t, False, contiguous)
 
 
 def scaled_linear(xq, sx, wtq, sw, bias, dtype: torch.dtype, fast_accum: bool = FAST_ACCUM):
     """y = (xq sx) (wtq sw) + bias in ``dtype``; ``wtq``: the (I, O) operand, column-major
-    (the transpose of a row-major (O, I) buffer: cuBLAS's FP8 layout). bf16 and fp32 outputs
-    come from the GEMM (bf16 with its bias fused), fp16 through an fp32 output and a cast."""
+    (the transpose of a row-major (O, I) buffer: cuBLAS's FP8 layout); scales 0-d, or (L, 1)
+    and (1, O) row-wise (bf16 output only). bf16 and fp32 outputs come from the GEMM (bf16
+    with its bias fused), fp16 through an fp32 output and a cast."""
     out = torch.float32 if dtype == torch.float16 else dtype
     fused_bias = bias is not None and out == torch.bfloat16
     y = aten._scaled_mm.default(xq, wtq, sx, sw, bias if fused_bias else None, None, out,
@@ -66,33 +88,37 @@ def scaled_linear(xq, sx, wtq, sw, bias, dtype: torch.dtype, fast_accum: bool = 
     return y
 
 
-def weight_operand(wt):
-    """The (I, O) forward operand ``wt`` -> (column-major e4m3 (I, O), scale): quantize W
-    = wt^T as a row-major (O, I) buffer, then view it transposed."""
-    q, s = tensorwise_e4m3(aten.permute.default(wt, [1, 0]), contiguous=True)
+def weight_operand(wt, rowwise: bool = False):
+    """The (I, O) forward operand ``wt`` -> (column-major e4m3 (I, O), scale: 0-d, or (1, O)
+    row-wise): quantize W = wt^T as a row-major (O, I) buffer, then view it transposed."""
+    q, s = _cast(aten.permute.default(wt, [1, 0]), rowwise, True, scale_as_row=True)
     return aten.permute.default(q, [1, 0]), s
 
 
-def fp8_linear(x, wt, bias=None, dtype: torch.dtype | None = None):
-    """The reference twin of a rewritten forward site: x (L, I) @ wt (I, O) (+ bias) on
-    tensor-wise e4m3 operands."""
-    xq, sx = tensorwise_e4m3(x, contiguous=True)
-    wq, sw = weight_operand(wt)
+def fp8_linear(x, wt, bias=None, dtype: torch.dtype | None = None, rowwise: bool = False):
+    """The reference twin of a rewritten forward site: x (L, I) @ wt (I, O) (+ bias) on e4m3
+    operands, tensor-wise or (``rowwise``) with a scale per token and per output feature."""
+    xq, sx = e4m3_cast(x, rowwise, contiguous=True)
+    wq, sw = weight_operand(wt, rowwise)
     return scaled_linear(xq, sx, wq, sw, bias, dtype or x.dtype)
 
 
-FORWARDS = ("bf16", "fp8")
+FORWARDS = ("bf16", "fp8", "fp8_rowwise")
 
 
-def forward_rule(requested: str, device: torch.device, I, O) -> tuple[str, str]:
-    """(format, reason) of a site's forward GEMM: "fp8" where asked for and possible, else
-    "bf16" with the reason. Needs FP8 tensor cores on CUDA (compute capability >= 8.9;
-    CPU runs ``_scaled_mm``'s reference kernel, for tests) and in/out features that are
-    multiples of 16 (cuBLAS's FP8 layout rule)."""
+def forward_rule(requested: str, device: torch.device, I, O,
+                 dtype: torch.dtype = torch.bfloat16) -> tuple[str, str]:
+    """(format, reason) of a site's forward GEMM: ``requested`` ("fp8": tensor-wise scales,
+    "fp8_rowwise") where possible, else "bf16" with the reason. Needs FP8 tensor cores on
+    CUDA (compute capability >= 8.9; CPU runs ``_scaled_mm``'s reference kernel, for tests),
+    in/out features that are multiples of 16 (cuBLAS's FP8 layout rule), and for row-wise
+    scales a bf16 forward (the only output the row-wise GEMM has)."""
     if requested not in FORWARDS:
         raise ValueError(f"HOTConfig.forward must be one of {FORWARDS}, got {requested!r}")
     if requested == "bf16":
         return "bf16", ""
+    if requested == "fp8_rowwise" and dtype != torch.bfloat16:
+        return "bf16", f"row-wise FP8 needs a bf16 forward (got {str(dtype).split('.')[-1]})"
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
         return "bf16", "FP8 forward needs compute capability >= 8.9"
     if device.type not in ("cuda", "cpu"):
@@ -100,4 +126,4 @@ def forward_rule(requested: str, device: torch.device, I, O) -> tuple[str, str]:
     for name, n in (("in", I), ("out", O)):
         if not isinstance(n, int) or n % 16:
             return "bf16", f"FP8 forward needs {name}-features a multiple of 16 (got {n})"
-    return "fp8", ""
+    return requested, ""

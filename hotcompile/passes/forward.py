@@ -1,4 +1,5 @@
-"""The forward pass: a rewritten site's forward GEMM on FP8 (``HOTConfig(forward="fp8")``).
+"""The forward pass: a rewritten site's forward GEMM on FP8 (``HOTConfig.forward``: "fp8"
+with tensor-wise scales, "fp8_rowwise" with one per token and per output feature).
 
 Why only rewritten sites: the FP8 forward rides on the decision the backward's cost gate
 made (a site HOT leaves exact stays exactly as Inductor compiles it), and it has a gate
@@ -32,8 +33,8 @@ def _gate(sites: List[LinearSite], config, shares: Dict[str, int]) -> None:
     """Set each site's ``forward`` ("fp8" or "bf16") and, for bf16, ``forward_reason``."""
     for s in sites:
         x = s.x.meta.get("val")
-        fmt, why = F8.forward_rule(config.forward, x.device, s.I, s.O)
-        if fmt == "fp8":
+        fmt, why = F8.forward_rule(config.forward, x.device, s.I, s.O, s.fwd.meta["val"].dtype)
+        if fmt != "bf16":
             model = cost.model_for(x.device)
             if model is not None and isinstance(s.L, int):
                 exact, fp8 = model.predict_forward(s.L, s.I, s.O, 1.0 / shares.get(s.group, 1))
@@ -55,19 +56,20 @@ def rewrite_forward(graph: Graph, sites: List[LinearSite], config, fake_mode) ->
             shares[s.group] = shares.get(s.group, 0) + 1
     _gate(sites, config, shares)
     order = {n: i for i, n in enumerate(graph.nodes)}
-    todo = sorted((s for s in sites if s.forward == "fp8"), key=lambda s: order[s.fwd])
+    todo = sorted((s for s in sites if s.forward != "bf16"), key=lambda s: order[s.fwd])
     casts: Dict[object, tuple] = {}
     for s in todo:
         meta = {k: s.fwd.meta[k] for k in ("recompute", "ac_graph_id") if k in s.fwd.meta}
-        key = s.group or s.key
+        rowwise = s.forward == "fp8_rowwise"
+        key = (s.group or s.key, rowwise)
         if key not in casts:     # the group's first forward GEMM: cast x there, once
-            casts[key] = emit(graph, lambda x: F8.tensorwise_e4m3(x, contiguous=True), (s.x,),
-                              s.fwd, "is_forward", s.fwd, fake_mode, meta)
+            casts[key] = emit(graph, lambda x: F8.e4m3_cast(x, rowwise, contiguous=True),
+                              (s.x,), s.fwd, "is_forward", s.fwd, fake_mode, meta)
         xq, sx = casts[key]
         dtype = s.fwd.meta["val"].dtype
 
-        def site_gemm(wt, xq, sx, bias, dtype=dtype):
-            wq, sw = F8.weight_operand(wt)
+        def site_gemm(wt, xq, sx, bias, dtype=dtype, rowwise=rowwise):
+            wq, sw = F8.weight_operand(wt, rowwise)
             return F8.scaled_linear(xq, sx, wq, sw, bias, dtype)
 
         y = emit(graph, site_gemm, (s.wt, xq, sx, _bias(s)), s.fwd, "is_forward", s.fwd,

@@ -74,6 +74,9 @@ def emit(graph: Graph, fn, args: tuple, before: Node, tag: str, like: Optional[N
 
 
 def _fake_node(node: Node, fake_mode):
-    kwargs = {k: v.meta["val"] if isinstance(v, Node) else v for k, v in node.kwargs.items()}
+    """Run ``node``'s op on its inputs' fake values (nested lists too: sizes of SymInt nodes)."""
+    val = lambda n: n.meta["val"]  # noqa: E731
+    args = torch.fx.node.map_arg(node.args, val)
+    kwargs = torch.fx.node.map_arg(node.kwargs, val)
     with fake_mode:
-        return node.target(*_fake_args(node.args), **kwargs)
+        return node.target(*args, **kwargs)
