@@ -150,3 +150,22 @@ def test_fp32_sites_are_predicted_on_the_int8_kernel(monkeypatch):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         _compile(cfg, monkeypatch, lambda device: cost.H100)
     assert seen and set(seen) == {"hq_cublas"}
+
+
+FORWARD_RESULT = os.path.join(os.path.dirname(__file__), "..", "bench", "results",
+                              "forward_layers_2026-11-24T052226_h100-80gb-hbm3.json")
+
+
+def test_h100_forward_lines_track_the_measured_layers():
+    """The forward gate's prediction against the GPU times it was fitted on: the FP8 side
+    (casts + GEMM) never under-estimated by more than 10%, and the faster side agrees
+    wherever the two differ by more than 10% (ViT-B layers stay bf16, Llama's go FP8)."""
+    for r in json.load(open(FORWARD_RESULT))["rows"]:
+        bf16, fp8 = cost.H100.predict_forward(r["L"], r["I"], r["O"])
+        t = r["ms"]
+        meas = t["fp8"]
+        assert fp8 > 0.9 * meas, (r["group"], r["name"], fp8, meas)
+        assert abs(bf16 / t["bf16"] - 1) < 0.25, (r["group"], r["name"], bf16, t["bf16"])
+        ratio = t["bf16"] / meas
+        if abs(ratio - 1) > 0.10:
+            assert (bf16 > fp8) == (ratio > 1), (r["group"], r["name"], bf16, fp8, ratio)
