@@ -223,7 +223,9 @@ def hot_summary(be) -> dict:
     return {"hot_sites_rewritten": len(rep.rewritten), "hot_sites_total": len(rep.layers),
             "hot_exact_reasons": sorted({r.reason for r in rep.exact if r.reason}),
             "hot_errors": list(rep.errors), "hot_report_saved_x_before": before,
-            "hot_report_saved_x_after": after}
+            "hot_report_saved_x_after": after,
+            "hot_forward": sorted({r.forward for r in rep.rewritten}),
+            "hot_forward_fp8": sum(r.forward.startswith("fp8") for r in rep.rewritten)}
 
 
 # ----------------------------------------------------------------------------- saved bytes

@@ -567,7 +567,8 @@ def _progress(i, n, rec, wall) -> str:
     mem = f"{rec['peak_mem_gib']:.2f} GiB" if rec.get("peak_mem_gib") is not None else "mem n/a"
     hot = ""
     if "hot_sites_total" in rec:
-        hot = f", HOT {rec['hot_sites_rewritten']}/{rec['hot_sites_total']} sites"
+        hot = f", HOT {rec['hot_sites_rewritten']}/{rec['hot_sites_total']} sites" + (
+            f" ({rec['hot_forward_fp8']} FP8 forward)" if rec.get("hot_forward_fp8") else "")
     return (f"{head} {rec['step_ms']:8.2f} ms/step  {rec['tokens_per_s']:11.0f} tok/s  {mem}"
             f"  saved {rec['saved_bytes'] / 2 ** 20:8.1f} MiB  compile {rec['compile_s']:.1f} s"
             f"  {_host_launches(rec)}{hot} ({wall:.0f} s)")
