@@ -1,5 +1,5 @@
-"""The FP8 forward GEMM (``HOTConfig(forward="fp8")``): tensor-wise scaled e4m3 operands on
-``torch._scaled_mm``, written in aten ops only.
+"""The FP8 forward GEMM (``HOTConfig(forward="fp8")``, or ``"fp8_rowwise"``): scaled e4m3
+operands on ``torch._scaled_mm``, written in aten ops only.
 
 Why aten ops and not a Triton kernel: the casts are an amax reduction and one pointwise
 pass per operand, which Inductor fuses with their producers (the RMSNorm or GELU that
@@ -9,9 +9,10 @@ reference twin; called on ``torch.fx.Proxy`` objects (``passes/graph_utils.emit`
 record exactly these ops into the joint graph. So the compiled graph computes the
 reference by construction, and the tests compare the two on random data.
 
-Numerics (as torchao's float8 tensor-wise recipe): s = max(amax(|t|), 1e-12) / 448,
-q = e4m3(clamp(t * (448 / max(amax, 1e-12)), -448, 448)) rounded to nearest even; the GEMM
-computes (q_x q_w^T) * s_x * s_w with fp32 accumulation. The clamp is needed: torch's
+Numerics (as torchao's float8 recipes): s = max(amax(|t|), 1e-12) / 448 over the tensor, or
+over each row (row-wise: each token of x, each output feature of W), q = e4m3(clamp(t * (1 /
+s), -448, 448)) rounded to nearest even; the GEMM computes (q_x q_w^T) * s_x * s_w with fp32
+accumulation. The clamp is needed: torch's
 fp32 -> e4m3fn conversion does not saturate (it gives NaN above 448). NaN in an operand
 makes its amax NaN, so the output is NaN, as a bf16 GEMM's would be somewhere.
 Under bf16 autocast, Inductor fuses autocast's bf16 cast of x (or W) into this one and

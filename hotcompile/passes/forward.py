@@ -30,10 +30,14 @@ def _bias(site: LinearSite):
 
 
 def _gate(sites: List[LinearSite], config, shares: Dict[str, int]) -> None:
-    """Set each site's ``forward`` ("fp8" or "bf16") and, for bf16, ``forward_reason``."""
+    """Set each site's ``forward`` (the requested FP8 format or "bf16") and, for bf16 where
+    FP8 was asked for, ``forward_reason``."""
     for s in sites:
-        x = s.x.meta.get("val")
-        fmt, why = F8.forward_rule(config.forward, x.device, s.I, s.O, s.fwd.meta["val"].dtype)
+        x, y = s.x.meta.get("val"), s.fwd.meta.get("val")
+        if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
+            s.forward, s.forward_reason = "bf16", "no fake tensor to check the FP8 GEMM against"
+            continue
+        fmt, why = F8.forward_rule(config.forward, x.device, s.I, s.O, y.dtype)
         if fmt != "bf16":
             model = cost.model_for(x.device)
             if model is not None and isinstance(s.L, int):
