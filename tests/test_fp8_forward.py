@@ -243,3 +243,30 @@ def test_compiled_rowwise_forward_is_the_reference_bit_for_bit():
     fp32 = _run(MLP(64, 96, 48), _cfg(forward="fp8_rowwise"), torch.randn(4, 8, 64))[0]
     assert all(r.forward.startswith("bf16 (row-wise FP8 needs a bf16 forward")
                for r in fp32.report.layers)
+
+
+def test_emit_records_the_function_with_metadata():
+    """graph_utils.emit: every op the function calls becomes a node, in order, before the
+    anchor, with a fake value, the partitioner tag, provenance copied from ``like`` and the
+    extra meta; node arguments come back as nodes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from hotcompile.passes.graph_utils import emit
+    mode = FakeTensorMode()
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    with mode:
+        x.meta["val"] = torch.empty(8, 32)
+    out = g.call_function(aten.relu.default, (x,))
+    out.meta.update(val=x.meta["val"], stack_trace="here")
+    g.output(out)
+    q, s = emit(g, lambda t: F8.e4m3_cast(t, rowwise=True), (x,), out, "is_forward", out, mode,
+                {"recompute": "policy"})
+    nodes = list(g.nodes)
+    assert nodes.index(q) < nodes.index(out) and nodes.index(s) < nodes.index(out)
+    new = nodes[1:nodes.index(out)]
+    assert [n.target for n in new][:3] == [torch.ops.prims.convert_element_type.default,
+                                          aten.abs.default, aten.amax.default]
+    assert all(n.meta["partitioner_tag"] == "is_forward" and n.meta["recompute"] == "policy"
+               and n.meta["stack_trace"] == "here" for n in new)
+    assert q.meta["val"].dtype == torch.float8_e4m3fn and tuple(q.meta["val"].shape) == (8, 32)
+    assert tuple(s.meta["val"].shape) == (8, 1) and s.meta["val"].stride() == (1, 1)
