@@ -48,7 +48,7 @@ def _fns():
         return F8.fp8_linear(x, w.t(), rowwise=True)
 
     def cast_x(x, w):
-        return F8.tensorwise_e4m3(x, contiguous=True)
+        return F8.e4m3_cast(x, contiguous=True)
 
     def cast_w(x, w):
         return F8.weight_operand(w.t())
@@ -78,7 +78,7 @@ def main() -> None:
         err_ref = ((got.float() - want.float()).norm() / want.float().norm()).item()
         exact = x.float() @ w.float().t()
         err_exact = ((got.float() - exact).norm() / exact.norm()).item()
-        xq, sx = F8.tensorwise_e4m3(x, contiguous=True)
+        xq, sx = F8.e4m3_cast(x, contiguous=True)
         wq, sw = F8.weight_operand(w.t())
         gemm = lambda a, b, ops=(xq, sx, wq, sw): F8.scaled_linear(  # noqa: E731
             *ops, None, torch.bfloat16)

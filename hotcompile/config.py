@@ -11,10 +11,11 @@ import json
 import os
 from typing import Optional, Tuple, Union
 
+from .kernels.formats import GW_FORMATS as _GW_FORMATS
+from .kernels.fp8_forward import FORWARDS as _FORWARDS
+
 _KERNELS = ("auto", "triton", "reference")
 _GX_SCALES = ("lqs", "token", "tensor")
-_GW_FORMATS = ("auto", "int8", "e4m3")
-_FORWARDS = ("bf16", "fp8", "fp8_rowwise")
 
 
 @dataclasses.dataclass(frozen=True)

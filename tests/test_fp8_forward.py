@@ -33,7 +33,7 @@ def test_config_field_is_validated():
 def test_tensorwise_cast_scale_and_grid():
     torch.manual_seed(1)
     t = torch.randn(37, 48) * 3.0
-    q, s = F8.tensorwise_e4m3(t)
+    q, s = F8.e4m3_cast(t)
     assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32 and s.dim() == 0
     assert torch.equal(s, t.abs().max() / 448)
     assert _e4m3_grid_ok(q) and q.float().abs().max() == 448       # amax lands on 448
@@ -42,13 +42,13 @@ def test_tensorwise_cast_scale_and_grid():
 
 
 def test_tensorwise_cast_zeros_nan_and_layout():
-    q, s = F8.tensorwise_e4m3(torch.zeros(16, 16))
+    q, s = F8.e4m3_cast(torch.zeros(16, 16))
     assert torch.equal(q.float(), torch.zeros(16, 16)) and s > 0 and torch.isfinite(s)
     t = torch.randn(16, 32)
     t[3, 5] = float("nan")
-    q, s = F8.tensorwise_e4m3(t)
+    q, s = F8.e4m3_cast(t)
     assert torch.isnan(s)
-    q, _ = F8.tensorwise_e4m3(torch.randn(32, 16).t(), contiguous=True)
+    q, _ = F8.e4m3_cast(torch.randn(32, 16).t(), contiguous=True)
     assert q.is_contiguous()
 
 
@@ -61,8 +61,8 @@ def test_fp8_linear_matches_dequantized_matmul(dtype, bias):
     b = torch.randn(48).to(dtype) if bias else None
     y = F8.fp8_linear(x, w.t(), b)
     assert y.dtype == dtype and y.shape == (40, 48)
-    xq, sx = F8.tensorwise_e4m3(x)
-    wq, sw = F8.tensorwise_e4m3(w)
+    xq, sx = F8.e4m3_cast(x)
+    wq, sw = F8.e4m3_cast(w)
     want = (xq.float() * sx) @ (wq.float() * sw).t() + (b.float() if bias else 0)
     tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
     assert (y.float() - want).abs().max() <= tol * want.abs().max()
@@ -154,9 +154,10 @@ def test_bf16_autocast_block_and_dynamic_lengths(forward):
 def test_unaligned_features_keep_bf16_with_the_reason():
     m, x = MLP(64, 72, 48), torch.randn(2, 8, 64)
     be, y, graphs = _run(m, _cfg(), x)
-    fwd = {r.name: r.forward for r in be.report.layers}
-    assert fwd["fc1"].startswith("bf16 (FP8 forward needs out-features a multiple of 16")
-    assert fwd["fc2"].startswith("bf16 (FP8 forward needs in-features")
+    fwd = {r.name: (r.forward, r.forward_reason) for r in be.report.layers}
+    assert fwd["fc1"][0] == "bf16"
+    assert fwd["fc1"][1].startswith("FP8 forward needs out-features a multiple of 16")
+    assert fwd["fc2"][0] == "bf16" and fwd["fc2"][1].startswith("FP8 forward needs in-features")
     assert "forward bf16: FP8 forward needs" in str(be.report)
     assert _count(graphs, aten._scaled_mm.default) == 0
 
@@ -171,7 +172,8 @@ def test_forward_cost_gate(monkeypatch):
     be, y, graphs = _run(MLP(64, 96, 48), _cfg(), torch.randn(2, 8, 64))
     for r in be.report.layers:
         assert r.reason is None, r                          # the backward is rewritten
-        assert r.forward.startswith("bf16 (cost gate: predicted forward"), r.forward
+        assert r.forward == "bf16", r.forward
+        assert r.forward_reason.startswith("cost gate: predicted forward"), r.forward_reason
         assert r.forward_ms[1] > r.forward_ms[0]
     assert _count(graphs, aten._scaled_mm.default) == 0
     fast_fp8 = cost.CostModel(name="fast fp8", host_hot_ms=0.0, host_exact_ms=0.0, kernels={
@@ -241,7 +243,8 @@ def test_compiled_rowwise_forward_is_the_reference_bit_for_bit():
     want = F8.fp8_linear(h, m.fc2.weight.t(), m.fc2.bias, rowwise=True)
     assert torch.equal(y.reshape(-1, 48).detach(), want.detach())
     fp32 = _run(MLP(64, 96, 48), _cfg(forward="fp8_rowwise"), torch.randn(4, 8, 64))[0]
-    assert all(r.forward.startswith("bf16 (row-wise FP8 needs a bf16 forward")
+    assert all(r.forward == "bf16"
+               and r.forward_reason.startswith("row-wise FP8 needs a bf16 forward")
                for r in fp32.report.layers)
 
 

@@ -51,7 +51,8 @@ class SiteRecord:
     cost_model: Optional[str] = None       # which calibration predicted it
     compiled_for: Optional[str] = None     # a module running the graph compiled for this key
     inference: bool = False                # from a graph compiled without grad (no backward)
-    forward: str = "bf16"                  # forward GEMM: "fp8", "bf16", or "bf16 (why)"
+    forward: str = "bf16"                  # forward GEMM: "bf16", "fp8" or "fp8_rowwise"
+    forward_reason: str = ""               # why it stayed bf16 although FP8 was asked for
     forward_ms: Optional[list] = None      # forward cost gate: [bf16, FP8] ms (GPU only)
 
     @property
@@ -110,8 +111,7 @@ def record_site(site: "LinearSite", graph_index: int, config, plan=None) -> Site
                      abc=site.abc if site.eligible else "-", saved_before=before,
                      saved_after=after, reason=site.reason,
                      rank="auto (calibrating)" if measuring else rank,
-                     forward=site.forward + (f" ({site.forward_reason})"
-                                             if site.forward_reason else ""),
+                     forward=site.forward, forward_reason=site.forward_reason,
                      forward_ms=[round(v, 4) for v in site.forward_ms]
                      if site.forward_ms else None,
                      layout=site.layout.describe() if site.layout is not None else None,
@@ -123,11 +123,6 @@ def record_site(site: "LinearSite", graph_index: int, config, plan=None) -> Site
                      (f"{prefix}/{site.group}" if prefix and site.group else ""))
     rec.refresh_lqs()
     return rec
-
-
-def _forward_note(forward: str) -> str:
-    """The report's note for a rewritten site whose forward stayed bf16 although FP8 was asked."""
-    return f"forward bf16: {forward.split(' (', 1)[1][:-1]}" if " (" in forward else ""
 
 
 def _fmt_bytes(n: Optional[int]) -> str:
@@ -190,10 +185,10 @@ class Report:
             if r.lqs_err_token is not None:
                 lqs += f" (e_tok {r.lqs_err_token:.3f}, e_ten {r.lqs_err_tensor:.3f})"
             rows.append((str(r.graph), r.key, str(r.L), str(r.I), str(r.O), r.dtype,
-                         r.forward.split(" (")[0], r.gx_path, r.gw_path, r.abc.split(" (")[0], saved, lqs,
+                         r.forward, r.gx_path, r.gw_path, r.abc.split(" (")[0], saved, lqs,
                          "-" if not r.predicted_ms else
                          f"{r.predicted_ms[0]:.3f}/{r.predicted_ms[1]:.3f}",
-                         r.reason or _forward_note(r.forward)))
+                         r.reason or (r.forward_reason and f"forward bf16: {r.forward_reason}")))
         widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))

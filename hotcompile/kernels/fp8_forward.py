@@ -36,12 +36,15 @@ AMAX_FLOOR = 1e-12
 FAST_ACCUM = True
 
 
-def _cast(t, rowwise: bool, contiguous: bool, scale_as_row: bool = False):
-    """(levels, scale): the scale 0-d, or with ``rowwise`` one per row of ``t``, shaped (R, 1)
-    or with ``scale_as_row`` (1, R) (the GEMM's x and W scales). The 2-D scale is an
-    ``as_strided`` view with unit strides of the 1-D scale: Inductor gives a view made by
-    ``unsqueeze`` (or a keepdim reduction) any stride on its size-1 axis (0 or R seen on
-    CPU), which ``_scaled_mm`` rejects; ``as_strided`` fixes both."""
+def e4m3_cast(t, rowwise: bool = False, contiguous: bool = False, scale_as_row: bool = False):
+    """(e4m3 levels of ``t``, fp32 dequantization scale). ``t``: 2-D, any float dtype.
+
+    The scale is 0-d, or with ``rowwise`` one per row of ``t``, shaped (R, 1), or with
+    ``scale_as_row`` (1, R): the GEMM's x and W scales. ``contiguous``: the levels are
+    written row-major whatever ``t``'s strides (the GEMM's operand layout; Inductor fuses
+    this with the cast). The 2-D scale is an ``as_strided`` view with unit strides of the
+    1-D scale: Inductor gives a view made by ``unsqueeze`` (or a keepdim reduction) any
+    stride on its size-1 axis (0 or R seen on CPU), which ``_scaled_mm`` rejects."""
     t32 = prims.convert_element_type.default(t, torch.float32)
     amax = aten.amax.default(aten.abs.default(t32), [1] if rowwise else [0, 1])
     scale = aten.div.Tensor(aten.clamp_min.default(amax, AMAX_FLOOR), E4M3_MAX)
@@ -58,19 +61,6 @@ def _cast(t, rowwise: bool, contiguous: bool, scale_as_row: bool = False):
         scale = aten.as_strided.default(scale, [1, n] if scale_as_row else [n, 1],
                                         [n, 1] if scale_as_row else [1, 1])
     return q, scale
-
-
-def e4m3_cast(t, rowwise: bool = False, contiguous: bool = False):
-    """(e4m3 levels of ``t``, fp32 dequantization scale): one scale for the tensor (0-d), or
-    with ``rowwise`` one per row ((R, 1)). ``t``: 2-D, any float dtype. ``contiguous``: the
-    levels are written row-major whatever ``t``'s strides (the GEMM's operand layout; fused
-    with the cast by Inductor)."""
-    return _cast(t, rowwise, contiguous)
-
-
-def tensorwise_e4m3(t, contiguous: bool = False):
-    """``e4m3_cast`` with one scale for the tensor."""
-    return e4m3_cast(t, False, contiguous)
 
 
 def scaled_linear(xq, sx, wtq, sw, bias, dtype: torch.dtype, fast_accum: bool = FAST_ACCUM):
@@ -92,7 +82,7 @@ def scaled_linear(xq, sx, wtq, sw, bias, dtype: torch.dtype, fast_accum: bool = 
 def weight_operand(wt, rowwise: bool = False):
     """The (I, O) forward operand ``wt`` -> (column-major e4m3 (I, O), scale: 0-d, or (1, O)
     row-wise): quantize W = wt^T as a row-major (O, I) buffer, then view it transposed."""
-    q, s = _cast(aten.permute.default(wt, [1, 0]), rowwise, True, scale_as_row=True)
+    q, s = e4m3_cast(aten.permute.default(wt, [1, 0]), rowwise, True, scale_as_row=True)
     return aten.permute.default(q, [1, 0]), s
 
 

@@ -31,15 +31,21 @@ def fake_run(op, args, fake_mode):
         return op(*_fake_args(args))
 
 
-def add_node(graph: Graph, op, args: tuple, before: Node, tag: str, like: Optional[Node] = None,
-             fake_mode=None, val: Any = None) -> Node:
-    with graph.inserting_before(before):
-        node = graph.call_function(op, args)
+def _stamp(node: Node, tag: str, like: Optional[Node], meta: Optional[dict] = None) -> None:
+    """What every inserted node carries: ``like``'s provenance, the partitioner tag, extras."""
     if like is not None:
         for k in _COPIED_META:
             if k in like.meta:
                 node.meta[k] = like.meta[k]
     node.meta["partitioner_tag"] = tag
+    node.meta.update(meta or {})
+
+
+def add_node(graph: Graph, op, args: tuple, before: Node, tag: str, like: Optional[Node] = None,
+             fake_mode=None, val: Any = None) -> Node:
+    with graph.inserting_before(before):
+        node = graph.call_function(op, args)
+    _stamp(node, tag, like)
     node.meta["val"] = val if val is not None else fake_run(op, args, fake_mode)
     return node
 
@@ -50,33 +56,23 @@ def emit(graph: Graph, fn, args: tuple, before: Node, tag: str, like: Optional[N
 
     ``fn`` is written in aten ops (a reference twin, e.g. ``kernels.fp8_forward``); node
     arguments are passed to it as ``torch.fx.Proxy`` objects, so every op it calls becomes
-    a node, in order. Each new node gets a fake value (run on the args' metadata), the
-    partitioner tag, ``like``'s provenance metadata and the extra ``meta`` entries (e.g. an
-    activation-checkpointing policy). Why: the graph then computes the reference by
-    construction, not a hand-copied pattern of it."""
+    a node, in order. Each new node gets a fake value (run on its inputs' fake values,
+    nested lists included: sizes of SymInt nodes), the partitioner tag, ``like``'s
+    provenance metadata and the extra ``meta`` entries (e.g. an activation-checkpointing
+    policy). Why: the graph then computes the reference by construction, not a
+    hand-copied pattern of it."""
     tracer = torch.fx.proxy.GraphAppendingTracer(graph)
     wrap = lambda a: torch.fx.Proxy(a, tracer) if isinstance(a, Node) else a  # noqa: E731
-    existing = set(graph.nodes)
+    first = before.prev                   # the new nodes land between it and ``before``
     with graph.inserting_before(before):
         out = fn(*(wrap(a) for a in args))
-    for node in list(graph.nodes):
-        if node in existing:
-            continue
-        if like is not None:
-            for k in _COPIED_META:
-                if k in like.meta:
-                    node.meta[k] = like.meta[k]
-        node.meta["partitioner_tag"] = tag
-        node.meta.update(meta or {})
-        node.meta["val"] = _fake_node(node, fake_mode)
+    val = lambda n: n.meta["val"]  # noqa: E731
+    node = first.next
+    while node is not before:
+        _stamp(node, tag, like, meta)
+        with fake_mode:
+            node.meta["val"] = node.target(*torch.fx.node.map_arg(node.args, val),
+                                           **torch.fx.node.map_arg(node.kwargs, val))
+        node = node.next
     unwrap = lambda o: o.node if isinstance(o, torch.fx.Proxy) else o  # noqa: E731
     return tuple(unwrap(o) for o in out) if isinstance(out, tuple) else unwrap(out)
-
-
-def _fake_node(node: Node, fake_mode):
-    """Run ``node``'s op on its inputs' fake values (nested lists too: sizes of SymInt nodes)."""
-    val = lambda n: n.meta["val"]  # noqa: E731
-    args = torch.fx.node.map_arg(node.args, val)
-    kwargs = torch.fx.node.map_arg(node.kwargs, val)
-    with fake_mode:
-        return node.target(*args, **kwargs)
