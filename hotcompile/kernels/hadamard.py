@@ -160,7 +160,9 @@ def to_e4m3(v, s, inv_s, IEEE_DIV: tl.constexpr, INTERPRET: tl.constexpr, u=0.0,
     there the value is first rounded onto the e4m3 grid in fp32 (exact steps: a power-of-two
     spacing, 2**-9 below the smallest normal 2**-6; rounding to an integer by adding and
     subtracting 1.5 * 2**23, exact in the interpreter's numpy fp32) and the conversion
-    has nothing left to round. A stochastic result is on the grid already."""
+    has nothing left to round (a negative value that rounds to zero stays -0, as the
+    conversion gives; the add-and-subtract alone would give +0). A stochastic result is
+    on the grid already."""
     if IEEE_DIV:
         t = tl.math.div_rn(v, s)
     else:
@@ -174,7 +176,8 @@ def to_e4m3(v, s, inv_s, IEEE_DIV: tl.constexpr, INTERPRET: tl.constexpr, u=0.0,
         if STOCHASTIC:
             t = tl.floor(t * ((3 - e + 127) << 23).to(tl.float32, bitcast=True) + u) * step
         else:
-            t = ((t / step + 12582912.0) - 12582912.0) * step   # |t / step| <= 16: RNE via 1.5 * 2**23
+            r = ((t / step + 12582912.0) - 12582912.0) * step   # |t / step| <= 16: RNE via 1.5 * 2**23
+            t = tl.where(r == 0.0, t * 0.0, r)    # an underflow keeps its sign, as cvt.rn's -0
     return t.to(tl.float8e4nv)
 
 
