@@ -67,6 +67,13 @@ class HOTConfig:
     slower; 0: gate off, every eligible site rewritten for HOT's memory savings). CPU
     runs the reference kernels and is not gated.
     abc: save the compressed activation instead of x (False: compress in backward).
+    recompute_operands: let backward rebuild, instead of keeping, the operands of HOT's
+    backward that are pointwise functions of tensors it keeps anyway (``passes/
+    recompute.py``): a linear's input after a LayerNorm, RMSNorm, GELU or SwiGLU (no
+    compressed copy is saved; the compression runs in backward) and autocast's bf16 copy
+    of W (rebuilt from the fp32 parameter). Bit-identical gradients, less memory
+    (``bench/saved_tensors.py``), one more pointwise pass in backward: off by default
+    until its device timing is measured.
     lqs_*: calibration steps, per-token threshold ratio, re-calibration period (0 = never),
     and a JSON file to load/save the choices so a restarted run reuses them.
     dump_dir: write graphs and reports here (env ``HOT_DUMP`` does the same).
@@ -89,6 +96,7 @@ class HOTConfig:
     min_features: int = 256
     min_speedup: float = 1.0
     abc: bool = True
+    recompute_operands: bool = False
     lqs_calibration_steps: int = 3
     lqs_ratio: float = 0.5
     lqs_recalibrate_every: int = 0
@@ -143,8 +151,9 @@ class HOTConfig:
         if (isinstance(self.min_speedup, bool) or not isinstance(self.min_speedup, (int, float))
                 or not 0 <= self.min_speedup < float("inf")):
             bad("min_speedup", "must be a finite number >= 0 (0 turns the cost gate off)")
-        if not isinstance(self.abc, bool):
-            bad("abc", "must be a bool")
+        for f in ("abc", "recompute_operands"):
+            if not isinstance(getattr(self, f), bool):
+                bad(f, "must be a bool")
         if self.lqs_calibration_steps < 1:
             bad("lqs_calibration_steps", "must be >= 1")
         if self.lqs_recalibrate_every < 0:

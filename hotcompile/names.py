@@ -33,7 +33,8 @@ from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
-from .passes.find import Naming, split_source
+from .debug.sources import split_source
+from .passes.find import Naming
 
 log = logging.getLogger("hotcompile")
 

@@ -13,7 +13,7 @@ from hotcompile import HOTConfig
     ({"kernels": "cuda"}, "kernels"), ({"exclude": "head"}, "exclude"),
     ({"include": [1]}, "include"), ({"min_features": -1}, "min_features"),
     ({"lqs_ratio": 0}, "lqs_ratio"), ({"lqs_calibration_steps": 0}, "lqs_calibration_steps"),
-    ({"rank": 4.0}, "rank"), ({"abc": 1}, "abc"), ({"exclude": None}, "exclude"),
+    ({"rank": 4.0}, "rank"), ({"abc": 1}, "abc"), ({"recompute_operands": "yes"}, "recompute_operands"), ({"exclude": None}, "exclude"),
     ({"exclude": 3}, "exclude"), ({"dump_dir": 123}, "dump_dir"), ({"lqs_file": 3}, "lqs_file"),
     ({"dump_dir": ""}, "dump_dir"), ({"gw_format": "fp8"}, "gw_format"),
 ])

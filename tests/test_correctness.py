@@ -192,6 +192,83 @@ def test_projections_of_one_input_share_one_forward_buffer(autocast):
     assert rec["q"].abc == "forward" and all("shares q" in rec[n].abc for n in "kv"), str(be.report)
 
 
+# ------------------------------------------------------------------ ABC recomputed in backward
+class NormMlp(torch.nn.Module):
+    """LayerNorm -> fc1 -> GELU -> fc2, and a third linear fed by a cumulative sum (not
+    pointwise: not rebuilt in backward; its backward needs neither its input nor output)."""
+
+    def __init__(self, d=64):
+        super().__init__()
+        self.ln = torch.nn.LayerNorm(d)
+        self.fc1, self.fc2 = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+        self.fc3 = torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        h = self.fc2(F.gelu(self.fc1(self.ln(x))))
+        return self.fc3(torch.cumsum(h, dim=-1))
+
+
+def _int_outputs(graph):
+    out = next(n for n in graph.nodes if n.op == "output")
+    vals = [a.meta.get("val") for a in out.all_input_nodes]
+    return [v for v in vals if isinstance(v, torch.Tensor)
+            and v.dtype in (torch.int8, torch.float8_e4m3fn)]
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_recompute_operands_keeps_no_buffer_for_rebuildable_inputs(autocast):
+    """With ``recompute_operands``, a linear whose input is a pointwise function of tensors
+    backward keeps anyway (LayerNorm's output, GELU's output) saves nothing for it: the
+    compression runs in backward on the rebuilt input, and the gradients are the very same
+    as with the buffer saved. The cumsum-fed linear keeps its forward buffer."""
+    out = {}
+    for recompute in (False, True):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = NormMlp()
+        be = hotcompile.backend(HOTConfig(rank=8, min_features=0, kernels="reference",
+                                          recompute_operands=recompute))
+        cm = torch.compile(model, backend=be)
+        torch.manual_seed(1)
+        x = torch.randn(2, 32, 64, requires_grad=True)
+        with capture_graphs() as graphs, torch.autocast("cpu", dtype=torch.bfloat16,
+                                                          enabled=autocast):
+            y = cm(x)
+        y.float().square().mean().backward()
+        fw = [g for g in graphs if not is_bw(g)]
+        rec = {r.name: r.abc for r in be.report.layers}
+        out[recompute] = ([p.grad for p in model.parameters()] + [x.grad], rec,
+                          len(_int_outputs(fw[0])))
+    grads_saved, rec_saved, n_saved = out[False]
+    grads_rec, rec_rec, n_rec = out[True]
+    assert all(v == "forward" for v in rec_saved.values()), rec_saved
+    assert all(rec_rec[n].startswith("backward (x recomputed") for n in ("fc1", "fc2")), rec_rec
+    assert rec_rec["fc3"] == "forward", rec_rec
+    assert n_saved == 3 and n_rec == 1          # int8 levels kept: one per buffer
+    for a, b in zip(grads_saved, grads_rec):
+        assert torch.equal(a, b)
+
+
+def test_recompute_operands_leaves_checkpointed_regions_alone():
+    """Inside a checkpointed region the region's policy rules: no recompute chain is made
+    (the nodes carry a policy already), and the step still matches the exact gradients."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = NormMlp()
+
+    def run(m, x):
+        return torch.utils.checkpoint.checkpoint(m, x, use_reentrant=False)
+
+    be = hotcompile.backend(HOTConfig(rank=16, min_features=0, kernels="reference",
+                                      recompute_operands=True))
+    cm = torch.compile(lambda x: run(model, x), backend=be)
+    x = torch.randn(2, 32, 64, requires_grad=True)
+    cm(x).square().mean().backward()
+    assert not any(str(r.abc).startswith("backward (x recomputed") for r in be.report.layers), \
+        str(be.report)
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
 # ------------------------------------------------------------------ runtime state
 def test_two_backends_never_share_run_time_choices():
     torch.manual_seed(0)

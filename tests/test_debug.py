@@ -216,3 +216,82 @@ def test_summary_from_files_alone(dumped, tmp_path, capsys):
     assert main([str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "from 2 process(es)" in out and "pid 1 rank 1" in out and "[graph000_r1_p1]" in out
+
+
+# ------------------------------------------------------------------- kept for backward
+def test_kept_tensors_named_by_producer_and_use(dumped):
+    """Every tensor the block's forward keeps is named by what made it and what backward
+    reads it for; HOT's buffers are its own op's, read by its backward ops; the bytes add up
+    to the backward graph's own count; the CLI prints the grouped table."""
+    from hotcompile.debug.summary import saved_by_producer, saved_tensors
+    root, report, _ = dumped
+    block = next(g for g in report["graphs"] if len(g["sites"]) == 4)
+    kept = saved_tensors(block)
+    assert kept and all(t["producer"] != "?" and t["use"] and "unused" not in t["use"]
+                        for t in kept)
+    hot = [t for t in kept if t["hot"]]
+    assert hot and all(t["producer"] == "HOT abc_compress" for t in hot)
+    assert all(any(u.startswith("HOT ") for u in t["use"]) for t in hot)
+    by = {t["producer"] for t in kept}
+    assert {"LayerNorm", "Linear", "graph input"} <= by
+    # fc1's output is GELU's input: kept for GELU's backward, under fc1's module name
+    gelu_in = [t for t in kept if t["producer"] == "Linear" and "gelu backward" in t["use"]]
+    assert len(gelu_in) == 1 and gelu_in[0]["module"].endswith("fc1")
+    comp = block["compiled"]["backward"]
+    assert sum(t["bytes"] for t in kept if t["producer"] != "graph input") == \
+        comp["saved_activation_bytes"]
+    rows = saved_by_producer(report["graphs"])
+    assert [r["bytes"] for r in rows] == sorted((r["bytes"] for r in rows), reverse=True)
+    assert sum(r["count"] for r in rows) == sum(len(saved_tensors(g)) for g in report["graphs"])
+    res = subprocess.run([sys.executable, "-m", "hotcompile.debug", str(root)],
+                         capture_output=True, text=True, timeout=120)
+    assert "kept for backward, by producer and use" in res.stdout
+    assert re.search(r"HOT abc_compress\s+HOT ", res.stdout)
+
+
+def test_kept_bytes_match_autograd_under_autocast(tmp_path):
+    """Under bf16 autocast the forward also keeps autocast's bf16 weight copies ("copy of a
+    graph input"); the kept activation bytes equal what autograd's saved-tensor hooks see
+    (distinct non-parameter storages), exact sites and HOT sites alike. With
+    ``recompute_operands`` backward rebuilds the copies and the rebuildable inputs (LayerNorm
+    and GELU outputs): no copy and no compressed buffer is kept for them."""
+    from hotcompile.debug.summary import load_dump
+    kept_by = {}
+    for name, cfg in (("exact", dict(include=("-nothing-",))), ("hot", ALL),
+                      ("recompute", dict(ALL, recompute_operands=True))):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        root = tmp_path / name
+        model = Block()
+        cm = torch.compile(model, backend=hotcompile.backend(HOTConfig(**cfg, dump_dir=str(root))))
+        x = torch.randn(2, 24, 64, requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            cm(x).float().square().mean().backward()            # compiles forward and backward
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()} | \
+            {x.untyped_storage().data_ptr()}
+        seen = {}
+
+        def pack(t):
+            st = t.untyped_storage()
+            if st.data_ptr() not in params:
+                seen[st.data_ptr()] = st.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = cm(x)
+        y.float().sum().backward()
+        data = load_dump(str(root))
+        kept = sum(r["bytes"] for r in data["saved"] if r["activation"])
+        assert kept == sum(seen.values()), name
+        kept_by[name] = kept
+        copies = [r for r in data["saved"] if r["producer"] == "copy of a graph input"]
+        buffers = sum(r["count"] for r in data["saved"] if r["producer"] == "HOT abc_compress")
+        if name == "recompute":
+            assert not copies and buffers == 0, data["saved"]
+            continue
+        assert sum(r["count"] for r in copies) == 4, name       # one bf16 W per linear
+        use = "HOT linear_backward" if name == "hot" else "Linear backward"
+        assert all(r["use"] == use for r in copies), name
+    assert kept_by["recompute"] < kept_by["hot"] < kept_by["exact"]
+    torch._dynamo.reset()

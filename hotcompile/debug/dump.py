@@ -66,6 +66,8 @@ from typing import Dict, Optional
 
 import torch
 
+from .saved import forward_producers, saved_uses
+
 log = logging.getLogger("hotcompile")
 
 _LOCK = threading.Lock()
@@ -445,13 +447,16 @@ def _compiled_info(graph: torch.fx.Graph) -> dict:
                                                if n.op == "call_function" and n.target in gemms)}
     phs = [n for n in graph.nodes if n.op == "placeholder"]
     if any("tangents" in n.name for n in phs):
-        saved = [dict(_val_info(n), hot=n.name in hot_inputs) for n in phs
+        uses = saved_uses(graph)
+        saved = [dict(_val_info(n), hot=n.name in hot_inputs, **uses[n.name]) for n in phs
                  if "tangents" not in n.name]
         info["saved"] = saved
         # primals_* are the graph's inputs (weights, user inputs): not extra activation memory
         act = [s for s in saved if not s["name"].startswith("primals_")]
         info["saved_activation_bytes"] = sum(s.get("bytes") or 0 for s in act)
         info["saved_hot_bytes"] = sum(s.get("bytes") or 0 for s in act if s["hot"])
+    else:
+        info["outputs"] = forward_producers(graph)
     return info
 
 

@@ -50,6 +50,7 @@ def load_dump(path: str, from_report: bool = True) -> dict:
     return {"version": 1, "dump_dir": os.path.abspath(root),
             "written": time.strftime("%Y-%m-%dT%H:%M:%S"), "graphs": ordered,
             "totals": _totals(ordered), "fallbacks": _fallbacks(ordered), "lqs": _lqs(ordered),
+            "saved": saved_by_producer(ordered),
             "warnings": _warnings(ordered)}
 
 
@@ -76,6 +77,56 @@ def _totals(graphs: List[dict]) -> dict:
         t[k] = sum(c[k] for c in costs)
     t["sites_without_cost"] = len(sites) - len(costs)
     return t
+
+
+def _forward_of(g: dict, backward_key: str) -> dict:
+    """The forward graph's outputs paired with a backward dump (``backward_1`` with
+    ``forward_1``); any forward of the graph when the pair is missing."""
+    comp = g.get("compiled", {})
+    pair = comp.get("forward" + backward_key[len("backward"):], {}).get("outputs")
+    if pair is not None:
+        return pair
+    merged: dict = {}
+    for k, info in comp.items():
+        if k.startswith("forward"):
+            merged.update(info.get("outputs", {}))
+    return merged
+
+
+def saved_tensors(g: dict) -> List[dict]:
+    """Every tensor a graph's forward kept for its backward: name, bytes, dtype, shape, what
+    produced it and what backward uses it for (``debug/saved.py``)."""
+    out = []
+    for key, info in sorted(g.get("compiled", {}).items()):
+        if "saved" not in info:
+            continue
+        producers = _forward_of(g, key)
+        for t in info["saved"]:
+            p = producers.get(t["name"], {})
+            out.append(dict(t, graph=g["graph"], backward=key,
+                            producer=p.get("producer", "?"), module=p.get("module")))
+    return out
+
+
+def saved_by_producer(graphs: List[dict]) -> List[dict]:
+    """Kept tensors grouped by (producer, use), largest first: count and bytes. Graph inputs
+    (parameters, the user's inputs) are listed but live anyway; ``activation`` says which
+    rows are memory the step adds."""
+    by: "OrderedDict[tuple, dict]" = OrderedDict()
+    for g in graphs:
+        if is_inference(g):
+            continue
+        for t in saved_tensors(g):
+            key = (t["producer"], ", ".join(t.get("use", [])) or "?")
+            row = by.setdefault(key, {"producer": key[0], "use": key[1], "count": 0,
+                                      "bytes": 0, "unknown": 0,
+                                      "activation": t["producer"] != "graph input"})
+            row["count"] += 1
+            if t.get("bytes") is None:
+                row["unknown"] += 1
+            else:
+                row["bytes"] += t["bytes"]
+    return sorted(by.values(), key=lambda r: -r["bytes"])
 
 
 def _fallbacks(graphs: List[dict]) -> List[dict]:
@@ -172,6 +223,18 @@ def site_rows(g: dict) -> List[List[str]]:
     return rows
 
 
+def saved_rows(saved: List[dict]) -> List[List[str]]:
+    """The by-producer table; graph inputs (parameters, user inputs) marked, as they are
+    held whether or not backward keeps them."""
+    total = sum(r["bytes"] for r in saved if r["activation"]) or None
+    rows = [["producer", "used by", "tensors", "bytes", "share"]]
+    for r in saved:
+        b = fmt_bytes(r["bytes"]) + (f" + {r['unknown']} symbolic" if r["unknown"] else "")
+        share = f"{100 * r['bytes'] / total:.1f}%" if r["activation"] and total else "(held anyway)"
+        rows.append([r["producer"], r["use"], str(r["count"]), b, share])
+    return rows
+
+
 def _table(rows: List[List[str]], indent: str = "  ") -> List[str]:
     w = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     out = [indent + "  ".join(c.ljust(x) for c, x in zip(r, w)).rstrip() for r in rows]
@@ -251,6 +314,9 @@ def render_text(data: dict) -> str:
         L += [f"  {line}" for line in _compiled_lines(g)]
         L.append(f"  files: {' '.join(g.get('files', []))}")
     L += ["", "totals:"] + [f"  {x}" for x in _totals_lines(data["totals"])]
+    if data.get("saved"):
+        L += ["", "kept for backward, by producer and use (all graphs):"] + \
+            _table(saved_rows(data["saved"]))
     if data["fallbacks"]:
         L += ["", "fallbacks (sites left exact, by reason):"]
         for f in data["fallbacks"]:
@@ -284,6 +350,9 @@ def render_markdown(data: dict) -> str:
         if comp:
             L += ["", "Compiled graphs:", ""] + [f"- {c}" for c in comp]
         L += ["", "Files: " + ", ".join(f"`{f}`" for f in g.get("files", []))]
+    if data.get("saved"):
+        L += ["", "## Kept for backward, by producer and use", ""] + \
+            _md_table(saved_rows(data["saved"]))
     if data["fallbacks"]:
         L += ["", "## Fallbacks by reason", ""]
         L += [f"- {f['count']}x {f['reason']}: {', '.join(f['layers'])}" for f in data["fallbacks"]]

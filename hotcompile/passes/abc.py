@@ -7,6 +7,10 @@ and its outputs are marked MUST_SAVE: once the g_W GEMMs are replaced and the gr
 cleaned, nothing in backward needs X and min-cut saves the 16/rank x smaller int8 buffer
 instead. If X is needed in backward anyway (another op's gradient uses it), compressing
 in the forward would only add memory, so the compression moves into the backward.
+With ``recompute_operands`` (``passes/recompute.py``), the same holds when X is a pointwise function of tensors backward
+keeps anyway (a LayerNorm's output from its input and statistics, GELU's output from its
+input, SwiGLU's product from gate and up): X is marked MUST_RECOMPUTE, the partitioner
+rebuilds it in backward from what it saves regardless, and the compression runs there.
 Several linears reading the same data (q/k/v or gate/up projections) share one buffer,
 made in the forward: inputs are grouped by their *base* tensor, found through the views
 and casts each projection applies on its own (under autocast each gets its own cast and
@@ -22,45 +26,12 @@ import torch
 from torch.fx import Graph, Node
 
 from ..kernels.formats import gw_format_for
-from .find import LinearSite, is_backward
+from .find import LinearSite
 from .graph_utils import add_node
+from .recompute import mark_recompute, needed_in_backward, recompute_chain
 
 ABC_OP = torch.ops.hot.abc_compress.default
 aten = torch.ops.aten
-# ops through which X is "the same data": if any of these ancestors is needed in backward,
-# the partitioner can rebuild X from it, so X costs nothing extra to keep
-_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default,
-          aten.permute.default, aten.transpose.int, aten.t.default, aten.clone.default,
-          aten.alias.default, aten.expand.default, aten.squeeze.dim, aten.unsqueeze.default,
-          torch.ops.prims.convert_element_type.default, aten._to_copy.default}
-
-
-def needed_in_backward(x: Node, exclude: set) -> bool:
-    """Whether X's data is consumed by backward anyway (through X, or any view/cast/alias
-    connected to it, up or down): then the partitioner keeps it and compressing in the
-    forward would only add a buffer."""
-    def is_view(n):
-        return n.op == "call_function" and n.target in _VIEWS
-
-    seen, todo = set(), [x]
-    while todo:
-        n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        for u in n.users:
-            if is_backward(u):
-                if u not in exclude and not is_view(u):
-                    return True
-                if is_view(u):
-                    todo.append(u)
-            elif is_view(u):
-                todo.append(u)
-        if is_view(n) and isinstance(n.args[0], Node):
-            todo.append(n.args[0])
-    return False
-
-
 def _checkpoint_policy():
     from torch.utils.checkpoint import CheckpointPolicy
     return CheckpointPolicy.MUST_SAVE
@@ -113,6 +84,12 @@ def compress_inputs(graph: Graph, groups: Dict[tuple, List[LinearSite]], config,
         first_fwd = min(group, key=lambda s: order[s.fwd])
         x = first_fwd.x
         in_forward = config.abc and not any(needed_in_backward(s.x, gws) for s in group)
+        chain = recompute_chain(x, gws) if in_forward and config.recompute_operands and \
+            all(base_of(s.x) is base_of(x) for s in group) else None
+        if chain:
+            # backward rebuilds X from what it keeps anyway, and compresses it there
+            mark_recompute(chain)
+            in_forward = False
         if in_forward:
             anchor = first_fwd.fwd
             tag = "is_forward"
@@ -142,6 +119,9 @@ def compress_inputs(graph: Graph, groups: Dict[tuple, List[LinearSite]], config,
                 if "ac_graph_id" in x.meta:
                     n.meta["ac_graph_id"] = x.meta["ac_graph_id"]
             first = "forward"
+        elif chain:
+            first = (f"backward (x recomputed there from tensors kept anyway, "
+                     f"{len(chain)} ops)")
         else:
             first = "backward (x is needed in backward anyway)" if config.abc else \
                 "backward (abc=False)"

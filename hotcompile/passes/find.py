@@ -15,13 +15,13 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import operator
-import re
 from typing import Dict, List, Optional, Set, Tuple
 
 import torch
 from torch.fx import Graph, Node
 
 from ..debug.report import hint
+from ..debug.sources import split_source
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -66,6 +66,7 @@ class LinearSite:
     forward: str = "bf16"         # the forward GEMM's format ("bf16" | "fp8"), passes/forward.py
     forward_reason: str = ""      # why a site asked for FP8 keeps a bf16 forward
     forward_ms: Optional[tuple] = None  # forward cost gate: (bf16 ms, FP8 ms) predicted
+    w_recompute: int = 0          # ops backward reruns to rebuild W (passes/recompute.py)
     rewritten_gx: Optional[Node] = None
     rewritten_gw: Optional[Node] = None
 
@@ -126,22 +127,6 @@ def is_backward(n: Node) -> bool:
 
 def is_forward(n: Node) -> bool:
     return not is_backward(n)
-
-
-_BASE = re.compile(r"""^([LG])\[(['"])(.+?)\2\]\.?""")   # a frame local / global: L['self']
-
-
-def split_source(raw: str) -> Tuple[Optional[str], str]:
-    """Dynamo's ``L['self']._modules['blocks']._modules['0'].fc1`` -> ``("L:self",
-    "blocks.0.fc1")``: the frame local (or global) a path starts from, and the path as
-    ``named_modules()`` / ``named_parameters()`` spell it; ``(None, path)`` with no base."""
-    m = _BASE.match(raw)
-    base = f"{m.group(1)}:{m.group(3)}" if m else None
-    s = raw[m.end():] if m else raw
-    s = re.sub(r"(^|\.)_(?:modules|parameters|buffers)\[['\"]([^'\"]+)['\"]\]", r"\1\2", s)
-    s = re.sub(r"\[['\"]([^'\"]+)['\"]\]", r".\1", s)
-    s = re.sub(r"\[(\d+)\]", r".\1", s)
-    return base, s.strip(".")
 
 
 def clean_fqn(raw: str) -> str:

@@ -29,6 +29,7 @@ from . import cost
 from .abc import compress_inputs, group_by_base, saved_format
 from .find import LinearSite, find_linear_sites, is_forward
 from .forward import rewrite_forward
+from .recompute import recompute_weights
 from .graph_utils import add_node, fake_mode_of, fake_run
 from .tokens import AxisLabels
 
@@ -169,6 +170,8 @@ def rewrite_joint_graph(graph: Graph, config, params: Optional[Set[Node]] = None
         seq_args[group[0].key] = (rank, seq, bool(layered and lay.seq_first))
         return seq_args[group[0].key]
 
+    if config.recompute_operands:
+        recompute_weights(todo)
     buffers = compress_inputs(graph, groups, config, fake_mode, layout_args)
     order = {n: i for i, n in enumerate(graph.nodes)}   # the original mms keep their order
     for group in groups.values():
