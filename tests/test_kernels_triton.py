@@ -134,6 +134,32 @@ def test_hq_weight_e4m3_bit_exact(poison, O, I):
 
 
 @cpu
+@pytest.mark.parametrize("e4m3", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_hq_weight_rounds_an_fp32_parameter_as_it_reads(poison, e4m3, dtype):
+    """``round_to``: the fp32 parameter behind autocast's copy gives the very levels and
+    scales of the copy (``recompute_operands`` passes the parameter, so the copy is not
+    kept); so does the whole fused g_x with a bf16 / fp16 g."""
+    w = _randn(48, 40) * (1 + 1e-3 * torch.rand(48, 40))    # bits below bf16's mantissa
+    w[3, 2] = float("nan")
+    w[5, 7] = torch.tensor(0x7FFFFFFF, dtype=torch.int32).view(torch.float32)   # NaN, full payload
+    q, s = H.hq_weight_quant(w, 8, e4m3=e4m3, round_to=dtype)
+    qc, sc = H.hq_weight_quant(w.to(dtype), 8, e4m3=e4m3)
+    assert torch.equal(q.view(torch.uint8), qc.view(torch.uint8))
+    assert torch.allclose(s, sc, rtol=0, atol=0, equal_nan=True)
+    assert torch.isnan(s[2]) and torch.isnan(s[7])
+    w[3, 2] = w[5, 7] = 1.0
+    qn, _ = H.hq_weight_quant(w, 8, e4m3=e4m3)                 # not rounding: differs
+    assert not torch.equal(qn.view(torch.uint8), q.view(torch.uint8))
+    g = _randn(37, 48, dtype=dtype)
+    seed = torch.tensor(3)
+    assert torch.equal(F.hq_grad_input(g, w, 4, True, seed, w_bits=8),
+                       F.hq_grad_input(g, w.to(dtype), 4, True, seed, w_bits=8))
+    assert torch.equal(R.hq_grad_input(g, w, 4, True, 3, w_bits=8),
+                       R.hq_grad_input(g, w.to(dtype), 4, True, 3, w_bits=8))
+
+
+@cpu
 @pytest.mark.parametrize("L,C,rank,stochastic", [
     (64, 40, 16, True), (37, 24, 8, True), (48, 32, 3, True), (33, 16, 16, False), (37, 24, 8, False)])
 def test_hla_e4m3_bit_exact(poison, L, C, rank, stochastic):

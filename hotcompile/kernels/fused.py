@@ -66,7 +66,7 @@ def _gx(g, w, bits: int, w_bits: int, per_token: bool, seed, gq=None, path=None)
     fmt, e4m3 = path or gx_path(g, w, bits, w_bits, per_token)
     cublas = fmt == "cublas_fp8"
     qw, sw = hadamard.hq_weight_quant(w, w_bits, fp8=fmt == "fp8" or cublas, e4m3=e4m3,
-                                      scale_mul=1.0 / 16 if cublas else 1.0)
+                                      scale_mul=1.0 / 16 if cublas else 1.0, round_to=g.dtype)
     qg, sg = gq if gq is not None else hadamard.hq_act_quant(g, bits, per_token, seed,
                                                              fp8=fmt != "int8")
     if cublas:

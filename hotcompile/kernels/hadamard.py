@@ -22,6 +22,7 @@ shared with ``hla.py``, which applies the same transform along the token axis.
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import torch
 import triton
@@ -323,12 +324,28 @@ def _hq_tensor_kernel(g_ptr, q_ptr, s_ptr, amax_ptr, seed_ptr, L, O, O_pad, stri
 
 
 @triton.jit
-def _load_fwht_weight(w_ptr, ins, o0, O, I, stride_wo, stride_wi, BO: tl.constexpr):
-    """W[o0:o0+BO, ins] read as the transposed (BI, BO) tile, transformed along O."""
+def round_to_bf16(x):
+    """fp32 -> the nearest bf16 (ties to even), kept in fp32: x.to(torch.bfloat16).float().
+    In integer ops because Triton 3.6's interpreter truncates its fp32 -> bf16 cast; NaN
+    stays NaN, overflow rounds to inf, as the conversion does."""
+    b = x.to(tl.int32, bitcast=True)
+    b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536           # -65536: 0xFFFF0000
+    return tl.where(x == x, b.to(tl.float32, bitcast=True), x)   # a NaN's payload may carry
+
+
+@triton.jit
+def _load_fwht_weight(w_ptr, ins, o0, O, I, stride_wo, stride_wi, BO: tl.constexpr,
+                      ROUND: tl.constexpr):
+    """W[o0:o0+BO, ins] read as the transposed (BI, BO) tile, rounded to ROUND (a dtype, or
+    None), transformed along O."""
     o = o0 + tl.arange(0, BO)
     mask = (o < O)[:, None] & (ins < I)[None, :]
     x = tl.load(w_ptr + o.to(tl.int64)[:, None] * stride_wo + ins.to(tl.int64)[None, :] * stride_wi,
                 mask=mask, other=0.0)        # (BO, BI): rows of W, vector loads along I
+    if ROUND == tl.bfloat16:
+        x = round_to_bf16(x.to(tl.float32))
+    elif ROUND is not None:
+        x = x.to(ROUND)
     return fwht16_lastdim(tl.trans(x.to(tl.float32)))
 
 
@@ -336,7 +353,7 @@ def _load_fwht_weight(w_ptr, ins, o0, O, I, stride_wo, stride_wi, BO: tl.constex
 def _hq_weight_kernel(w_ptr, q_ptr, s_ptr, amax_ptr, scale_mul, O, I, O_pad, stride_wo,
                       stride_wi, ldq, PHASE: tl.constexpr, BI: tl.constexpr, BO: tl.constexpr,
                       Q: tl.constexpr, FP8: tl.constexpr, E4M3: tl.constexpr,
-                      INTERPRET: tl.constexpr):
+                      INTERPRET: tl.constexpr, ROUND: tl.constexpr):
     """The W side of HQ (reference.hq_weight): q[i, :] = RTN(H along O of W[:, i] / s_i),
     levels (Q = 2**(bits-1) - 1) or, with E4M3, scaled FP8 (Q = 448, ``to_e4m3``).
     The stored scale is s_i * scale_mul (a power of two: exact).
@@ -352,7 +369,7 @@ def _hq_weight_kernel(w_ptr, q_ptr, s_ptr, amax_ptr, scale_mul, O, I, O_pad, str
     n_ot = tl.cdiv(O_pad, BO)
     ins = (pid // n_ot) * BI + tl.arange(0, BI)
     o0 = (pid % n_ot) * BO
-    v = _load_fwht_weight(w_ptr, ins, o0, O, I, stride_wo, stride_wi, BO)
+    v = _load_fwht_weight(w_ptr, ins, o0, O, I, stride_wo, stride_wi, BO, ROUND)
     if PHASE == 1:
         tl.atomic_max(amax_ptr + ins, tl.max(abs_bits(v), axis=1), mask=ins < I)
     else:
@@ -493,13 +510,19 @@ def hq_act_quant(g: torch.Tensor, bits: int, per_token: bool, seed, fp8: bool = 
     return q, s
 
 
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
 def hq_weight_quant(w: torch.Tensor, bits: int, fp8: bool = False, e4m3: bool = False,
-                    scale_mul: float = 1.0):
+                    scale_mul: float = 1.0, round_to: Optional[torch.dtype] = None):
     """reference.hq_weight: W (O, I) -> (levels (I, O_pad), per-in-feature fp32 scale (I,)).
 
     ``fp8``: the levels stored as e4m3; ``e4m3``: scaled FP8 instead of levels (``bits``
     unused). The returned scale is multiplied by ``scale_mul``, a power of two: the cuBLAS
-    FP8 GEMM has no alpha, so the g_x GEMM's 1/16 rides on W's scale at no cost."""
+    FP8 GEMM has no alpha, so the g_x GEMM's 1/16 rides on W's scale at no cost.
+    ``round_to`` (bf16 / fp16): W is rounded to it as it is read, as if ``w.to(round_to)``
+    had been passed: an fp32 parameter stands for autocast's copy of it, which then need
+    not be kept for backward (``HOTConfig.recompute_operands``)."""
     O, I = w.shape
     O_pad = -(-O // 16) * 16
     dev = w.device
@@ -511,8 +534,9 @@ def hq_weight_quant(w: torch.Tensor, bits: int, fp8: bool = False, e4m3: bool = 
     bo = min(256 if not interp else 64, _pow2_at_least(O_pad))
     grid = (triton.cdiv(I, bi) * triton.cdiv(O_pad, bo),)
     args = (w, q, s, amax, float(scale_mul), O, I, O_pad, w.stride(0), w.stride(1), O_pad)
+    rnd = None if round_to is None or round_to == w.dtype else _TL_DTYPES[round_to]
     meta = dict(BI=bi, BO=bo, Q=448 if e4m3 else qmax(bits), FP8=fp8, E4M3=e4m3, INTERPRET=interp,
-                num_warps=8 if not interp else 4)
+                ROUND=rnd, num_warps=8 if not interp else 4)
     _hq_weight_kernel[grid](*args, PHASE=1, **meta)
     _hq_weight_kernel[grid](*args, PHASE=2, **meta)
     return q, s

@@ -307,7 +307,11 @@ def hq_grad_input(g: torch.Tensor, w: torch.Tensor, bits: int, per_token: bool, 
                   block: int = 16, w_bits: int | None = None, w_e4m3: bool = False) -> torch.Tensor:
     """g_x ~= g_y W via block-Hadamard quantization along O: g_y to ``bits`` levels
     (stochastic), W to ``w_bits`` levels (nearest; default: ``bits``), or to scaled FP8
-    with ``w_e4m3`` (``gx_w_e4m3``: the cuBLAS FP8 GEMM's W). bits=0: exact."""
+    with ``w_e4m3`` (``gx_w_e4m3``: the cuBLAS FP8 GEMM's W). bits=0: exact.
+
+    W is taken as the forward GEMM used it, in g's dtype: an fp32 parameter passed for
+    autocast's bf16 copy of it (``HOTConfig.recompute_operands``) is rounded first."""
+    w = w.to(g.dtype)
     gh = block_fwht(pad_cols(g.float(), block), block)                 # (L, O_pad)
     if bits == 0:
         wh = block_fwht(pad_cols(w.float().t(), block), block)

@@ -66,7 +66,7 @@ class LinearSite:
     forward: str = "bf16"         # the forward GEMM's format ("bf16" | "fp8"), passes/forward.py
     forward_reason: str = ""      # why a site asked for FP8 keeps a bf16 forward
     forward_ms: Optional[tuple] = None  # forward cost gate: (bf16 ms, FP8 ms) predicted
-    w_recompute: int = 0          # ops backward reruns to rebuild W (passes/recompute.py)
+    w_chain: Optional[list] = None  # views + cast from the fp32 parameter to W (recompute.py)
     rewritten_gx: Optional[Node] = None
     rewritten_gw: Optional[Node] = None
 

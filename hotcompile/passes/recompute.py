@@ -2,18 +2,22 @@
 
 Why: the min-cut partitioner runs after HOT's pass and keeps, for backward, every forward
 value an opaque op there reads (it will not recompute a value that backward would have to
-materialize anyway). HOT's ops read two operands that are often cheap to rebuild from
-tensors kept regardless: a linear's input X (a LayerNorm, GELU or SwiGLU output: the norm's
-input and statistics, GELU's input, SwiGLU's gate and up are kept for their own backward)
-and, under autocast, the low-precision copy of W (a cast of the fp32 parameter, which is
-held anyway). Keeping such an operand costs its bytes; marking the ops between it and the
-kept tensors MUST_RECOMPUTE makes the partitioner rebuild it in backward instead (the same
-ops on the same values: bit-identical), at the price of one pointwise pass there.
+materialize anyway). HOT's ops read two operands that are often cheap to rebuild:
+
+* a linear's input X, when it is a pointwise function of tensors kept regardless (a
+  LayerNorm or RMSNorm output: the norm's input and statistics are kept for its own
+  backward; GELU's output from its input; SwiGLU's product from gate and up). Marking the
+  ops between X and those tensors MUST_RECOMPUTE makes the partitioner rebuild X in
+  backward (the same ops on the same values: bit-identical), where ``passes/abc.py``
+  compresses it, instead of keeping a compressed copy from the forward;
+* under autocast, W: the bf16 copy of an fp32 parameter, which the partitioner keeps
+  for the g_x op. That op can read the parameter (held anyway) and round it to bf16 as it
+  reads (``hadamard.hq_weight_quant(round_to=)``, ``reference.hq_grad_input``): the same
+  values, no copy kept, and no extra pass (2 more bytes read per weight).
 
 ``bench/saved_tensors.py`` shows what it is worth: on Llama d4096 the bf16 weight copies are
 most of what the step keeps at 2048 tokens; on ViT-B the compressed input buffers are ~15%.
-``HOTConfig.recompute_operands`` turns it on; ``passes/abc.py`` then compresses a rebuilt X
-in backward, and ``recompute_weights`` here lets the g_x op's W be rebuilt.
+``HOTConfig.recompute_operands`` turns both on.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ import torch
 from torch.fx import Node
 
 from .find import LinearSite, is_backward
+from .graph_utils import add_node
 
 aten = torch.ops.aten
 # ops through which X is "the same data": if any of these ancestors is needed in backward,
@@ -57,11 +62,6 @@ def needed_in_backward(x: Node, exclude: set) -> bool:
         if is_view(n) and isinstance(n.args[0], Node):
             todo.append(n.args[0])
     return False
-
-
-# of those, the ops that write new memory (a view of the parameter costs nothing to keep)
-_COPIES = {torch.ops.prims.convert_element_type.default, aten._to_copy.default,
-           aten.clone.default}
 
 
 def _checkpoint_policy(name: str):
@@ -117,15 +117,44 @@ def mark_recompute(chain: List[Node]) -> None:
         n.meta["recompute"] = _checkpoint_policy("MUST_RECOMPUTE")
 
 
-def recompute_weights(sites: List[LinearSite]) -> None:
-    """Let backward rebuild the W operand of each site whose g_x HOT rewrites, when W is a
-    view or cast of a graph input (autocast's bf16 copy of the fp32 parameter) that no
-    other backward op reads: the forward then keeps nothing for it. ``exclude``: the
-    site's own g_x mm, which the rewrite replaces by HOT's op reading the same W."""
-    for s in sites:
-        if s.gx is None:
+_CASTS = {torch.ops.prims.convert_element_type.default, aten._to_copy.default}
+
+
+def parameter_weight_chain(s: LinearSite) -> Optional[List[Node]]:
+    """The views and the one cast that make the site's W operand from an fp32 parameter
+    (autocast's bf16 copy), in graph order, when no other backward op reads that copy; else
+    None. HOT's g_x op can then read the parameter itself and round as it reads
+    (``hadamard.hq_weight_quant(round_to=)``): the copy is not kept, and nothing is
+    recomputed. ``exclude``: the site's own g_x mm, which the rewrite replaces."""
+    if s.gx is None:
+        return None
+    chain = recompute_chain(s.wt, {s.gx})
+    if not chain:
+        return None
+    casts = [n for n in chain if n.target in _CASTS]
+    rest = [n for n in chain if n.target not in _CASTS]
+    leaves = {a for n in chain for a in n.all_input_nodes if a not in chain}
+    if (len(casts) != 1 or any(n.target not in _VIEWS or n.kwargs for n in rest)
+            or len(leaves) != 1 or next(iter(leaves)).op != "placeholder"):
+        return None
+    src = casts[0].args[0].meta.get("val")
+    out = casts[0].meta.get("val")
+    if not (isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor)
+            and out.dtype == s.dtype and src.dtype == torch.float32):
+        return None
+    order = {n: i for i, n in enumerate(s.wt.graph.nodes)}
+    return sorted(chain, key=order.__getitem__)
+
+
+def replay_without_cast(graph, chain: List[Node], before: Node, like: Node, fake_mode) -> Node:
+    """The chain's views applied to the parameter itself, in backward: W (in fp32) with the
+    operand's layout."""
+    mapped = {}
+    for n in chain:
+        if n.target in _CASTS:
+            mapped[n] = mapped.get(n.args[0], n.args[0])
             continue
-        chain = recompute_chain(s.wt, {s.gx})
-        if chain and any(n.target not in _VIEWS or n.target in _COPIES for n in chain):
-            mark_recompute(chain)
-            s.w_recompute = len(chain)
+        args = torch.fx.node.map_arg(n.args, lambda a: mapped.get(a, a))
+        mapped[n] = add_node(graph, n.target, args, before=before, tag="is_backward",
+                             like=like, fake_mode=fake_mode)
+    return mapped[chain[-1]]

@@ -29,7 +29,7 @@ from . import cost
 from .abc import compress_inputs, group_by_base, saved_format
 from .find import LinearSite, find_linear_sites, is_forward
 from .forward import rewrite_forward
-from .recompute import recompute_weights
+from .recompute import parameter_weight_chain, replay_without_cast
 from .graph_utils import add_node, fake_mode_of, fake_run
 from .tokens import AxisLabels
 
@@ -171,7 +171,8 @@ def rewrite_joint_graph(graph: Graph, config, params: Optional[Set[Node]] = None
         return seq_args[group[0].key]
 
     if config.recompute_operands:
-        recompute_weights(todo)
+        for s in todo:
+            s.w_chain = parameter_weight_chain(s)
     buffers = compress_inputs(graph, groups, config, fake_mode, layout_args)
     order = {n: i for i, n in enumerate(graph.nodes)}   # the original mms keep their order
     for group in groups.values():
@@ -222,8 +223,10 @@ def rewrite_joint_graph(graph: Graph, config, params: Optional[Set[Node]] = None
 def _weight(graph: Graph, s: LinearSite, before: Node, fake_mode) -> Node:
     """W as (O, I) for the g_x op: the forward's (I, O) operand transposed back (a view),
     placed right before the op: the graph's own W for the g_x mm may come later than the
-    site's first backward mm."""
-    return add_node(graph, aten.permute.default, (s.wt, [1, 0]), before=before,
+    site's first backward mm. With ``recompute_operands``, the fp32 parameter behind
+    autocast's copy, the op rounding it as it reads (``passes/recompute.py``)."""
+    wt = replay_without_cast(graph, s.w_chain, before, s.gx, fake_mode) if s.w_chain else s.wt
+    return add_node(graph, aten.permute.default, (wt, [1, 0]), before=before,
                     tag="is_backward", like=s.gx, fake_mode=fake_mode)
 
 
