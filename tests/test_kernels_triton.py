@@ -583,3 +583,19 @@ def test_gpu_gw_cublas_fp8_path(L, I, O, rank):
     graph.replay()
     assert torch.equal(cap, F.hla_grad_weight(g, xq, xs, rank, "1d", 8, 10))
     assert not torch.equal(cap, out)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("e4m3", [False, True])
+def test_gpu_hq_weight_rounds_an_fp32_parameter_as_it_reads(e4m3):
+    """On the GPU as in the interpreter: the fp32 parameter with ``round_to=bf16`` gives the
+    levels and scales of its bf16 copy (Llama's gate_proj shape, NaN payloads included)."""
+    torch.manual_seed(4)
+    w = _randn(11008, 4096, device="cuda") * 0.02
+    w[3, 2] = float("nan")
+    w[5, 7] = torch.tensor(0x7FFFFFFF, dtype=torch.int32).view(torch.float32)
+    q, s = H.hq_weight_quant(w, 8, e4m3=e4m3, round_to=torch.bfloat16)
+    qc, sc = H.hq_weight_quant(w.bfloat16(), 8, e4m3=e4m3)
+    assert torch.equal(q.view(torch.uint8), qc.view(torch.uint8))
+    assert torch.allclose(s, sc, rtol=0, atol=0, equal_nan=True)
