@@ -54,6 +54,7 @@ class SiteRecord:
     forward: str = "bf16"                  # forward GEMM: "bf16", "fp8" or "fp8_rowwise"
     forward_reason: str = ""               # why it stayed bf16 although FP8 was asked for
     forward_ms: Optional[list] = None      # forward cost gate: [bf16, FP8] ms (GPU only)
+    w_operand: str = ""                    # "fp32 parameter": g_x reads it (recompute_operands)
 
     @property
     def rewritten(self) -> bool:
@@ -95,6 +96,8 @@ def record_site(site: "LinearSite", graph_index: int, config, plan=None) -> Site
             after = math.ceil(site.L / config.block) * rank * site.I + 4
         elif site.eligible and "shares" in site.abc:
             before = after = 0
+        elif site.eligible and site.abc.startswith("rebuilt"):
+            after = 0           # recompute_operands: nothing kept for it (passes/recompute.py)
     measuring = bool(site.rewritten_gw is not None and site.rewritten_gw.args[8])
     if site.eligible:
         scale = "lqs" if config.gx_scale == "lqs" else config.gx_scale
@@ -112,6 +115,7 @@ def record_site(site: "LinearSite", graph_index: int, config, plan=None) -> Site
                      saved_after=after, reason=site.reason,
                      rank="auto (calibrating)" if measuring else rank,
                      forward=site.forward, forward_reason=site.forward_reason,
+                     w_operand="fp32 parameter" if site.w_chain else "",
                      forward_ms=[round(v, 4) for v in site.forward_ms]
                      if site.forward_ms else None,
                      layout=site.layout.describe() if site.layout is not None else None,

@@ -120,8 +120,8 @@ def compress_inputs(graph: Graph, groups: Dict[tuple, List[LinearSite]], config,
                     n.meta["ac_graph_id"] = x.meta["ac_graph_id"]
             first = "forward"
         elif chain:
-            first = (f"backward (x recomputed there from tensors kept anyway, "
-                     f"{len(chain)} ops)")
+            first = (f"rebuilt in backward (from tensors kept anyway, {len(chain)} ops; "
+                     f"compressed there)")
         else:
             first = "backward (x is needed in backward anyway)" if config.abc else \
                 "backward (abc=False)"
