@@ -102,12 +102,17 @@ def kernels_for(L: int, I: int, O: int, rank: int):
                       "seed_ptr": "*i64"},
                      dict(PHASE=phase, BR=max(1, 4096 // bc), BC=bc, Q=7, FP8=False,
                           INTERPRET=False), 8))
-        for e4m3 in (False, True):     # W levels (INT8 GEMM) or scaled e4m3 (cuBLAS FP8)
-            rows.append((f"hq W{' e4m3' if e4m3 else ''} p{phase}", H._hq_weight_kernel,
-                         {"w_ptr": "*bf16", "q_ptr": "*fp8e4nv" if e4m3 else "*i8",
+        # W levels (INT8 GEMM) or scaled e4m3 (cuBLAS FP8); W bf16, or the fp32 parameter
+        # rounded to bf16 as it is read (recompute_operands)
+        for e4m3, param in ((False, False), (True, False), (True, True)):
+            rows.append((f"hq W{' e4m3' if e4m3 else ''}{' fp32->bf16' if param else ''} "
+                         f"p{phase}", H._hq_weight_kernel,
+                         {"w_ptr": "*fp32" if param else "*bf16",
+                          "q_ptr": "*fp8e4nv" if e4m3 else "*i8",
                           "s_ptr": "*fp32", "amax_ptr": "*i32"},
                          dict(PHASE=phase, BI=32, BO=min(256, H._pow2_at_least(o_pad)),
-                              Q=448 if e4m3 else 127, FP8=False, E4M3=e4m3, INTERPRET=False), 8))
+                              Q=448 if e4m3 else 127, FP8=False, E4M3=e4m3, INTERPRET=False,
+                              ROUND=H.tl.bfloat16 if param else None), 8))
     for what, C, stochastic in (("hla g", O, True), ("abc x", I, False)):
         bt, bcc, warps = hla._tile_shape(C, False)
         for e4m3 in (False, True):     # int8 levels (INT8 GEMM) or scaled e4m3 (cuBLAS FP8)

@@ -90,15 +90,16 @@ import hotcompile
 # ----------------------------------------------------------------------------- config
 
 
-def near_exact_config() -> "hotcompile.HOTConfig":
-    """rank=16/16, 8-bit everywhere, every size and name eligible, reference kernels.
+def near_exact_config(**extra) -> "hotcompile.HOTConfig":
+    """rank=16/16, 8-bit everywhere, every size and name eligible, reference kernels
+    (and ``extra`` fields on top).
 
     Fields the installed HOTConfig does not have (it is being reworked) are left out, so
     the suite runs against older and newer versions of the config alike."""
     want = dict(rank=16, block=16, gx_bits=8, gx_w_bits=8, gw_bits=8, min_features=0,
                 exclude=(), kernels="reference", gx_scale="token")
     have = {f.name for f in dataclasses.fields(hotcompile.HOTConfig)}
-    return hotcompile.HOTConfig(**{k: v for k, v in want.items() if k in have})
+    return hotcompile.HOTConfig(**{k: v for k, v in want.items() if k in have}, **extra)
 
 
 TOL = {None: (0.10, 0.99), torch.bfloat16: (0.15, 0.985), torch.float16: (0.15, 0.985)}
@@ -512,8 +513,9 @@ class Result:
     warnings: list
 
 
-def run_case(case: Case) -> Result:
-    """Eager and compiled forward+backward of the same model; property 1 is checked here."""
+def run_case(case: Case, **config) -> Result:
+    """Eager and compiled forward+backward of the same model; property 1 is checked here.
+    ``config``: HOTConfig fields on top of ``near_exact_config``."""
     _fresh()
     torch.manual_seed(case.seed)
     model_e = Net(case)
@@ -521,7 +523,7 @@ def run_case(case: Case) -> Result:
     leaf, view = make_input(case)
     extras = extra_inputs(case)
     out_e, leaf_e, extras_e = _step(model_e, leaf, view, extras, case)
-    be = hotcompile.backend(near_exact_config())
+    be = hotcompile.backend(near_exact_config(**config))
     torch.manual_seed(case.seed + 1)
     try:
         with warnings.catch_warnings(record=True) as caught:
@@ -629,8 +631,8 @@ def check_properties(r: Result) -> None:
             f"{lin_train[sig]} trainable linear(s) have that (in, out){ctx}")
 
 
-def check_case(case: Case) -> Result:
-    r = run_case(case)
+def check_case(case: Case, **config) -> Result:
+    r = run_case(case, **config)
     check_properties(r)
     return r
 
@@ -676,6 +678,17 @@ def test_activation_products_never_rewritten(case):
 def test_autocast_bf16_fp16(case):
     """The same under CPU autocast; compared with eager under the same autocast."""
     check_case(case)
+
+
+@settings(max_examples=15, **SETTINGS)
+@given(case=cases(kinds=("linear", "linear", "shared", "tied", "frozen_pair", "attn",
+                         "mixed_use", "break", "swap", "token_slice"),
+                  dtypes=(torch.bfloat16, None), max_blocks=3))
+def test_recompute_operands(case):
+    """``recompute_operands``: inputs rebuilt in backward (tanh/relu/gelu outputs, views) and
+    W read from the parameter, on shared, tied and frozen weights, under autocast and in
+    fp32: the same properties."""
+    check_case(case, recompute_operands=True)
 
 
 # ----------------------------------------------------------------------------- regressions
