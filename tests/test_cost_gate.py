@@ -169,3 +169,46 @@ def test_h100_forward_lines_track_the_measured_layers():
         ratio = t["bf16"] / meas
         if abs(ratio - 1) > 0.10:
             assert (bf16 > fp8) == (ratio > 1), (r["group"], r["name"], bf16, fp8, ratio)
+
+
+class LnMlp(torch.nn.Module):
+    def __init__(self, d=64):
+        super().__init__()
+        self.ln = torch.nn.LayerNorm(d)
+        self.a = torch.nn.Linear(d, 4 * d)
+        self.b = torch.nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return self.b(torch.nn.functional.gelu(self.a(self.ln(x))))
+
+
+def test_recompute_operands_is_priced_in_the_gate(monkeypatch):
+    """``recompute_operands`` makes HOT's backward read the fp32 W (2 more bytes per weight)
+    and rebuild x: the gate prices both (on the kernels' stand-in lines), per site, only
+    where the pass will do it; the exact side is unchanged."""
+    calls = []
+    real = cost.CostModel.predict
+
+    def spy(self, *a, **k):
+        calls.append((k.get("w_fp32"), k.get("rebuild_x")))
+        gpu = real(self, *a[:8], True, *a[9:], **k)        # graphs=True: GPU time alone
+        preds.setdefault(len(calls) > 2, []).append(gpu)
+        return real(self, *a, **k)
+    monkeypatch.setattr(cost.CostModel, "predict", spy)
+    monkeypatch.setattr(cost, "model_for", lambda device: cost.H100)
+    preds = {}
+    for rc in (False, True):
+        torch._dynamo.reset()
+        be = hotcompile.backend(HOTConfig(min_features=0, exclude=(), kernels="reference",
+                                          min_speedup=0, recompute_operands=rc))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = torch.compile(LnMlp(), backend=be)(torch.randn(2, 32, 64))
+        out.float().sum().backward()
+        assert all(r.reason is None for r in be.report.layers)
+    assert calls == [(False, False)] * 2 + [(True, True)] * 2, calls
+    for (e0, h0), (e1, h1) in zip(preds[False], preds[True]):
+        assert e1 == e0 and h1 > h0              # exact the same; HOT does more work
+    L, I, O = 64, 64, 256
+    fp32 = cost.H100.kernel_ms("hq_w_fp32", L, I, O, 16, 16)
+    bf16 = cost.H100.kernel_ms("hq_w", L, I, O, 16, 16)
+    assert fp32 - bf16 == pytest.approx(cost.H100.kernels["hq_w"][1] * 2 * O * I)

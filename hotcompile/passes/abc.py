@@ -64,6 +64,20 @@ def group_by_base(sites: List[LinearSite]) -> Dict[tuple, List[LinearSite]]:
     return groups
 
 
+def rebuild_chain(group: List[LinearSite], x: Node, config):
+    """With ``recompute_operands``: the forward ops backward reruns to rebuild ``x`` (the
+    input the group's compression reads) from tensors it keeps anyway
+    (``recompute.recompute_chain``), or None (off, x kept by backward anyway, or not
+    rebuildable). Sites reading views of one base only."""
+    if not config.recompute_operands:
+        return None
+    gws = {s.gw for s in group}
+    if any(needed_in_backward(s.x, gws) for s in group) or \
+            not all(base_of(s.x) is base_of(x) for s in group):
+        return None
+    return recompute_chain(x, gws)
+
+
 def saved_format(config, x: Node) -> str:
     """The saved activation's format for input ``x`` (``formats.gw_rule``): it decides
     the g_W GEMM's path, so the forward fixes it at compile time from the device."""
@@ -84,8 +98,7 @@ def compress_inputs(graph: Graph, groups: Dict[tuple, List[LinearSite]], config,
         first_fwd = min(group, key=lambda s: order[s.fwd])
         x = first_fwd.x
         in_forward = config.abc and not any(needed_in_backward(s.x, gws) for s in group)
-        chain = recompute_chain(x, gws) if in_forward and config.recompute_operands and \
-            all(base_of(s.x) is base_of(x) for s in group) else None
+        chain = rebuild_chain(group, x, config) if in_forward else None
         if chain:
             # backward rebuilds X from what it keeps anyway, and compresses it there
             mark_recompute(chain)

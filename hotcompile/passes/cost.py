@@ -39,18 +39,28 @@ KERNELS = ("grad_out", "hq_g_token", "hq_w", "hq_cublas", "hq_int8", "hla_g", "t
            "fwd_fp8", "fwd_bf16")
 
 
+# kernels without a fitted line of their own, timed by a kernel that moves bytes alike:
+# HQ's W kernel reading the fp32 parameter (``recompute_operands``) by the bf16 one, and the
+# rebuild of a layer input in backward (an Inductor pointwise kernel) by the FP8 forward's
+# Inductor-fused cast of x. Estimates, not fitted: no device run has timed them yet.
+SAME_LINE = {"hq_w_fp32": "hq_w", "rebuild_x": "fwd_cast_x"}
+
+
 def site_kernels(gx: bool, gw: bool, rank: int = 16, gx_gemm: str = "hq_cublas",
-                 gw_gemm: str = "hla_int8") -> tuple:
+                 gw_gemm: str = "hla_int8", w_fp32: bool = False, rebuild_x: bool = False) -> tuple:
     """The kernels of a site's HOT backward (``abc_x``: its share of the forward's ABC;
     ``hla_g``: g's HLA operand made K-major; ``transpose_xq``: the saved x made K-major).
     Both gradients: one ``hot::linear_backward``, whose g_y operands come from one kernel
     pair up to ``ONE_PASS_MAX_RANK`` (int8 saved activations only); one of them:
     ``hq_grad_input`` or ``hla_grad_weight`` alone. ``gx_gemm`` / ``gw_gemm``: the GEMMs'
-    paths (``gx_gemm_kernel``, ``gw_gemm_kernel``)."""
+    paths (``gx_gemm_kernel``, ``gw_gemm_kernel``). ``recompute_operands``: ``w_fp32``, HQ's
+    W kernel reads the fp32 parameter; ``rebuild_x``, backward rebuilds x first."""
+    hq_w = "hq_w_fp32" if w_fp32 else "hq_w"
+    extra = ("rebuild_x",) if rebuild_x and gw else ()
     if gx and gw and rank <= ONE_PASS_MAX_RANK and gw_gemm == "hla_int8":
-        return ("grad_out", "hq_w", gx_gemm, "transpose_xq", "hla_int8", "abc_x")
-    return ((("hq_g_token", "hq_w", gx_gemm) if gx else ())
-            + (("hla_g", "transpose_xq", gw_gemm, "abc_x") if gw else ()))
+        return ("grad_out", hq_w, gx_gemm, "transpose_xq", "hla_int8", "abc_x") + extra
+    return ((("hq_g_token", hq_w, gx_gemm) if gx else ())
+            + (("hla_g", "transpose_xq", gw_gemm, "abc_x") if gw else ()) + extra)
 
 
 def gx_gemm_kernel(config, g: torch.Tensor, n: int) -> str:
@@ -84,6 +94,8 @@ def work(kernel: str, L: int, I: int, O: int, rank: int, block: int) -> float:
         "grad_out": 2 * L * O + L * o_pad + lr * O,  # g_y in, both operands out
         "hq_g_token": 2 * L * O + L * o_pad,         # g_y bf16 in, levels out
         "hq_w": 2 * O * I + I * o_pad,
+        "hq_w_fp32": 4 * O * I + I * o_pad,
+        "rebuild_x": 4 * L * I,                      # >= 2 bytes of kept input read, x written
         "hq_cublas": 2 * L * I * o_pad,
         "hq_int8": 2 * L * I * o_pad,
         "hla_g": 2 * L * O + lr * O,
@@ -108,17 +120,19 @@ class CostModel:
     host_exact_ms: float                      # the same for the two exact GEMMs
 
     def kernel_ms(self, k: str, L: int, I: int, O: int, rank: int, block: int) -> float:
-        fixed, slope = self.kernels[k]
+        fixed, slope = self.kernels[SAME_LINE.get(k, k)]
         return fixed + slope * work(k, L, I, O, rank, block)
 
     def gpu_ms(self, L: int, I: int, O: int, rank: int, block: int, gx: bool = True,
                gw: bool = True, abc_share: float = 1.0,
-               gx_gemm: str = "hq_cublas", gw_gemm: str = "hla_int8") -> Tuple[float, float]:
-        """(exact, HOT) GPU time of the site's backward (+ its share of the ABC kernel)."""
+               gx_gemm: str = "hq_cublas", gw_gemm: str = "hla_int8", w_fp32: bool = False,
+               rebuild_x: bool = False) -> Tuple[float, float]:
+        """(exact, HOT) GPU time of the site's backward (+ its share of the ABC kernel and,
+        with ``rebuild_x``, of x's rebuild: both shared by the sites reading one x)."""
         t = lambda k: self.kernel_ms(k, L, I, O, rank, block)  # noqa: E731
         exact = (t("gx_bf16") if gx else 0.0) + (t("gw_bf16") if gw else 0.0)
-        hot = sum(t(k) * (abc_share if k == "abc_x" else 1.0)
-                  for k in site_kernels(gx, gw, rank, gx_gemm, gw_gemm))
+        hot = sum(t(k) * (abc_share if k in ("abc_x", "rebuild_x") else 1.0)
+                  for k in site_kernels(gx, gw, rank, gx_gemm, gw_gemm, w_fp32, rebuild_x))
         return exact, hot
 
     def predict_forward(self, L: int, I: int, O: int, x_share: float = 1.0) -> Tuple[float, float]:
@@ -130,9 +144,11 @@ class CostModel:
 
     def predict(self, L: int, I: int, O: int, rank: int, block: int, gx: bool, gw: bool,
                 abc_share: float, graphs: bool, gx_gemm: str = "hq_cublas",
-                gw_gemm: str = "hla_int8") -> Tuple[float, float]:
+                gw_gemm: str = "hla_int8", w_fp32: bool = False,
+                rebuild_x: bool = False) -> Tuple[float, float]:
         """(exact, HOT) predicted ms; ``graphs``: the step replays a CUDA graph (no host)."""
-        exact, hot = self.gpu_ms(L, I, O, rank, block, gx, gw, abc_share, gx_gemm, gw_gemm)
+        exact, hot = self.gpu_ms(L, I, O, rank, block, gx, gw, abc_share, gx_gemm, gw_gemm,
+                                 w_fp32, rebuild_x)
         if not graphs:
             share = (int(gx) + int(gw)) / 2
             exact = max(exact, self.host_exact_ms * share)

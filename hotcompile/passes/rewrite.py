@@ -26,7 +26,7 @@ from torch.fx import Graph, Node
 from ..runtime import rank as RANK
 from ..runtime.lqs import TABLE as LQS
 from . import cost
-from .abc import compress_inputs, group_by_base, saved_format
+from .abc import compress_inputs, group_by_base, rebuild_chain, saved_format
 from .find import LinearSite, find_linear_sites, is_forward
 from .forward import rewrite_forward
 from .recompute import parameter_weight_chain, replay_without_cast
@@ -108,6 +108,13 @@ def _cost_gate(sites: List[LinearSite], groups, config) -> None:
     exact where HOT is not predicted to be ``config.min_speedup`` times faster."""
     graphs = bool(torch._inductor.config.triton.cudagraphs)   # mode="reduce-overhead"
     size = {s.key: len(g) for g in groups.values() for s in g}
+    rebuilt = set()             # recompute_operands: sites whose x backward rebuilds
+    if config.recompute_operands:
+        order = {n: i for i, n in enumerate(sites[0].fwd.graph.nodes)} if sites else {}
+        for g in groups.values():
+            x = min(g, key=lambda s: order[s.fwd]).x
+            if config.abc and rebuild_chain(g, x, config):
+                rebuilt.update(s.key for s in g)
     for s in sites:
         if not s.eligible:
             continue
@@ -123,7 +130,10 @@ def _cost_gate(sites: List[LinearSite], groups, config) -> None:
         exact, hot = model.predict(*dims, rank, config.block, s.gx is not None,
                                    s.gw is not None, 1.0 / size.get(s.key, 1), graphs,
                                    cost.gx_gemm_kernel(config, val, s.I),
-                                   cost.gw_gemm_kernel(config, val))
+                                   cost.gw_gemm_kernel(config, val),
+                                   w_fp32=config.recompute_operands
+                                   and parameter_weight_chain(s) is not None,
+                                   rebuild_x=s.key in rebuilt)
         s.cost = (exact, hot, model.name)
         if config.min_speedup > 0 and exact < config.min_speedup * hot:
             s.reason = (f"cost gate: predicted backward {hot:.3f} ms with HOT vs {exact:.3f} ms "
