@@ -322,6 +322,10 @@ def run_layer(group, name, L, I, O, args, copies):
         ("hq_g_tensor", lambda g: H.hq_act_quant(g, GX_BITS, False, seed), gsets, 2 * L * O + L * o_pad),
         ("hq_w", lambda w: H.hq_weight_quant(w, GX_W_BITS, fp8=fmt != "int8", e4m3=w_e4m3),
          [(w,) for _, w, _ in sets], 2 * O * I + I * o_pad),                # as the site runs it
+        # recompute_operands: the fp32 parameter, rounded to bf16 as it is read
+        ("hq_w_fp32", lambda w: H.hq_weight_quant(w, GX_W_BITS, fp8=fmt != "int8", e4m3=w_e4m3,
+                                                  round_to=torch.bfloat16),
+         [(w.float(),) for _, w, _ in sets[:1]], 4 * O * I + I * o_pad),
         ("grad_out", lambda g: GO.grad_out_quant(g, GX_BITS, True, seed, RANK, "1d", GW_BITS, seed,
                                                  hla_seed_add=1), gsets,
          2 * L * O + L * o_pad + lr * O),
