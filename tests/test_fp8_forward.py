@@ -273,3 +273,24 @@ def test_emit_records_the_function_with_metadata():
                and n.meta["stack_trace"] == "here" for n in new)
     assert q.meta["val"].dtype == torch.float8_e4m3fn and tuple(q.meta["val"].shape) == (8, 32)
     assert tuple(s.meta["val"].shape) == (8, 1) and s.meta["val"].stride() == (1, 1)
+
+
+def test_fp8_forward_with_recompute_operands():
+    """``recompute_operands`` beside the FP8 forward: every input rebuilt in backward, W read
+    from the parameter, the forward still FP8. (The forward output may move by an e4m3 step
+    against ``recompute_operands=False``: where Inductor fuses autocast's bf16 cast of x into
+    the e4m3 cast it keeps the value unrounded, and which casts it fuses depends on what the
+    forward must also materialize; the same ambiguity as in
+    ``test_bf16_autocast_block_and_dynamic_lengths``.)"""
+    torch.manual_seed(0)
+    m = Block(d=64, heads=4)
+    be = hotcompile.backend(_cfg(forward="fp8_rowwise", recompute_operands=True))
+    x = torch.randn(2, 32, 64, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = torch.compile(m, backend=be)(x)
+    y.float().square().mean().backward()
+    recs = {r.name: r for r in be.report.layers}
+    assert not be.report.errors and all(r.forward == "fp8_rowwise" for r in recs.values())
+    assert all(recs[n].abc.startswith("rebuilt in backward") for n in ("qkv", "fc1", "fc2"))
+    assert all(r.w_operand == "fp32 parameter" for r in recs.values())
+    assert all(torch.isfinite(p.grad).all() for p in m.parameters())
