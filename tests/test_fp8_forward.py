@@ -277,20 +277,54 @@ def test_emit_records_the_function_with_metadata():
 
 def test_fp8_forward_with_recompute_operands():
     """``recompute_operands`` beside the FP8 forward: every input rebuilt in backward, W read
-    from the parameter, the forward still FP8. (The forward output may move by an e4m3 step
-    against ``recompute_operands=False``: where Inductor fuses autocast's bf16 cast of x into
-    the e4m3 cast it keeps the value unrounded, and which casts it fuses depends on what the
-    forward must also materialize; the same ambiguity as in
-    ``test_bf16_autocast_block_and_dynamic_lengths``.)"""
-    torch.manual_seed(0)
-    m = Block(d=64, heads=4)
-    be = hotcompile.backend(_cfg(forward="fp8_rowwise", recompute_operands=True))
-    x = torch.randn(2, 32, 64, requires_grad=True)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        y = torch.compile(m, backend=be)(x)
-    y.float().square().mean().backward()
-    recs = {r.name: r for r in be.report.layers}
-    assert not be.report.errors and all(r.forward == "fp8_rowwise" for r in recs.values())
+    from the parameter, the forward still FP8, and the output and gradients the very same
+    as without it (which also needs ``e4m3_cast``'s pinning: the two compiles fuse
+    autocast's casts differently)."""
+    out = {}
+    for rc in (False, True):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        m = Block(d=64, heads=4)
+        be = hotcompile.backend(_cfg(forward="fp8_rowwise", recompute_operands=rc))
+        x = torch.randn(2, 32, 64, requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = torch.compile(m, backend=be)(x)
+        y.float().square().mean().backward()
+        recs = {r.name: r for r in be.report.layers}
+        assert not be.report.errors and all(r.forward == "fp8_rowwise" for r in recs.values())
+        out[rc] = [y.detach()] + [p.grad for p in m.parameters()] + [x.grad]
     assert all(recs[n].abc.startswith("rebuilt in backward") for n in ("qkv", "fc1", "fc2"))
     assert all(r.w_operand == "fp32 parameter" for r in recs.values())
-    assert all(torch.isfinite(p.grad).all() for p in m.parameters())
+    for a, b in zip(out[False], out[True]):
+        assert torch.equal(a, b)
+
+
+class NormLinear(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln = torch.nn.LayerNorm(64)
+        self.fc = torch.nn.Linear(64, 128)
+
+    def forward(self, x):
+        return self.fc(self.ln(x))
+
+
+@pytest.mark.parametrize("forward", ["fp8", "fp8_rowwise"])
+def test_autocast_forward_is_the_twin_on_bf16_operands(forward):
+    """Under bf16 autocast Inductor fuses LayerNorm, autocast's bf16 cast and the FP8 cast
+    into one kernel, and would quantize the unrounded fp32 value; ``e4m3_cast`` pins x and
+    W to bf16 first, so the compiled forward is the twin on the bf16 operands, bit for bit."""
+    torch.manual_seed(3)
+    m, x = NormLinear(), torch.randn(2, 32, 64)
+    be = hotcompile.backend(_cfg(forward=forward))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = torch.compile(m, backend=be)(x)
+    assert be.report.layers[0].forward == forward
+    with torch.no_grad():
+        h = m.ln(x).bfloat16().reshape(-1, 64)
+        want = F8.fp8_linear(h, m.fc.weight.bfloat16().t(), m.fc.bias.bfloat16(),
+                             rowwise=forward == "fp8_rowwise")
+        unpinned = F8.fp8_linear(m.ln(x).reshape(-1, 64), m.fc.weight.t(), m.fc.bias,
+                                 torch.bfloat16, rowwise=forward == "fp8_rowwise")
+    assert torch.equal(y.reshape(-1, 128), want)
+    assert not torch.equal(unpinned, want)     # the fp32 operands would give other levels

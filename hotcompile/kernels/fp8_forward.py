@@ -16,9 +16,13 @@ accumulation. The clamp is needed: torch's
 fp32 -> e4m3fn conversion does not saturate (it gives NaN above 448). NaN in an operand
 makes its amax NaN, so the output is NaN, as a bf16 GEMM's would be somewhere.
 Under bf16 autocast, Inductor fuses autocast's bf16 cast of x (or W) into this one and
-keeps the value in fp32 (``emulate_precision_casts=False``), so a compiled graph may
-quantize the unrounded value: per layer, as far from the twin on bf16 operands as the
-twin on fp32 operands is (1.4% on a random MLP layer; ``test_gpu_fp8_forward``).
+keeps the value in fp32 (``emulate_precision_casts=False``): left alone, a compiled graph
+would quantize the unrounded value where it fuses and the rounded one where it does not
+(per layer as far apart as the twin on bf16 and on fp32 operands: 1.4% on a random MLP
+layer), so the forward's output would move whenever an unrelated change altered what the
+forward materializes. ``e4m3_cast`` therefore pins a bf16 / fp16 operand to its dtype
+first with a bitcast round trip (as int16 and back), which Inductor computes from the
+rounded value: the compiled forward is the twin on the operands' own dtype, fused or not.
 
 ``FAST_ACCUM``: the forward GEMM accumulates with Hopper's fast FP8 accumulation, as
 torchao's forward does by default (its backward GEMMs do not); the accuracy gates ran
@@ -32,12 +36,16 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 
 E4M3_MAX = 448.0
+_BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16}
 AMAX_FLOOR = 1e-12
 FAST_ACCUM = True
 
 
-def e4m3_cast(t, rowwise: bool = False, contiguous: bool = False, scale_as_row: bool = False):
-    """(e4m3 levels of ``t``, fp32 dequantization scale). ``t``: 2-D, any float dtype.
+def e4m3_cast(t, rowwise: bool = False, contiguous: bool = False, scale_as_row: bool = False,
+              dtype: torch.dtype | None = None):
+    """(e4m3 levels of ``t``, fp32 dequantization scale). ``t``: 2-D, any float dtype,
+    ``dtype`` its dtype when ``t`` is a graph proxy (default: ``t.dtype``): a bf16 / fp16
+    ``t`` is pinned to it first (a bitcast round trip; see the module's docstring).
 
     The scale is 0-d, or with ``rowwise`` one per row of ``t``, shaped (R, 1), or with
     ``scale_as_row`` (1, R): the GEMM's x and W scales. ``contiguous``: the levels are
@@ -45,6 +53,10 @@ def e4m3_cast(t, rowwise: bool = False, contiguous: bool = False, scale_as_row: 
     this with the cast). The 2-D scale is an ``as_strided`` view with unit strides of the
     1-D scale: Inductor gives a view made by ``unsqueeze`` (or a keepdim reduction) any
     stride on its size-1 axis (0 or R seen on CPU), which ``_scaled_mm`` rejects."""
+    dtype = dtype or t.dtype
+    if dtype in _BITS:          # the identity "& -1" keeps Inductor from folding the pair
+        bits = aten.bitwise_and.Scalar(aten.view.dtype(t, _BITS[dtype]), -1)
+        t = aten.view.dtype(bits, dtype)
     t32 = prims.convert_element_type.default(t, torch.float32)
     amax = aten.amax.default(aten.abs.default(t32), [1] if rowwise else [0, 1])
     scale = aten.div.Tensor(aten.clamp_min.default(amax, AMAX_FLOOR), E4M3_MAX)
@@ -79,10 +91,12 @@ def scaled_linear(xq, sx, wtq, sw, bias, dtype: torch.dtype, fast_accum: bool = 
     return y
 
 
-def weight_operand(wt, rowwise: bool = False):
+def weight_operand(wt, rowwise: bool = False, dtype: torch.dtype | None = None):
     """The (I, O) forward operand ``wt`` -> (column-major e4m3 (I, O), scale: 0-d, or (1, O)
-    row-wise): quantize W = wt^T as a row-major (O, I) buffer, then view it transposed."""
-    q, s = e4m3_cast(aten.permute.default(wt, [1, 0]), rowwise, True, scale_as_row=True)
+    row-wise): quantize W = wt^T as a row-major (O, I) buffer, then view it transposed.
+    ``dtype``: ``wt``'s, when it is a graph proxy."""
+    q, s = e4m3_cast(aten.permute.default(wt, [1, 0]), rowwise, True, scale_as_row=True,
+                     dtype=dtype)
     return aten.permute.default(q, [1, 0]), s
 
 

@@ -67,13 +67,16 @@ def rewrite_forward(graph: Graph, sites: List[LinearSite], config, fake_mode) ->
         rowwise = s.forward == "fp8_rowwise"
         key = (s.group or s.key, rowwise)
         if key not in casts:     # the group's first forward GEMM: cast x there, once
-            casts[key] = emit(graph, lambda x: F8.e4m3_cast(x, rowwise, contiguous=True),
+            x_dtype = s.x.meta["val"].dtype
+            casts[key] = emit(graph, lambda x: F8.e4m3_cast(x, rowwise, contiguous=True,
+                                                            dtype=x_dtype),
                               (s.x,), s.fwd, "is_forward", s.fwd, fake_mode, meta)
         xq, sx = casts[key]
         dtype = s.fwd.meta["val"].dtype
+        w_dtype = s.wt.meta["val"].dtype
 
-        def site_gemm(wt, xq, sx, bias, dtype=dtype, rowwise=rowwise):
-            wq, sw = F8.weight_operand(wt, rowwise)
+        def site_gemm(wt, xq, sx, bias, dtype=dtype, rowwise=rowwise, w_dtype=w_dtype):
+            wq, sw = F8.weight_operand(wt, rowwise, w_dtype)
             return F8.scaled_linear(xq, sx, wq, sw, bias, dtype)
 
         y = emit(graph, site_gemm, (s.wt, xq, sx, _bias(s)), s.fwd, "is_forward", s.fwd,
