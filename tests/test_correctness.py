@@ -275,6 +275,34 @@ def test_recompute_operands_leaves_checkpointed_regions_alone():
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
 
 
+# ------------------------------------------------------------------ random bits
+def test_one_seed_draw_per_backward_graph():
+    """The compiled backward draws its random bits once (``hot::draw_seeds``) and every HOT
+    op reads its own element; runs under one ``manual_seed`` repeat bit for bit."""
+    def run():
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = NormMlp()
+        be = hotcompile.backend(HOTConfig(rank=8, min_features=0, kernels="reference"))
+        with capture_graphs() as graphs:
+            torch.manual_seed(1)
+            model(torch.randn(2, 32, 64))          # eager, to advance the generator alike
+            x = torch.randn(2, 32, 64, requires_grad=True)
+            torch.compile(model, backend=be)(x).square().mean().backward()
+        return graphs, [p.grad for p in model.parameters()]
+
+    graphs, g1 = run()
+    bw = [g for g in graphs if is_bw(g)][0]
+    draws = [n for n in bw.nodes if n.op == "call_function" and "draw_seeds" in str(n.target)]
+    hot = [n for n in bw.nodes if n.op == "call_function" and str(n.target).startswith("hot.")
+           and "draw_seeds" not in str(n.target) and "abc_compress" not in str(n.target)]
+    assert len(draws) == 1 and draws[0].args[1] == len(hot) == 3, [str(n.target) for n in hot]
+    assert sorted(n.args[-1] for n in hot) == [0, 1, 2]
+    assert all(n.args[-2] is draws[0] for n in hot)
+    _, g2 = run()
+    assert all(torch.equal(a, b) for a, b in zip(g1, g2))
+
+
 # ------------------------------------------------------------------ runtime state
 def test_two_backends_never_share_run_time_choices():
     torch.manual_seed(0)

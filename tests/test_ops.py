@@ -74,3 +74,23 @@ def test_seeds_differ_per_rank_under_the_same_manual_seed(monkeypatch):
     torch.manual_seed(0)
     monkeypatch.setattr(ops, "_rank", lambda: 1)
     assert [int(ops.draw_seed(torch.device("cpu"))) for _ in range(4)] == draws[1]
+
+
+def test_draw_seeds_one_launch_for_a_graph(monkeypatch):
+    """``hot::draw_seeds``: n seeds at once, offset per rank like ``draw_seed``'s; an op given
+    ``seeds`` and ``seed_index`` uses that element (as if it had drawn it), and one given
+    none still draws its own."""
+    like = torch.empty(3)
+    for rank in (0, 3):
+        monkeypatch.setattr(ops, "_rank", lambda r=rank: r)
+        torch.manual_seed(5)
+        seeds = torch.ops.hot.draw_seeds(like, 4)
+        torch.manual_seed(5)
+        plain = torch.randint(0, ops._SEED_HIGH, (4,), dtype=torch.int64)
+        offset = (rank * ops._RANK_STRIDE) % ops._SEED_HIGH
+        assert seeds.dtype == torch.int64 and torch.equal(seeds, plain + offset)
+    g, w = torch.randn(40, 32), torch.randn(32, 24)
+    from hotcompile.kernels import reference as R
+    got = torch.ops.hot.hq_grad_input(g, w, 4, 8, 16, "token", "s", "reference", seeds, 2)
+    assert torch.equal(got, R.hq_grad_input(g, w, 4, True, seeds[2], w_bits=8))
+    assert not torch.equal(got, R.hq_grad_input(g, w, 4, True, seeds[1], w_bits=8))

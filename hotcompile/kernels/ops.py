@@ -5,13 +5,16 @@ AOT tracing, where a ``triton_op`` would not be decomposed anyway (it runs as an
 call either way, see TORCH_NOTES.md), and ``custom_op`` lets one Python body choose the
 fused Triton implementation on CUDA and the reference twin elsewhere.
 
-Randomness: each call draws its Philox seed from torch's generator of the tensor's
-device (``torch.randint`` on that device), so ``torch.manual_seed`` makes a run
-reproducible and CUDA-graph replays draw fresh bits (the generator is capture-aware).
+Randomness: seeds come from torch's generator of the tensor's device (``torch.randint``
+on that device), so ``torch.manual_seed`` makes a run reproducible and CUDA-graph replays
+draw fresh bits (the generator is capture-aware). In a compiled backward the pass inserts
+one ``hot::draw_seeds`` for the whole graph and hands each op its element (``seeds``,
+``seed_index``: a view, no launch); an op called without them draws its own.
 """
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -40,6 +43,26 @@ def draw_seed(device: torch.device) -> Tensor:
     seed = torch.randint(0, _SEED_HIGH, (), device=device, dtype=torch.int64)
     rank = _rank()
     return seed + (rank * _RANK_STRIDE) % _SEED_HIGH if rank else seed
+
+
+@torch.library.custom_op("hot::draw_seeds", mutates_args=(),
+                         tags=(torch.Tag.nondeterministic_seeded,))
+def draw_seeds(like: Tensor, n: int) -> Tensor:
+    """``n`` Philox seeds on ``like``'s device, each offset by the rank as ``draw_seed``'s:
+    one launch for every HOT op of a backward graph instead of one per op."""
+    seeds = torch.randint(0, _SEED_HIGH, (n,), device=like.device, dtype=torch.int64)
+    rank = _rank()
+    return seeds + (rank * _RANK_STRIDE) % _SEED_HIGH if rank else seeds
+
+
+@draw_seeds.register_fake
+def _(like, n):
+    return torch.empty((n,), dtype=torch.int64, device=like.device)
+
+
+def _seed(g: Tensor, seeds: Optional[Tensor], seed_index: int) -> Tensor:
+    """The op's seed: its element of the graph's ``draw_seeds`` (a view), or a fresh draw."""
+    return seeds[seed_index] if seeds is not None else draw_seed(g.device)
 
 
 def triton_usable(t: Tensor, kernels: str) -> bool:
@@ -74,11 +97,12 @@ def _hq_scaling(scale: str, site: str, g: Tensor, bits: int, block: int) -> tupl
 # ----------------------------------------------------------------------- HQ (g_x)
 @torch.library.custom_op("hot::hq_grad_input", mutates_args=())
 def hq_grad_input(g: Tensor, w: Tensor, bits: int, w_bits: int, block: int, scale: str,
-                  site: str, kernels: str) -> Tensor:
+                  site: str, kernels: str, seeds: Optional[Tensor] = None,
+                  seed_index: int = 0) -> Tensor:
     """g_x ~= g W with block Hadamard along O: g to ``bits`` levels (stochastic), W to
     ``w_bits`` levels. g: (L, O), w: (O, I). ``site``: the runtime key (LQS table)."""
     per_token, warm_other = _hq_scaling(scale, site, g, bits, block)
-    seed = draw_seed(g.device)
+    seed = _seed(g, seeds, seed_index)
     if triton_usable(g, kernels):
         return _fused().hq_grad_input(g, w, bits, per_token, seed, block,
                                       warm_other_scale=warm_other, w_bits=w_bits)
@@ -86,7 +110,7 @@ def hq_grad_input(g: Tensor, w: Tensor, bits: int, w_bits: int, block: int, scal
 
 
 @hq_grad_input.register_fake
-def _(g, w, bits, w_bits, block, scale, site, kernels):
+def _(g, w, bits, w_bits, block, scale, site, kernels, seeds=None, seed_index=0):
     torch._check(g.shape[1] == w.shape[0], lambda: "hq_grad_input: g and w disagree on O")
     return g.new_empty((g.shape[0], w.shape[1]))
 
@@ -116,12 +140,13 @@ def _(x, rank, bits, block, seq_len, seq_first, kernels, fmt):
 # ----------------------------------------------------------------------- HLA (g_W)
 @torch.library.custom_op("hot::hla_grad_weight", mutates_args=())
 def hla_grad_weight(g: Tensor, xq: Tensor, x_scale: Tensor, rank: int, bits: int, block: int,
-                    seq_len: int, seq_first: bool, measure: str, kernels: str) -> Tensor:
+                    seq_len: int, seq_first: bool, measure: str, kernels: str,
+                    seeds: Optional[Tensor] = None, seed_index: int = 0) -> Tensor:
     """g_W ~= g^T x over the kept low-pass token coefficients. g: (L, O) -> (O, I).
 
     ``measure``: a rank-calibration key (``runtime.rank``): also measure, on this step's
     real g and x, g_W's error at every rank against this full-rank result."""
-    seed = draw_seed(g.device)
+    seed = _seed(g, seeds, seed_index)
     lay = dict(seq_len=seq_len, seq_first=seq_first)
     if measure:
         RANK.measure(measure, g, xq, x_scale, block, seq_len, seq_first)
@@ -131,7 +156,8 @@ def hla_grad_weight(g: Tensor, xq: Tensor, x_scale: Tensor, rank: int, bits: int
 
 
 @hla_grad_weight.register_fake
-def _(g, xq, x_scale, rank, bits, block, seq_len, seq_first, measure, kernels):
+def _(g, xq, x_scale, rank, bits, block, seq_len, seq_first, measure, kernels, seeds=None,
+      seed_index=0):
     torch._check(xq.shape[0] == ref.hla_rows(g.shape[0], rank, block, seq_len),
                  lambda: "hla_grad_weight: compressed buffer rows disagree with g")
     return g.new_empty((g.shape[1], xq.shape[1]))
@@ -151,7 +177,8 @@ longer fits the registers next to the HQ half."""
 @torch.library.custom_op("hot::linear_backward", mutates_args=())
 def linear_backward(g: Tensor, xq: Tensor, x_scale: Tensor, rank: int, gw_bits: int, block: int,
                     seq_len: int, seq_first: bool, measure: str, kernels: str, w: Tensor,
-                    gx_bits: int, w_bits: int, scale: str, site: str) -> tuple[Tensor, Tensor]:
+                    gx_bits: int, w_bits: int, scale: str, site: str,
+                    seeds: Optional[Tensor] = None, seed_index: int = 0) -> tuple[Tensor, Tensor]:
     """(g_x, g_W) of one linear site: ``hq_grad_input`` and ``hla_grad_weight`` in one op:
     one dispatch, one seed drawn (g_W's bits from seed + 1), and up to rank
     ``ONE_PASS_MAX_RANK`` one kernel pair reading g for both operands.
@@ -160,7 +187,7 @@ def linear_backward(g: Tensor, xq: Tensor, x_scale: Tensor, rank: int, gw_bits: 
     ``hq_grad_input``'s: tools that read a site's g_W op (its buffer, its rank-measure key)
     read either op alike."""
     per_token, warm_other = _hq_scaling(scale, site, g, gx_bits, block)
-    seed = draw_seed(g.device)
+    seed = _seed(g, seeds, seed_index)
     if measure:
         RANK.measure(measure, g, xq, x_scale, block, seq_len, seq_first)
     lay = dict(seq_len=seq_len, seq_first=seq_first)
@@ -175,7 +202,7 @@ def linear_backward(g: Tensor, xq: Tensor, x_scale: Tensor, rank: int, gw_bits: 
 
 @linear_backward.register_fake
 def _(g, xq, x_scale, rank, gw_bits, block, seq_len, seq_first, measure, kernels, w, gx_bits,
-      w_bits, scale, site):
+      w_bits, scale, site, seeds=None, seed_index=0):
     torch._check(g.shape[1] == w.shape[0], lambda: "linear_backward: g and w disagree on O")
     torch._check(xq.shape[0] == ref.hla_rows(g.shape[0], rank, block, seq_len),
                  lambda: "linear_backward: compressed buffer rows disagree with g")
@@ -183,4 +210,5 @@ def _(g, xq, x_scale, rank, gw_bits, block, seq_len, seq_first, measure, kernels
 
 
 OPS = (torch.ops.hot.hq_grad_input.default, torch.ops.hot.abc_compress.default,
-       torch.ops.hot.hla_grad_weight.default, torch.ops.hot.linear_backward.default)
+       torch.ops.hot.hla_grad_weight.default, torch.ops.hot.linear_backward.default,
+       torch.ops.hot.draw_seeds.default)

@@ -36,6 +36,7 @@ from .tokens import AxisLabels
 HQ_OP = torch.ops.hot.hq_grad_input.default
 HLA_OP = torch.ops.hot.hla_grad_weight.default
 UNIT_OP = torch.ops.hot.linear_backward.default
+SEEDS_OP = torch.ops.hot.draw_seeds.default
 ABC_OP = torch.ops.hot.abc_compress.default
 aten = torch.ops.aten
 
@@ -219,6 +220,7 @@ def rewrite_joint_graph(graph: Graph, config, params: Optional[Set[Node]] = None
                       before=s.gx, tag="is_backward", like=s.gx, fake_mode=fake_mode)
         s.rewritten_gx = gx
         _replace(graph, s.gx, gx, s.gx_t, fake_mode)
+    _share_seeds(graph, todo, fake_mode)
     rewrite_forward(graph, todo, config, fake_mode)
     for s in todo:
         for old in (s.gx, s.gw):
@@ -228,6 +230,25 @@ def rewrite_joint_graph(graph: Graph, config, params: Optional[Set[Node]] = None
     graph.lint()
     register_runtime(config, registrations(sites))
     return sites
+
+
+def _share_seeds(graph: Graph, sites: List[LinearSite], fake_mode) -> None:
+    """One ``hot::draw_seeds`` before the graph's first HOT backward op, each op reading its
+    own element (``seeds``, ``seed_index``): one launch for the graph's random bits instead
+    of a ``randint`` per op."""
+    ops: List[Node] = []
+    for s in sites:
+        for n in (s.rewritten_gx, s.rewritten_gw):
+            if n is not None and n not in ops:
+                ops.append(n)
+    if not ops:
+        return
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    ops.sort(key=order.__getitem__)
+    seeds = add_node(graph, SEEDS_OP, (ops[0].args[0], len(ops)), before=ops[0],
+                     tag="is_backward", like=ops[0], fake_mode=fake_mode)
+    for i, n in enumerate(ops):
+        n.args = tuple(n.args) + (seeds, i)
 
 
 def _weight(graph: Graph, s: LinearSite, before: Node, fake_mode) -> Node:
