@@ -599,3 +599,53 @@ def test_gpu_hq_weight_rounds_an_fp32_parameter_as_it_reads(e4m3):
     qc, sc = H.hq_weight_quant(w.bfloat16(), 8, e4m3=e4m3)
     assert torch.equal(q.view(torch.uint8), qc.view(torch.uint8))
     assert torch.allclose(s, sc, rtol=0, atol=0, equal_nan=True)
+
+
+class _Launches(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts what would be a device launch: every Triton kernel run, and every aten op that
+    computes (GEMMs, fills, copies, random draws), not views, allocations or metadata."""
+    FREE = {"empty", "empty_strided", "view", "_unsafe_view", "t", "transpose", "permute",
+            "select", "slice", "as_strided", "detach", "alias", "expand", "reshape",
+            "unsqueeze", "squeeze", "lift_fresh", "_local_scalar_dense"}
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+        self.in_kernel = 0          # the interpreter's own tensor work is not a launch
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name not in self.FREE and not self.in_kernel:
+            self.ops.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@cpu
+def test_site_backward_launch_budget(monkeypatch):
+    """The launches of one site's backward on the H100's default path (per-token g_y, W as
+    scaled e4m3, e4m3 g_W, rank 16: the split path): 9, none of them a seed draw when the
+    graph hands the seed over. A guard: a change that adds a launch must say so here."""
+    from triton.runtime.interpreter import InterpretedFunction
+    kernels = []
+    real = InterpretedFunction.run
+    mode = _Launches()
+
+    def run(self, *a, **k):
+        kernels.append(self.fn.__name__)
+        mode.in_kernel += 1
+        try:
+            return real(self, *a, **k)
+        finally:
+            mode.in_kernel -= 1
+    monkeypatch.setattr(InterpretedFunction, "run", run)
+    monkeypatch.setattr(F.gemm, "gx_format", lambda *a, **k: "cublas_fp8")
+    g, w, x = _randn(64, 48, dtype=torch.bfloat16), _randn(48, 32, dtype=torch.bfloat16), \
+        _randn(64, 32, dtype=torch.bfloat16)
+    xq, xs = F.abc_compress(x, 16, fmt="e4m3")
+    seed = torch.tensor(5)
+    kernels.clear()
+    with mode:
+        F.linear_backward(g, w, xq, xs, 16, 4, 8, 8, True, seed, one_pass=False)
+    assert kernels == ["_hq_token_kernel", "_hq_weight_kernel", "_hq_weight_kernel",
+                       "_hla_kernel", "_hla_kernel", "_transpose_kernel"], kernels
+    assert mode.ops == ["zeros", "_scaled_mm", "_scaled_mm"], mode.ops    # one zeroing

@@ -60,13 +60,16 @@ def gx_path(g: torch.Tensor, w: torch.Tensor, bits: int, w_bits: int, per_token:
     return fmt, formats.w_is_e4m3(fmt, w_bits)
 
 
-def _gx(g, w, bits: int, w_bits: int, per_token: bool, seed, gq=None, path=None) -> torch.Tensor:
+def _gx(g, w, bits: int, w_bits: int, per_token: bool, seed, gq=None, path=None,
+        w_amax=None) -> torch.Tensor:
     """The fused g_x: W and (unless given as ``gq`` = (levels, scale)) g_y quantized for the
-    GEMM path (``path``, else ``gx_path``'s), then that GEMM."""
+    GEMM path (``path``, else ``gx_path``'s), then that GEMM. ``w_amax``: W's zeroed
+    workspace (``hq_weight_quant``'s ``amax``)."""
     fmt, e4m3 = path or gx_path(g, w, bits, w_bits, per_token)
     cublas = fmt == "cublas_fp8"
     qw, sw = hadamard.hq_weight_quant(w, w_bits, fp8=fmt == "fp8" or cublas, e4m3=e4m3,
-                                      scale_mul=1.0 / 16 if cublas else 1.0, round_to=g.dtype)
+                                      scale_mul=1.0 / 16 if cublas else 1.0, round_to=g.dtype,
+                                      amax=w_amax)
     qg, sg = gq if gq is not None else hadamard.hq_act_quant(g, bits, per_token, seed,
                                                              fp8=fmt != "int8")
     if cublas:
@@ -101,7 +104,7 @@ def _k_major(q: torch.Tensor) -> torch.Tensor:
 
 
 def _gw(g, xt, x_scale, rank: int, select: str, bits: int, seed, lay, qg=None,
-        seed_add: int = 0) -> torch.Tensor:
+        seed_add: int = 0, amax=None) -> torch.Tensor:
     """The fused g_W GEMM: g's projected levels (given as ``qg`` = transposed levels and
     scale, or computed with Philox key seed + ``seed_add``, written transposed by the HLA
     kernel: as fast as row-major plus a transpose, one launch fewer, layers_2026-11-24T030739)
@@ -116,7 +119,7 @@ def _gw(g, xt, x_scale, rank: int, select: str, bits: int, seed, lay, qg=None,
     fp8 = xt.dtype == torch.float8_e4m3fn
     qg = qg or hla.hla_quant(g, rank, select, bits, stochastic=True, seed=seed,
                              seed_add=seed_add, transposed=True, pad_to=16, e4m3=fp8,
-                             scale_mul=1.0 / _FUSED_BLOCK if fp8 else 1.0, **lay)
+                             scale_mul=1.0 / _FUSED_BLOCK if fp8 else 1.0, amax=amax, **lay)
     if fp8:
         # bf16 and fp32 outputs are what the H100 runs measured; fp16 goes through fp32
         out = gemm.cublas_fp8_mm(qg[0], _k_major(xt), qg[1], xs,
@@ -163,9 +166,13 @@ def linear_backward(g: torch.Tensor, w: torch.Tensor, xt: torch.Tensor, x_scale:
         qg, sg = hadamard.hq_act_quant(g, gx_bits, per_token, seed, fp8=fp8)
     if warm_other_scale:
         hq_grad_input(g, w, gx_bits, not per_token, seed, block, False, w_bits)
-    gx = _gx(g, w, gx_bits, w_bits, per_token, seed, gq=(qg, sg), path=path)
+    # the W kernel's and (split path) the HLA kernel's amax words: zeroed by one launch
+    ws = torch.zeros((w.shape[1] + (qg_t is None),), dtype=torch.int32, device=g.device)
+    gx = _gx(g, w, gx_bits, w_bits, per_token, seed, gq=(qg, sg), path=path,
+             w_amax=ws[:w.shape[1]])
     if qg_t is None:    # g's HLA operand from its own kernel: Philox key seed + 1
-        gw = _gw(g, xt, x_scale, rank, "1d", gw_bits, seed, lay, seed_add=1)
+        gw = _gw(g, xt, x_scale, rank, "1d", gw_bits, seed, lay, seed_add=1,
+                 amax=ws[w.shape[1]:])
     else:
         gw = _gw(g, xt, x_scale, rank, "1d", gw_bits, seed, lay, qg=tuple(qg_t))
     return gx, gw

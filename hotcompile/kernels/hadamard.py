@@ -514,7 +514,8 @@ _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 def hq_weight_quant(w: torch.Tensor, bits: int, fp8: bool = False, e4m3: bool = False,
-                    scale_mul: float = 1.0, round_to: Optional[torch.dtype] = None):
+                    scale_mul: float = 1.0, round_to: Optional[torch.dtype] = None,
+                    amax: Optional[torch.Tensor] = None):
     """reference.hq_weight: W (O, I) -> (levels (I, O_pad), per-in-feature fp32 scale (I,)).
 
     ``fp8``: the levels stored as e4m3; ``e4m3``: scaled FP8 instead of levels (``bits``
@@ -522,13 +523,14 @@ def hq_weight_quant(w: torch.Tensor, bits: int, fp8: bool = False, e4m3: bool = 
     FP8 GEMM has no alpha, so the g_x GEMM's 1/16 rides on W's scale at no cost.
     ``round_to`` (bf16 / fp16): W is rounded to it as it is read, as if ``w.to(round_to)``
     had been passed: an fp32 parameter stands for autocast's copy of it, which then need
-    not be kept for backward (``HOTConfig.recompute_operands``)."""
+    not be kept for backward (``HOTConfig.recompute_operands``). ``amax``: a zeroed (I,)
+    int32 workspace the caller made with others in one launch (default: its own)."""
     O, I = w.shape
     O_pad = -(-O // 16) * 16
     dev = w.device
     q = torch.empty((I, O_pad), dtype=level_dtype(fp8 or e4m3), device=dev)
     s = torch.empty((I,), dtype=torch.float32, device=dev)
-    amax = torch.zeros((I,), dtype=torch.int32, device=dev)
+    amax = torch.zeros((I,), dtype=torch.int32, device=dev) if amax is None else amax
     interp = interpreting()
     bi = 32 if not interp else 8                     # 64 contiguous bytes of each W row
     bo = min(256 if not interp else 64, _pow2_at_least(O_pad))
