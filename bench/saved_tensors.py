@@ -13,7 +13,8 @@ the compiled graphs are Inductor's own) and once with the HOT config asked for. 
 name every kept tensor by the op that produced it and the backward ops that read it
 (``hotcompile/debug/saved.py``); this script puts the two side by side, grouped by
 (producer, use), with autograd's own count of saved bytes (``common.SavedBytes``, distinct
-non-parameter storages of one forward) as a cross-check of the total.
+non-parameter storages of one forward) as a cross-check of the total, and on a GPU the
+peak allocated memory of one full training step (AdamW state included).
 
 Bytes are the compiled graphs' own shapes and dtypes: they do not depend on the device,
 except for which attention kernel runs (flash on CUDA keeps the output and log-sum-exp, the
@@ -58,14 +59,21 @@ def measure(model: str, hot: dict, opts: dict, dump_dir: str) -> dict:
     C.reset_compile_state()
     run = T.setup_run(model, "hot", dict(opts, hot=dict(hot, dump_dir=dump_dir)))
     run.step(0)
+    run.step(1)                       # AdamW's state exists from here on, as in training
+    cuda = run.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(run.device)
+        torch.cuda.reset_peak_memory_stats(run.device)
     with C.SavedBytes(run.wl.module.parameters()) as sb:
         with C.amp_ctx(run.device, run.amp):
             loss = run.step_fn(*run.batches[0])
     loss.backward()
+    run.opt.step()
     run.opt.zero_grad(set_to_none=True)
+    peak = torch.cuda.max_memory_allocated(run.device) if cuda else None
     rep = run.be.report
     data = load_dump(dump_dir)
-    out = {"rows": data["saved"], "autograd_saved_bytes": sb.nbytes,
+    out = {"rows": data["saved"], "autograd_saved_bytes": sb.nbytes, "peak_bytes": peak,
            "sites": len(rep.training), "rewritten": len(rep.rewritten),
            "batch": run.wl.batch, "notes": run.wl.notes}
     del run, loss
@@ -107,8 +115,12 @@ def markdown(model: str, res: dict) -> str:
     L += ["", f"kept activations (graph inputs not counted): Inductor {fmt_bytes(tot_b)}, HOT "
               f"{fmt_bytes(tot_h)} ({tot_h / tot_b:.3f}x)" if tot_b else "",
           f"autograd saved_tensors_hooks (distinct non-parameter storages): Inductor "
-          f"{fmt_bytes(base['autograd_saved_bytes'])}, HOT {fmt_bytes(hot['autograd_saved_bytes'])}",
-          ""]
+          f"{fmt_bytes(base['autograd_saved_bytes'])}, HOT {fmt_bytes(hot['autograd_saved_bytes'])}"]
+    if base["peak_bytes"]:
+        L.append(f"peak allocated over one training step (after two): Inductor "
+                 f"{fmt_bytes(base['peak_bytes'])}, HOT {fmt_bytes(hot['peak_bytes'])} "
+                 f"({hot['peak_bytes'] / base['peak_bytes']:.3f}x)")
+    L.append("")
     return "\n".join(L)
 
 

@@ -293,6 +293,30 @@ def test_step_profile_smoke(tmp_path):
     assert calls.get("hot::linear_backward", 0) > 0 and calls.get("hot::abc_compress", 0) > 0
 
 
+def test_saved_tensors_smoke(tmp_path):
+    """bench/saved_tensors.py runs on CPU: Inductor's and HOT's kept tensors by producer, the
+    totals agree with autograd's own count (which also counts the user's inputs backward
+    reads, e.g. the targets: the dump lists those as graph inputs), and
+    ``recompute_operands`` keeps less than Inductor."""
+    env = dict(os.environ, TORCHINDUCTOR_COMPILE_THREADS="1")
+    out = subprocess.run([sys.executable, os.path.join(BENCH, "saved_tensors.py"), "--models",
+                          "tiny_vit", "--batch", "4", "--hot", "recompute_operands=true",
+                          "--out", str(tmp_path)], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    res = _json(str(tmp_path), "saved_tensors")[1]["results"]["tiny_vit"]
+    kept = {}
+    for side in ("inductor", "hot"):
+        r = res[side]
+        kept[side] = sum(x["bytes"] for x in r["rows"] if x["activation"])
+        inputs = sum(x["bytes"] for x in r["rows"] if not x["activation"])
+        assert 0 < kept[side] <= r["autograd_saved_bytes"] <= kept[side] + inputs, side
+    assert res["inductor"]["rewritten"] == 0 and res["hot"]["rewritten"] > 0
+    assert kept["hot"] < kept["inductor"]
+    assert not any(x["producer"] == "copy of a graph input" and x["use"].startswith("HOT")
+                   for x in res["hot"]["rows"])
+
+
 def test_train_table_separates_compile_modes():
     """Runs under CUDA graphs compare with Inductor under CUDA graphs, and show no peak."""
     T = _load("train")
