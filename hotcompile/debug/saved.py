@@ -76,7 +76,7 @@ def _fn_label(stack) -> Optional[str]:
 
 def _module(meta: dict, key: str) -> Optional[str]:
     stack = meta.get(key)
-    if not stack:
+    if not isinstance(stack, dict) or not stack:
         return None
     path = list(stack.values())[-1]
     path = path[0] if isinstance(path, tuple) else path
