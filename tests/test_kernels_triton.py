@@ -151,6 +151,9 @@ def test_hq_weight_rounds_an_fp32_parameter_as_it_reads(poison, e4m3, dtype):
     w[3, 2] = w[5, 7] = 1.0
     qn, _ = H.hq_weight_quant(w, 8, e4m3=e4m3)                 # not rounding: differs
     assert not torch.equal(qn.view(torch.uint8), q.view(torch.uint8))
+    qu, su = H.hq_weight_quant(w.to(dtype), 8, e4m3=e4m3, round_to=torch.float32)  # no upcast
+    qc, sc = H.hq_weight_quant(w.to(dtype), 8, e4m3=e4m3)
+    assert torch.equal(qu.view(torch.uint8), qc.view(torch.uint8)) and torch.equal(su, sc)
     g = _randn(37, 48, dtype=dtype)
     seed = torch.tensor(3)
     assert torch.equal(F.hq_grad_input(g, w, 4, True, seed, w_bits=8),

@@ -115,7 +115,7 @@ def record_site(site: "LinearSite", graph_index: int, config, plan=None) -> Site
                      saved_after=after, reason=site.reason,
                      rank="auto (calibrating)" if measuring else rank,
                      forward=site.forward, forward_reason=site.forward_reason,
-                     w_operand="fp32 parameter" if site.w_chain else "",
+                     w_operand="fp32 parameter" if site.eligible and site.w_chain else "",
                      forward_ms=[round(v, 4) for v in site.forward_ms]
                      if site.forward_ms else None,
                      layout=site.layout.describe() if site.layout is not None else None,

@@ -24,6 +24,7 @@ import operator
 
 import torch
 from torch.fx import Graph, Node
+from torch.utils.checkpoint import CheckpointPolicy
 
 from ..kernels.formats import gw_format_for
 from .find import LinearSite
@@ -32,11 +33,6 @@ from .recompute import mark_recompute, needed_in_backward, recompute_chain
 
 ABC_OP = torch.ops.hot.abc_compress.default
 aten = torch.ops.aten
-def _checkpoint_policy():
-    from torch.utils.checkpoint import CheckpointPolicy
-    return CheckpointPolicy.MUST_SAVE
-
-
 # ops that keep x's elements in the same order (a view, a copy, a dtype cast)
 _SAME_DATA = {aten.view.default, aten._unsafe_view.default, aten.reshape.default,
               aten.clone.default, aten.alias.default,
@@ -67,9 +63,9 @@ def group_by_base(sites: List[LinearSite]) -> Dict[tuple, List[LinearSite]]:
 def rebuild_chain(group: List[LinearSite], x: Node, config):
     """With ``recompute_operands``: the forward ops backward reruns to rebuild ``x`` (the
     input the group's compression reads) from tensors it keeps anyway
-    (``recompute.recompute_chain``), or None (off, x kept by backward anyway, or not
-    rebuildable). Sites reading views of one base only."""
-    if not config.recompute_operands:
+    (``recompute.recompute_chain``), or None (off, ``abc=False``, x kept by backward
+    anyway, or not rebuildable). Sites reading views of one base only."""
+    if not (config.recompute_operands and config.abc):
         return None
     gws = {s.gw for s in group}
     if any(needed_in_backward(s.x, gws) for s in group) or \
@@ -126,7 +122,7 @@ def compress_inputs(graph: Graph, groups: Dict[tuple, List[LinearSite]], config,
             outs.append(item)
         if in_forward:
             # MUST_SAVE, or inside a checkpointed region the region's policy (recompute in bwd)
-            policy = x.meta.get("recompute") or _checkpoint_policy()
+            policy = x.meta.get("recompute") or CheckpointPolicy.MUST_SAVE
             for n in (comp, *outs):
                 n.meta["recompute"] = policy
                 if "ac_graph_id" in x.meta:

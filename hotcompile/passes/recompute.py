@@ -25,6 +25,7 @@ from typing import List, Optional
 
 import torch
 from torch.fx import Node
+from torch.utils.checkpoint import CheckpointPolicy
 
 from .find import LinearSite, is_backward
 from .graph_utils import add_node
@@ -62,11 +63,6 @@ def needed_in_backward(x: Node, exclude: set) -> bool:
         if is_view(n) and isinstance(n.args[0], Node):
             todo.append(n.args[0])
     return False
-
-
-def _checkpoint_policy(name: str):
-    from torch.utils.checkpoint import CheckpointPolicy
-    return getattr(CheckpointPolicy, name)
 
 
 MAX_RECOMPUTE = 24      # nodes: a norm's affine tail, GELU's or SwiGLU's few pointwise ops
@@ -114,7 +110,7 @@ def recompute_chain(x: Node, exclude: set) -> Optional[List[Node]]:
 
 def mark_recompute(chain: List[Node]) -> None:
     for n in chain:
-        n.meta["recompute"] = _checkpoint_policy("MUST_RECOMPUTE")
+        n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
 
 
 _CASTS = {torch.ops.prims.convert_element_type.default, aten._to_copy.default}

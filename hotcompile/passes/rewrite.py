@@ -113,8 +113,7 @@ def _cost_gate(sites: List[LinearSite], groups, config) -> None:
     if config.recompute_operands:
         order = {n: i for i, n in enumerate(sites[0].fwd.graph.nodes)} if sites else {}
         for g in groups.values():
-            x = min(g, key=lambda s: order[s.fwd]).x
-            if config.abc and rebuild_chain(g, x, config):
+            if rebuild_chain(g, min(g, key=lambda s: order[s.fwd]).x, config):
                 rebuilt.update(s.key for s in g)
     for s in sites:
         if not s.eligible:
@@ -132,9 +131,7 @@ def _cost_gate(sites: List[LinearSite], groups, config) -> None:
                                    s.gw is not None, 1.0 / size.get(s.key, 1), graphs,
                                    cost.gx_gemm_kernel(config, val, s.I),
                                    cost.gw_gemm_kernel(config, val),
-                                   w_fp32=config.recompute_operands
-                                   and parameter_weight_chain(s) is not None,
-                                   rebuild_x=s.key in rebuilt)
+                                   w_fp32=s.w_chain is not None, rebuild_x=s.key in rebuilt)
         s.cost = (exact, hot, model.name)
         if config.min_speedup > 0 and exact < config.min_speedup * hot:
             s.reason = (f"cost gate: predicted backward {hot:.3f} ms with HOT vs {exact:.3f} ms "
@@ -166,6 +163,10 @@ def rewrite_joint_graph(graph: Graph, config, params: Optional[Set[Node]] = None
     for s in sites:
         if s.eligible and s.gw is None and s.gx is not None:
             _precheck(s, config, fake_mode, config.block, False)
+    if config.recompute_operands:       # decided once: the gate prices it, the rewrite uses it
+        for s in sites:
+            if s.eligible:
+                s.w_chain = parameter_weight_chain(s)
     _cost_gate(sites, groups, config)
     todo = [s for s in sites if s.eligible]
     if not todo:
@@ -181,9 +182,6 @@ def rewrite_joint_graph(graph: Graph, config, params: Optional[Set[Node]] = None
         seq_args[group[0].key] = (rank, seq, bool(layered and lay.seq_first))
         return seq_args[group[0].key]
 
-    if config.recompute_operands:
-        for s in todo:
-            s.w_chain = parameter_weight_chain(s)
     buffers = compress_inputs(graph, groups, config, fake_mode, layout_args)
     order = {n: i for i, n in enumerate(graph.nodes)}   # the original mms keep their order
     for group in groups.values():
