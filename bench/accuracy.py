@@ -136,27 +136,7 @@ def _hot_kwargs(small: bool, extra: dict) -> dict:
 
 
 # ----------------------------------------------------------------------------- modes / variants
-def parse_variant(text: str) -> dict:
-    """``"rank=16,gx_bits=8"`` -> HOTConfig overrides. A comma-separated piece without ``=``
-    continues the previous value (``exclude=head,lm_head``)."""
-    items: List[str] = []
-    for piece in (s.strip() for s in text.split(",")):
-        if not piece:
-            continue
-        if "=" in piece or not items:
-            items.append(piece)
-        else:
-            items[-1] += "," + piece
-    return C.parse_overrides(items)
-
-
-def split_mode(mode: str) -> Tuple[str, dict]:
-    """``"hot[rank=16,gx_bits=8]"`` -> ("hot", {"rank": 16, "gx_bits": 8});
-    ``"hot"`` -> ("hot", {})."""
-    m = re.fullmatch(r"\s*([A-Za-z0-9_]+)\s*\[(.*)\]\s*", mode)
-    if m:
-        return m.group(1), parse_variant(m.group(2))
-    return mode.strip(), {}
+parse_variant, split_mode = C.parse_variant, C.split_mode
 
 
 def variant_modes(spec: Optional[str]) -> Optional[List[str]]:
@@ -803,23 +783,7 @@ def _corpus_list(text: Optional[str], default: List[str]) -> List[str]:
     return out
 
 
-def _mode_list(text: str) -> List[str]:
-    """Comma list of modes; commas inside ``[...]`` belong to the mode."""
-    out, depth, cur = [], 0, ""
-    for ch in text:
-        if ch == "[":
-            depth += 1
-        elif ch == "]":
-            depth -= 1
-        if ch == "," and depth == 0:
-            if cur.strip():
-                out.append(cur.strip())
-            cur = ""
-        else:
-            cur += ch
-    if cur.strip():
-        out.append(cur.strip())
-    return out
+_mode_list = C.mode_list
 
 
 def run_suite(args) -> dict:

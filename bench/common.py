@@ -18,7 +18,7 @@ import platform
 import re
 import subprocess
 import sys
-from typing import Dict, Iterable, List, Optional, Sequence
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -189,14 +189,58 @@ def parse_overrides(items: Optional[Sequence[str]]) -> dict:
     return out
 
 
+def parse_variant(text: str) -> dict:
+    """``"rank=16,gx_bits=8"`` -> HOTConfig overrides. A comma-separated piece without ``=``
+    continues the previous value (``exclude=head,lm_head``)."""
+    items: List[str] = []
+    for piece in (s.strip() for s in text.split(",")):
+        if not piece:
+            continue
+        if "=" in piece or not items:
+            items.append(piece)
+        else:
+            items[-1] += "," + piece
+    return parse_overrides(items)
+
+
+def split_mode(mode: str) -> Tuple[str, dict]:
+    """``"hot[rank=16,gx_bits=8]"`` -> ("hot", {"rank": 16, "gx_bits": 8});
+    ``"hot"`` -> ("hot", {})."""
+    m = re.fullmatch(r"\s*([A-Za-z0-9_]+)\s*\[(.*)\]\s*", mode)
+    if m:
+        return m.group(1), parse_variant(m.group(2))
+    return mode.strip(), {}
+
+
+def mode_list(text: str) -> List[str]:
+    """Comma list of modes; commas inside ``[...]`` belong to the mode."""
+    out, depth, cur = [], 0, ""
+    for ch in text:
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+        if ch == "," and depth == 0:
+            if cur.strip():
+                out.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    if cur.strip():
+        out.append(cur.strip())
+    return out
+
+
 def compile_model(module: nn.Module, mode: str, hot_kwargs: Optional[dict] = None,
                   compile_mode: Optional[str] = None):
     """(callable, hot backend or None) for a mode; eager modes return the module itself."""
+    mode, variant = split_mode(mode)
     compiled, _, _ = MODE_INFO[mode]
     if not compiled:
         return module, None
     kw = {"mode": compile_mode} if compile_mode else {}
     if mode in ("hot", "hot_ref"):
+        hot_kwargs = {**(hot_kwargs or {}), **variant}
         import hotcompile
         cfg = hot_config("auto" if mode == "hot" else "reference", **(hot_kwargs or {}))
         be = hotcompile.backend(cfg)

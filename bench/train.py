@@ -215,6 +215,7 @@ MODE_TIERS = [("inductor", "hot"), ("fp8_tensorwise", "fp8_rowwise"), ("hot_ref"
 def mode_unavailable(mode: str, device: torch.device) -> Optional[str]:
     """Why a mode cannot run here (checked in the parent: no subprocess for a skip)."""
     import importlib.util
+    mode = C.split_mode(mode)[0]
     if mode.startswith("fp8"):
         if importlib.util.find_spec("torchao") is None:
             return "torchao is not installed (pip install torchao)"
@@ -307,7 +308,7 @@ def setup_run(model: str, mode: str, opts: dict) -> Run:
     """Build ``model`` (seeded), convert/compile it for ``mode``, make its optimizer and data."""
     device = C.pick_device(opts.get("device"))
     C.configure_cpu_compile(device)
-    _, amp_on, _ = C.MODE_INFO[mode]
+    _, amp_on, _ = C.MODE_INFO[C.split_mode(mode)[0]]
     torch.manual_seed(opts.get("seed", 0))
     wl = MODELS[model](device)
     if opts.get("batch"):
@@ -327,7 +328,10 @@ def setup_run(model: str, mode: str, opts: dict) -> Run:
 
 def run_one(model: str, mode: str, opts: dict) -> dict:
     """Train ``model`` in ``mode`` for warm-up + timed steps in this process; a result dict."""
-    compiled_flag, _, desc = C.MODE_INFO[mode]
+    base_mode, variant = C.split_mode(mode)
+    compiled_flag, _, desc = C.MODE_INFO[base_mode]
+    if variant:
+        desc += " with " + ", ".join(f"{k}={v}" for k, v in variant.items())
     t_start = time.perf_counter()
     run = setup_run(model, mode, opts)
     device, wl, amp, step_fn, be, opt, step = (run.device, run.wl, run.amp, run.step_fn,
@@ -587,13 +591,16 @@ def _host_launches(r) -> str:
 def run_suite(args) -> dict:
     suite = SUITES.get(args.suite, {})
     models = args.models.split(",") if args.models else suite.get("models", ["tiny_gpt"])
-    modes = args.modes.split(",") if args.modes else suite.get("modes", ALL_MODES)
+    modes = C.mode_list(args.modes) if args.modes else suite.get("modes", ALL_MODES)
     for m in models:
         if m not in MODELS:
             raise SystemExit(f"unknown model {m!r}; known: {', '.join(MODELS)}")
     for x in modes:
-        if x not in C.MODE_INFO:
+        base_mode, variant = C.split_mode(x)
+        if base_mode not in C.MODE_INFO:
             raise SystemExit(f"unknown mode {x!r}; known: {', '.join(C.MODE_INFO)}")
+        if variant and base_mode not in ("hot", "hot_ref"):
+            raise SystemExit(f"only hot modes take [overrides], got {x!r}")
     device = C.pick_device(args.device)
     opts = {"device": args.device, "seed": args.seed, "amp": args.amp,
             "warmup": args.warmup if args.warmup is not None else suite.get("warmup", 5),
@@ -625,7 +632,7 @@ def run_suite(args) -> dict:
             result["runs"].append(rec)
             C.log(_progress(i, len(runs), rec, 0.0))
             continue
-        kind = "compiled" if C.MODE_INFO[mode][0] else "eager"
+        kind = "compiled" if C.MODE_INFO[C.split_mode(mode)[0]][0] else "eager"
         elapsed = time.perf_counter() - t_suite
         timeout = args.timeout_s
         if budget:
@@ -685,8 +692,7 @@ def merge_results(results: List[dict]) -> dict:
             ref = _ref(r.get("runs", []), rec["model"], compile_mode=_cm(rec))
             if ref is not None:
                 rec["ref_step_ms"], rec["ref_peak"] = ref["step_ms"], _peak(ref)
-            if hot and rec["mode"].startswith("hot") and "[" not in rec["mode"]:
-                rec["mode"] += " [" + ", ".join(f"{k}={v}" for k, v in hot.items()) + "]"
+            rec["mode"] = mode_label(rec["mode"], hot)
             key = (rec["model"], rec["mode"], rec["compile_mode"])
             if rec.get("status") == "ok" or key not in runs or runs[key].get("status") != "ok":
                 runs[key] = rec
@@ -696,6 +702,18 @@ def merge_results(results: List[dict]) -> dict:
     if len(devices) > 1:
         merged["warning"] = f"merged from runs on different devices: {', '.join(devices)}"
     return merged
+
+
+def mode_label(mode: str, hot: dict) -> str:
+    """A hot run's name with every override it ran under, ``--hot`` ones first, then the
+    mode's own ``hot[...]`` ones: ``hot [forward=fp8, rank=8]``. Idempotent."""
+    base, variant = C.split_mode(mode)
+    if base not in ("hot", "hot_ref"):
+        return mode
+    kv = {**hot, **variant}
+    show = (lambda v: ",".join(v) if isinstance(v, (tuple, list)) else v)
+    return base + (" [" + ", ".join(f"{k}={show(v)}" for k, v in kv.items()) + "]"
+                   if kv else "")
 
 
 def _cm(r) -> str:
@@ -725,10 +743,8 @@ def acceptance(result: dict) -> List[Tuple[str, str, Optional[float], str]]:
     ``--hot rank=8`` run once printed PASS for the default's 1.12x."""
     runs = result["runs"]
     hot = (result.get("options") or {}).get("hot") or {}
-    if hot and "envs" not in result:          # one invocation's result, not a merged one
-        tag = " [" + ", ".join(f"{k}={v}" for k, v in hot.items()) + "]"
-        runs = [dict(r, mode=r["mode"] + tag) if r["mode"].startswith("hot")
-                and "[" not in r["mode"] else r for r in runs]
+    if "envs" not in result:          # one invocation's result, not a merged one
+        runs = [dict(r, mode=mode_label(r["mode"], hot)) for r in runs]
     out = []
 
     def ratio(model, mode, key, invert, cm):
@@ -861,7 +877,7 @@ def charts(result: dict, base: str) -> List[str]:
     import matplotlib.pyplot as plt
     ok = [r for r in result["runs"] if r.get("status") == "ok"]
     models = list(dict.fromkeys(r["model"] for r in ok))
-    modes = [m for m in ALL_MODES if any(r["mode"] == m for r in ok)]
+    modes = list(dict.fromkeys(r["mode"] for r in ok))
     if not models:
         return []
     paths = []

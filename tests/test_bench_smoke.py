@@ -341,6 +341,29 @@ def test_train_table_separates_compile_modes():
     assert rows["hot (reduce-overhead)"][6] == "n/m" and rows["hot (reduce-overhead)"][7] == "-"
 
 
+def test_train_variant_modes_are_judged_by_their_own_targets():
+    """``hot[k=v]`` modes run side by side with ``hot`` against one Inductor run; each is
+    labelled with every override it ran under and judged against its own target only."""
+    T = _load("train")
+    assert T.mode_label("hot[rank=8]", {}) == "hot [rank=8]"
+    assert T.mode_label("hot[exclude=head,lm_head]", {"min_speedup": 0}) == \
+        "hot [min_speedup=0, exclude=head,lm_head]"
+    assert T.mode_label(T.mode_label("hot[rank=8]", {"a": 1}), {"a": 1}) == "hot [a=1, rank=8]"
+    assert T.mode_label("inductor", {"rank": 8}) == "inductor"
+    base = {"status": "ok", "batch": 1, "tokens_per_s": 1.0, "saved_bytes": 0, "compile_s": 0}
+    res = {"runs": [dict(base, model="llama_d4096", mode="inductor", step_ms=12.0),
+                    dict(base, model="llama_d4096", mode="hot", step_ms=11.0),
+                    dict(base, model="llama_d4096", mode="hot[rank=8]", step_ms=9.0)]}
+    got = {what: (v, verdict) for what, _, v, verdict in T.acceptance(res)}
+    v, verdict = got["Llama d=4096 speed-up, hot vs Inductor bf16"]
+    assert abs(v - 12 / 11) < 1e-9 and verdict == "FAIL"
+    v, verdict = got["Llama d=4096 speed-up, hot rank=8 vs Inductor bf16"]
+    assert abs(v - 12 / 9) < 1e-9 and verdict == "PASS"
+    with pytest.raises(SystemExit, match="only hot modes"):
+        T.run_suite(T.parse_args(["--models", "tiny_gpt", "--modes", "inductor[rank=8]",
+                                  "--device", "cpu"]))
+
+
 def test_kernel_regs_offline_and_rank8_kernels_do_not_spill():
     """bench/kernel_regs.py compiles the site's kernels for sm_90 without a GPU (triton's
     own ptxas) and reads registers and spills. A regression guard that needs no device:
