@@ -91,12 +91,10 @@ def kernels_for(L: int, I: int, O: int, rank: int):
     rows = []
     bc, one = H.column_tile(o_pad, max_tile=4096)
     br = max(1, min(8, 2048 // bc))
-    for gmax in (False, True):     # True: also max|g| for HLA's bound (e4m3 g_W)
-        rows.append((f"hq g per token{' +max|g|' if gmax else ''}", H._hq_token_kernel,
-                     {"g_ptr": "*bf16", "q_ptr": "*fp8e4nv" if gmax else "*i8", "s_ptr": "*fp32",
-                      "seed_ptr": "*i64", "gmax_ptr": "*i32"},
-                     dict(BR=br, BC=bc, ONE_TILE=one, Q=7, FP8=gmax, INTERPRET=False, GMAX=gmax),
-                     8 if bc * br >= 4096 else 4))
+    rows.append(("hq g per token", H._hq_token_kernel,
+                 {"g_ptr": "*bf16", "q_ptr": "*i8", "s_ptr": "*fp32", "seed_ptr": "*i64"},
+                 dict(BR=br, BC=bc, ONE_TILE=one, Q=7, FP8=False, INTERPRET=False),
+                 8 if bc * br >= 4096 else 4))
     bc, _ = H.column_tile(o_pad, max_tile=512)
     for phase in (1, 2):
         rows.append((f"hq g per tensor p{phase}", H._hq_tensor_kernel,
@@ -120,15 +118,13 @@ def kernels_for(L: int, I: int, O: int, rank: int):
         for e4m3 in (False, True):     # int8 levels (INT8 GEMM) or scaled e4m3 (cuBLAS FP8)
             ptrs = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv" if e4m3 else "*i8", "s_ptr": "*fp32",
                     "amax_ptr": "*i32", "seed_ptr": "*i64"}
-            bound = e4m3 and stochastic         # g's e4m3 scale: reference.hla_bound
             for phase in (1, 2):
-                rows.append((f"{what}{' e4m3' if e4m3 else ''}{' bound' if bound else ''} "
-                             f"p{phase}", hla._hla_kernel, ptrs,
+                rows.append((f"{what}{' e4m3' if e4m3 else ''} p{phase}", hla._hla_kernel, ptrs,
                              dict(PHASE=phase, BT=bt, BC=bcc, RP=hla._pow2_at_least(rank),
                                   RANK=rank, KEPT=hla._packed_rows(rank, "1d"),
                                   Q=448 if e4m3 else 127, STOCHASTIC=stochastic,
-                                  TRANSPOSED=stochastic or e4m3, INTERPRET=False, E4M3=e4m3,
-                                  BOUND=bound), warps))
+                                  TRANSPOSED=stochastic or e4m3, INTERPRET=False, E4M3=e4m3),
+                             warps))
     bt, bcc, warps, hr = grad_out.tile_shape(o_pad, False)
     for phase in (1, 2):
         rows.append((f"grad_out p{phase}", grad_out._grad_out_kernel,

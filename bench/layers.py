@@ -316,8 +316,6 @@ def run_layer(group, name, L, I, O, args, copies):
     # each transform kernel alone, against a copy of the same bytes (bytes in + bytes out)
     kern = {}
     gsets = [(g,) for _, _, g in sets]
-    gmax_word = torch.zeros(1, dtype=torch.int32, device="cuda")
-    gmax_word.view(torch.float32).fill_(max(float(g.abs().max()) for _, _, g in sets))
     specs = [
         ("hq_g_token", lambda g: H.hq_act_quant(g, GX_BITS, True, seed, fp8=fmt != "int8"), gsets,
          2 * L * O + L * o_pad),
@@ -337,15 +335,8 @@ def run_layer(group, name, L, I, O, args, copies):
          gsets, 2 * L * O + lr * O),
         ("abc_x", lambda x: F.abc_compress(x, RANK, "1d", GW_BITS, fmt=gw_fmt),
          [(x,) for x, _, _ in sets], 2 * L * I + lr * I),
-        # linear_backward's e4m3 path: HQ also writes max|g|, HLA reads g once (one launch)
-        ("hq_g_token_gmax", lambda g: H.hq_act_quant(g, GX_BITS, True, seed, fp8=fmt != "int8",
-                                                     gmax=gmax_word), gsets, 2 * L * O + L * o_pad),
         ("transpose_xq", F._k_major, [(q,) for q, _ in abc_f], 2 * lr * I),
     ]
-    if gw_fmt == "e4m3":
-        specs += [("hla_g_one_read", lambda g: HL.hla_quant(
-            g, RANK, "1d", GW_BITS, stochastic=True, seed=seed, transposed=True, pad_to=16,
-            e4m3=True, bound=True, amax=gmax_word, gmax_ready=True), gsets, L * O * 2 + lr * O)]
     if args.explore:
         specs += [("hq_g_token_chunked", _with_env("HOT_HQ_TOKEN_TILE", "1024",
                                                     lambda g: H.hq_act_quant(g, GX_BITS, True, seed)),
@@ -497,7 +488,6 @@ def targets(data):
     for name, label in (("hq_g_token", "HT+quantize of g, per-token (one read)"),
                         ("hq_g_tensor", "HT+quantize of g, per-tensor (two reads)"),
                         ("hla_g", "HLA project+quantize of g (two reads)"),
-                        ("hla_g_one_read", "HLA project+quantize of g, max|g| from HQ (one read)"),
                         ("abc_x", "ABC project+quantize of x (two reads)"),
                         ("hq_w", "HT+quantize of W (two reads)")):
         pct = [r["kernels"][name]["pct_of_copy"] for r in data["layers"] if name in r["kernels"]]

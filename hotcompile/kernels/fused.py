@@ -15,9 +15,7 @@ Each op is a short pipeline of single-pass kernels (``hadamard``, ``hla``, ``gem
   (O, L'); the saved (L', I) levels transposed once to (I, L') (the GEMM reads both
   operands along L'); one GEMM with acc * s_g * s_x / 16 in its epilogue. When the saved
   activation is e4m3 (``formats.gw_rule``), g's coefficients are stochastic e4m3 and the
-  GEMM is cuBLAS FP8 with tensor-wise scales; g's scale is the bound 16 max|g|
-  (``reference.hla_bound``), which the per-token HQ kernel of ``linear_backward`` computes
-  as it reads g: HLA then reads g once, in one launch.
+  GEMM is cuBLAS FP8 with tensor-wise scales.
 
 ``seed`` is a 0-d int64 tensor on the device (kernels load it: CUDA-graph replays read
 the current value) or a Python int. Only ``block=16`` has fused kernels; other blocks,
@@ -106,13 +104,12 @@ def _k_major(q: torch.Tensor) -> torch.Tensor:
 
 
 def _gw(g, xt, x_scale, rank: int, select: str, bits: int, seed, lay, qg=None,
-        seed_add: int = 0, amax=None, gmax_ready: bool = False) -> torch.Tensor:
+        seed_add: int = 0, amax=None) -> torch.Tensor:
     """The fused g_W GEMM: g's projected levels (given as ``qg`` = transposed levels and
     scale, or computed with Philox key seed + ``seed_add``, written transposed by the HLA
     kernel: as fast as row-major plus a transpose, one launch fewer, layers_2026-11-24T030739)
     against the saved activation; cuBLAS FP8 when that is e4m3 (``formats.gw_rule``), else the
-    INT8 kernel. e4m3 coefficients are scaled by ``reference.hla_bound``; ``gmax_ready``:
-    ``amax`` already holds max|g| (the per-token HQ kernel wrote it), so HLA reads g once."""
+    INT8 kernel."""
     k = ref.hla_rows(g.shape[0], rank, _FUSED_BLOCK, lay["seq_len"])
     if xt.shape[0] != k:
         raise ValueError(f"g_W: the saved activation has {xt.shape[0]} rows, expected {k} "
@@ -122,8 +119,7 @@ def _gw(g, xt, x_scale, rank: int, select: str, bits: int, seed, lay, qg=None,
     fp8 = xt.dtype == torch.float8_e4m3fn
     qg = qg or hla.hla_quant(g, rank, select, bits, stochastic=True, seed=seed,
                              seed_add=seed_add, transposed=True, pad_to=16, e4m3=fp8,
-                             scale_mul=1.0 / _FUSED_BLOCK if fp8 else 1.0, amax=amax,
-                             bound=fp8, gmax_ready=gmax_ready and fp8, **lay)
+                             scale_mul=1.0 / _FUSED_BLOCK if fp8 else 1.0, amax=amax, **lay)
     if fp8:
         # bf16 and fp32 outputs are what the H100 runs measured; fp16 goes through fp32
         out = gemm.cublas_fp8_mm(qg[0], _k_major(xt), qg[1], xs,
@@ -162,25 +158,21 @@ def linear_backward(g: torch.Tensor, w: torch.Tensor, xt: torch.Tensor, x_scale:
                 hla_grad_weight(g, xt, x_scale, rank, "1d", gw_bits, seed + 1, block, **lay))
     path = gx_path(g, w, gx_bits, w_bits, per_token)
     fp8 = path[0] != "int8"
-    one_pass = one_pass and xt.dtype == torch.int8
-    # the W kernel's and (split path) the HLA kernel's amax words: zeroed by one launch
-    ws = torch.zeros((w.shape[1] + (not one_pass),), dtype=torch.int32, device=g.device)
-    # e4m3 g_W with per-token g_x scales: the HQ kernel also writes max|g|, the HLA side's
-    # scale bound, so that HLA skips its amax pass over g
-    gmax = ws[w.shape[1]:] if (xt.dtype == torch.float8_e4m3fn and per_token) else None
     qg_t = None
-    if one_pass:
+    if one_pass and xt.dtype == torch.int8:
         qg, sg, *qg_t = grad_out.grad_out_quant(g, gx_bits, per_token, seed, rank, "1d",
                                                 gw_bits, seed, fp8, hla_seed_add=1, **lay)
     else:
-        qg, sg = hadamard.hq_act_quant(g, gx_bits, per_token, seed, fp8=fp8, gmax=gmax)
+        qg, sg = hadamard.hq_act_quant(g, gx_bits, per_token, seed, fp8=fp8)
     if warm_other_scale:
         hq_grad_input(g, w, gx_bits, not per_token, seed, block, False, w_bits)
+    # the W kernel's and (split path) the HLA kernel's amax words: zeroed by one launch
+    ws = torch.zeros((w.shape[1] + (qg_t is None),), dtype=torch.int32, device=g.device)
     gx = _gx(g, w, gx_bits, w_bits, per_token, seed, gq=(qg, sg), path=path,
              w_amax=ws[:w.shape[1]])
     if qg_t is None:    # g's HLA operand from its own kernel: Philox key seed + 1
         gw = _gw(g, xt, x_scale, rank, "1d", gw_bits, seed, lay, seed_add=1,
-                 amax=ws[w.shape[1]:], gmax_ready=gmax is not None)
+                 amax=ws[w.shape[1]:])
     else:
         gw = _gw(g, xt, x_scale, rank, "1d", gw_bits, seed, lay, qg=tuple(qg_t))
     return gx, gw

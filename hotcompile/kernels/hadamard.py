@@ -203,18 +203,13 @@ def store_levels(ptrs, q, mask, FP8: tl.constexpr):
 
 
 @triton.jit
-def _load_rows(g_ptr, rows, col0, L, O, stride_g, BC: tl.constexpr):
-    """g[rows, col0:col0+BC] as fp32 (zeros outside L x O: the reference's zero padding of O)."""
+def _load_fwht_rows(g_ptr, rows, col0, L, O, stride_g, BC: tl.constexpr):
+    """Load g[rows, col0:col0+BC] (zeros outside L x O: the reference's zero padding of O)
+    as fp32 and transform each run of 16 columns."""
     cols = col0 + tl.arange(0, BC)
     mask = (rows < L)[:, None] & (cols < O)[None, :]
     x = tl.load(g_ptr + rows.to(tl.int64)[:, None] * stride_g + cols[None, :], mask=mask, other=0.0)
-    return x.to(tl.float32)
-
-
-@triton.jit
-def _load_fwht_rows(g_ptr, rows, col0, L, O, stride_g, BC: tl.constexpr):
-    """``_load_rows``, each run of 16 columns transformed."""
-    return fwht16_lastdim(_load_rows(g_ptr, rows, col0, L, O, stride_g, BC))
+    return fwht16_lastdim(x.to(tl.float32))
 
 
 @triton.jit
@@ -244,26 +239,20 @@ def _quantize_row_chunks(g_ptr, q_ptr, s, inv_s, seed, rows, L, O, O_pad, stride
 
 
 @triton.jit
-def _hq_token_kernel(g_ptr, q_ptr, s_ptr, seed_ptr, gmax_ptr, L, O, O_pad, stride_g, ldq,
-                     groups_per_row, BR: tl.constexpr, BC: tl.constexpr, ONE_TILE: tl.constexpr,
-                     Q: tl.constexpr, FP8: tl.constexpr, INTERPRET: tl.constexpr,
-                     GMAX: tl.constexpr):
+def _hq_token_kernel(g_ptr, q_ptr, s_ptr, seed_ptr, L, O, O_pad, stride_g, ldq, groups_per_row,
+                     BR: tl.constexpr, BC: tl.constexpr, ONE_TILE: tl.constexpr, Q: tl.constexpr,
+                     FP8: tl.constexpr, INTERPRET: tl.constexpr):
     """Per-token (per-row) scales: one program owns BR whole rows.
 
     If a row fits one tile (ONE_TILE) it is loaded and transformed once and quantized from
     registers: one read, one write. Otherwise a first sweep over the row's column chunks
     keeps an elementwise running max (reduced across lanes once, at the end) and a second
     sweep, which re-reads the chunks while they are still in L1/L2, quantizes them.
-    GMAX: also atomically max max|g| (untransformed, as ``abs_bits``) into ``gmax_ptr``,
-    the HLA side's scale bound (``reference.hla_bound``), so that HLA reads g only once.
     """
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     seed = tl.load(seed_ptr)
     if ONE_TILE:
-        x = _load_rows(g_ptr, rows, 0, L, O, stride_g, BC)
-        if GMAX:
-            tl.atomic_max(gmax_ptr, tl.max(tl.max(abs_bits(x), axis=1), axis=0))
-        v = fwht16_lastdim(x)
+        v = _load_fwht_rows(g_ptr, rows, 0, L, O, stride_g, BC)
         s = scale_from_amax_bits(tl.max(abs_bits(v), axis=1), Q)
         inv_s = tl.math.div_rn(1.0, s)
         if reciprocal_is_finite(inv_s):
@@ -274,14 +263,8 @@ def _hq_token_kernel(g_ptr, q_ptr, s_ptr, seed_ptr, gmax_ptr, L, O, O_pad, strid
                                  ldq, groups_per_row, BC, Q, True, FP8, INTERPRET, True)
     else:
         amax = tl.zeros((BR, BC), dtype=tl.int32)
-        gmax = tl.zeros((BR, BC), dtype=tl.int32)
         for col0 in range(0, O_pad, BC):
-            x = _load_rows(g_ptr, rows, col0, L, O, stride_g, BC)
-            if GMAX:
-                gmax = tl.maximum(gmax, abs_bits(x))
-            amax = tl.maximum(amax, abs_bits(fwht16_lastdim(x)))
-        if GMAX:
-            tl.atomic_max(gmax_ptr, tl.max(tl.max(gmax, axis=1), axis=0))
+            amax = tl.maximum(amax, abs_bits(_load_fwht_rows(g_ptr, rows, col0, L, O, stride_g, BC)))
         s = scale_from_amax_bits(tl.max(amax, axis=1), Q)
         inv_s = tl.math.div_rn(1.0, s)
         if reciprocal_is_finite(inv_s):
@@ -490,16 +473,11 @@ def seed_pointer(seed, device) -> torch.Tensor:
     return torch.full((1,), int(seed), dtype=torch.int64, device=device)
 
 
-def hq_act_quant(g: torch.Tensor, bits: int, per_token: bool, seed, fp8: bool = False,
-                 gmax: torch.Tensor | None = None):
+def hq_act_quant(g: torch.Tensor, bits: int, per_token: bool, seed, fp8: bool = False):
     """Transform g (L, O) along O (zero-padded to O_pad), quantize with stochastic rounding.
 
     Returns (levels (L, O_pad) int8 or e4m3, fp32 scale (L,) if per_token else ()).
-    ``gmax`` (per-token only): a zeroed (1,) int32 word that receives max|g| as float
-    bits (``abs_bits``), for ``hla.hla_quant(gmax_ready=True)``.
     """
-    if gmax is not None and not per_token:
-        raise ValueError("hq_act_quant: gmax is written by the per-token kernel only")
     if g.stride(-1) != 1:
         g = g.contiguous()
     L, O = g.shape
@@ -517,9 +495,8 @@ def hq_act_quant(g: torch.Tensor, bits: int, per_token: bool, seed, fp8: bool = 
         br = max(1, min(8, 2048 // bc)) if not interp else max(1, min(8, 256 // bc))
         warps = 8 if bc * br >= 4096 else 4
         _hq_token_kernel[(triton.cdiv(L, br),)](
-            g, q, s, seed_t, s if gmax is None else gmax, L, O, O_pad, g.stride(0), O_pad,
-            groups, BR=br, BC=bc, ONE_TILE=one, Q=Q, FP8=fp8, INTERPRET=interp,
-            GMAX=gmax is not None, num_warps=warps)
+            g, q, s, seed_t, L, O, O_pad, g.stride(0), O_pad, groups,
+            BR=br, BC=bc, ONE_TILE=one, Q=Q, FP8=fp8, INTERPRET=interp, num_warps=warps)
         return q, s
     s = torch.empty((), dtype=torch.float32, device=dev)
     amax = torch.zeros((1,), dtype=torch.int32, device=dev)

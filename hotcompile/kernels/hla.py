@@ -122,27 +122,17 @@ def _token_rows(blk0, n_blk, S, n_sblk, stride_b, stride_s, BT: tl.constexpr):
 
 
 @triton.jit
-def _load_tokens(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C, stride_x,
-                 BT: tl.constexpr, BC: tl.constexpr):
-    """The (BT * 16, BC) fp32 tile of blocks blk0 .. blk0+BT-1, channels col0 .. col0+BC-1
-    (zeros past the sequence's end and past C)."""
-    tok, valid = _token_rows(blk0, n_blk, S, n_sblk, stride_b, stride_s, BT)
-    cols = col0 + tl.arange(0, BC)
-    mask = valid[:, None] & (cols < C)[None, :]
-    x = tl.load(x_ptr + tok[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
-    return x.to(tl.float32)
-
-
-@triton.jit
 def _load_project(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C, stride_x,
                   BT: tl.constexpr, BC: tl.constexpr,
                   RP: tl.constexpr, RANK: tl.constexpr, KEPT: tl.constexpr):
     """Blocks blk0 .. blk0+BT-1 of 16 neighbouring tokens, channels col0 .. col0+BC-1,
     projected onto the kept rows: a (BT, BC, RP) fp32 tile, coefficients last (entries
     >= rank: padding)."""
-    x = _load_tokens(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C, stride_x,
-                     BT, BC)
-    x = tl.permute(tl.reshape(x, (BT, 16, BC)), (0, 2, 1))                   # token axis last
+    tok, valid = _token_rows(blk0, n_blk, S, n_sblk, stride_b, stride_s, BT)
+    cols = col0 + tl.arange(0, BC)
+    mask = valid[:, None] & (cols < C)[None, :]
+    x = tl.load(x_ptr + tok[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    x = tl.permute(tl.reshape(x.to(tl.float32), (BT, 16, BC)), (0, 2, 1))   # token axis last
     y = gather_kept(fwht16(tl.reshape(x, (BT * BC, 16))), RP, RANK, KEPT)
     return tl.reshape(y, (BT, BC, RP))
 
@@ -191,41 +181,29 @@ def _hla_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, seed_ptr, seed_add, scale_mul, S,
                 stride_s, C, stride_x, ldq, n_blk, groups_per_row, PHASE: tl.constexpr,
                 BT: tl.constexpr, BC: tl.constexpr, RP: tl.constexpr, RANK: tl.constexpr,
                 KEPT: tl.constexpr, Q: tl.constexpr, STOCHASTIC: tl.constexpr,
-                TRANSPOSED: tl.constexpr, INTERPRET: tl.constexpr, E4M3: tl.constexpr,
-                BOUND: tl.constexpr = False):
+                TRANSPOSED: tl.constexpr, INTERPRET: tl.constexpr, E4M3: tl.constexpr):
     """One tile of BT token blocks x BC channels per program.
 
     Phase 1: project, atomically max the amax of the kept coefficients into ``amax_ptr``
-    (zeroed); with BOUND, max|x| instead, unprojected (``reference.hla_bound``: the scale
-    then comes from 16 max|x|). Phase 2: scale, re-project, quantize, store; tiles in
-    reverse order so the ones phase 1 read last (still in L2) come first. The stored
-    scale is s * scale_mul (a power of two: exact).
+    (zeroed). Phase 2: scale, re-project, quantize, store; tiles in reverse order so the
+    ones phase 1 read last (still in L2) come first. The stored scale is s * scale_mul
+    (a power of two: exact).
     """
     pid = tl.program_id(0)
     n_ct = tl.cdiv(C, BC)
     if PHASE == 1:
         blk0, col0 = _tile_origin(pid, n_ct, BT, BC)
-        if BOUND:
-            x = _load_tokens(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C,
-                             stride_x, BT, BC)
-            tl.atomic_max(amax_ptr, tl.max(tl.max(abs_bits(x), axis=1), axis=0))
-        else:
-            v = _load_project(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C,
-                              stride_x, BT, BC, RP, RANK, KEPT)
-            keep = (tl.arange(0, RP) < RANK)[None, None, :]
-            tl.atomic_max(amax_ptr, tl.max(tl.where(keep, abs_bits(v), 0)))
+        v = _load_project(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C,
+                          stride_x, BT, BC, RP, RANK, KEPT)
+        keep = (tl.arange(0, RP) < RANK)[None, None, :]
+        tl.atomic_max(amax_ptr, tl.max(tl.where(keep, abs_bits(v), 0)))
     else:
         blk0, col0 = _tile_origin(tl.num_programs(0) - 1 - pid, n_ct, BT, BC)
         if STOCHASTIC:
             seed = tl.load(seed_ptr) + seed_add
         else:   # nearest rounding: no seed (callers pass any pointer)
             seed = 0
-        if BOUND:       # 16 max|x| (exact: a power of two), as reference.hla_bound
-            s = scale_from_amax_bits(
-                (tl.load(amax_ptr).to(tl.float32, bitcast=True) * 16.0).to(tl.int32,
-                                                                            bitcast=True), Q)
-        else:
-            s = scale_from_amax_bits(tl.load(amax_ptr), Q)
+        s = scale_from_amax_bits(tl.load(amax_ptr), Q)
         inv_s = tl.math.div_rn(1.0, s)
         if pid == 0:
             tl.store(s_ptr, s * scale_mul)
@@ -288,8 +266,7 @@ def token_layout(L: int, seq_len: int = 0, seq_first: bool = False):
 def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic: bool, seed=0,
               transposed: bool = False, pad_to: int = 1, seq_len: int = 0,
               seq_first: bool = False, seed_add: int = 0, e4m3: bool = False,
-              scale_mul: float = 1.0, amax: torch.Tensor | None = None, bound: bool = False,
-              gmax_ready: bool = False):
+              scale_mul: float = 1.0, amax: torch.Tensor | None = None):
     """Project x (L, C) along its tokens onto ``rank`` kept rows per block of 16
     neighbouring tokens of one sequence (``reference.sequence_blocks``) and quantize.
 
@@ -302,16 +279,7 @@ def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic:
     are left unwritten (consumers must mask them), except in e4m3, where they are zeroed:
     the cuBLAS GEMM reads all L'_pad columns. ``amax``: a zeroed (1,) int32 workspace the
     caller made with others in one launch (default: its own).
-
-    ``bound`` (e4m3 only): scale by ``reference.hla_bound`` (16 max|x|) instead of the
-    coefficients' amax; phase 1 then reads x without projecting it, and with
-    ``gmax_ready`` it is skipped: ``amax`` already holds max|x| (``hadamard.hq_act_quant``'s
-    ``gmax``), and x is read once.
     """
-    if bound and not e4m3:
-        raise ValueError("hla_quant: bound scales are for e4m3 levels only")
-    if gmax_ready and (not bound or amax is None):
-        raise ValueError("hla_quant: gmax_ready needs bound=True and the amax word")
     if x.stride(-1) != 1:
         x = x.contiguous()
     L, C = x.shape
@@ -333,12 +301,10 @@ def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic:
     grid = (triton.cdiv(n_blk, bt) * triton.cdiv(C, bc),)
     meta = dict(BT=bt, BC=bc, RP=_pow2_at_least(rank), RANK=rank, KEPT=_packed_rows(rank, select),
                 Q=448 if e4m3 else 2 ** (bits - 1) - 1, STOCHASTIC=stochastic,
-                TRANSPOSED=transposed, INTERPRET=interpreting(), E4M3=e4m3, BOUND=bound,
-                num_warps=warps)
+                TRANSPOSED=transposed, INTERPRET=interpreting(), E4M3=e4m3, num_warps=warps)
     seed_t = seed_pointer(seed, dev) if stochastic else amax    # amax: an unread placeholder
     args = (x, q, s, amax, seed_t, int(seed_add), float(scale_mul), S, n_sblk, stride_b,
             stride_s, C, x.stride(0), ldq, n_blk, -(-C // 8))
-    if not gmax_ready:
-        _hla_kernel[grid](*args, PHASE=1, **meta)
+    _hla_kernel[grid](*args, PHASE=1, **meta)
     _hla_kernel[grid](*args, PHASE=2, **meta)
     return q, s

@@ -198,13 +198,10 @@ def qmax(bits: int) -> int:
     return 2 ** (bits - 1) - 1
 
 
-def absmax_scale(v: torch.Tensor, bits: int, per_row: bool, q: float | None = None,
-                 amax: torch.Tensor | None = None) -> torch.Tensor:
+def absmax_scale(v: torch.Tensor, bits: int, per_row: bool, q: float | None = None) -> torch.Tensor:
     """fp32 scale s = amax / Q (shape (R,) per row, () per tensor); 1 where amax == 0.
-    Q = ``qmax(bits)``, or ``q`` when given (448 for scaled e4m3). ``amax``: a bound on
-    |v| to use instead of v's own (``hla_bound``)."""
-    if amax is None:
-        amax = v.abs().amax(dim=1) if per_row else v.abs().amax()
+    Q = ``qmax(bits)``, or ``q`` when given (448 for scaled e4m3)."""
+    amax = v.abs().amax(dim=1) if per_row else v.abs().amax()
     s = (amax.double() / (qmax(bits) if q is None else q)).float()   # correctly rounded quotient
     return torch.where(amax == 0, torch.ones_like(s), s)
 
@@ -226,10 +223,8 @@ def quantize(v: torch.Tensor, bits: int, per_row: bool, stochastic: bool, seed=0
 E4M3_MAX = 448.0
 
 
-def quantize_e4m3(v: torch.Tensor, per_row: bool, stochastic: bool = False, seed=0,
-                  amax: torch.Tensor | None = None):
-    """Scaled FP8: (v / s rounded to an e4m3 value, fp32 scale s = amax / 448); ``amax``,
-    when given, is a bound on |v| used in place of v's own (``hla_bound``).
+def quantize_e4m3(v: torch.Tensor, per_row: bool, stochastic: bool = False, seed=0):
+    """Scaled FP8: (v / s rounded to an e4m3 value, fp32 scale s = amax / 448).
 
     The 8-bit operand format of cuBLAS's FP8 GEMM: 3 mantissa bits, so a relative step of
     2**-3..2**-4 instead of int8's absolute step amax / 127: on a Gaussian W about 3.5x
@@ -247,7 +242,7 @@ def quantize_e4m3(v: torch.Tensor, per_row: bool, stochastic: bool = False, seed
     (at most 448: |t| <= 448 = 14 * 2**5 is itself on the grid of its binade).
     """
     v = v.float()
-    s = absmax_scale(v, 8, per_row, q=E4M3_MAX, amax=amax)
+    s = absmax_scale(v, 8, per_row, q=E4M3_MAX)
     t = (v / (s[:, None] if s.dim() == 1 else s)).clamp(-E4M3_MAX, E4M3_MAX)
     t = torch.nan_to_num(t, nan=0.0)
     if stochastic:
@@ -345,21 +340,6 @@ def abc_compress(x: torch.Tensor, rank: int, select: str = "1d", bits: int = 8,
     return quantize(xt, bits, per_row=False, stochastic=False)
 
 
-def hla_bound(g: torch.Tensor, block: int = 16) -> torch.Tensor:
-    """A bound on every HLA coefficient of g, from g alone: ``block * max|g|`` (fp32).
-
-    Each coefficient sums ``block`` tokens with signs +-1, so it never exceeds this. The
-    e4m3 g side scales by it instead of the coefficients' own amax, which would need the
-    whole projection before the first level could be written (a second read of g and a
-    launch): the fused backward takes max|g| from the HQ kernel that reads g anyway, and
-    HLA reads g once. The scale is loose by about 4 on Gaussian g (at most ``block``):
-    e4m3's relative step is the same in every binade, so that only moves the values
-    below amax * 2**-11 or so into the subnormal range (stochastic rounding keeps them
-    unbiased). int8 levels keep the exact amax: there the loose scale would cost levels.
-    """
-    return g.float().abs().amax() * block
-
-
 def hla_grad_weight(g: torch.Tensor, xt: torch.Tensor, x_scale: torch.Tensor, rank: int,
                     select: str = "1d", bits: int = 8, seed=0, block: int = 16, *,
                     seq_len: int = 0, seq_first: bool = False) -> torch.Tensor:
@@ -367,14 +347,13 @@ def hla_grad_weight(g: torch.Tensor, xt: torch.Tensor, x_scale: torch.Tensor, ra
 
     ``xt`` is the projected x: int8 levels (with ``x_scale``), floats (x_scale = 1), or
     scaled e4m3 (``abc_compress(fmt="e4m3")``), in which case g's coefficients become
-    scaled e4m3 with stochastic rounding (``quantize_e4m3``; ``bits`` unused), scaled by
-    ``hla_bound``: the operands of the cuBLAS FP8 GEMM.
+    scaled e4m3 with stochastic rounding (``quantize_e4m3``; ``bits`` unused): the
+    operands of the cuBLAS FP8 GEMM.
     bits=0 skips quantizing the gradient (with rank=block this is exact).
     """
     gt = hla_project(g, rank, select, block, seq_len=seq_len, seq_first=seq_first)  # (L', O)
     if xt.dtype == torch.float8_e4m3fn:
-        qg, sg = quantize_e4m3(gt, per_row=False, stochastic=True, seed=seed,
-                               amax=hla_bound(g, block))
+        qg, sg = quantize_e4m3(gt, per_row=False, stochastic=True, seed=seed)
         # products of e4m3 values are exact in fp64; the sum nearly so (the GEMM's is not)
         acc = (qg.double().t() @ xt.double()).float()
     elif bits == 0:
