@@ -34,16 +34,17 @@ from ..kernels.formats import gw_rule, gx_rule
 from ..kernels.ops import ONE_PASS_MAX_RANK
 
 # one entry per kernel of a HOT site, plus the two bf16 GEMMs of the exact backward
-KERNELS = ("grad_out", "hq_g_token", "hq_w", "hq_cublas", "hq_int8", "hla_g", "transpose_xq",
+KERNELS = ("grad_out", "hq_g_token", "hq_w", "hq_w_fp32", "hq_cublas", "hq_int8", "hla_g",
+           "transpose_xq",
            "hla_int8", "hla_cublas", "abc_x", "gx_bf16", "gw_bf16", "fwd_cast_x", "fwd_cast_w",
            "fwd_fp8", "fwd_bf16")
 
 
-# kernels without a fitted line of their own, timed by a kernel that moves bytes alike:
-# HQ's W kernel reading the fp32 parameter (``recompute_operands``) by the bf16 one, and the
-# rebuild of a layer input in backward (an Inductor pointwise kernel) by the FP8 forward's
-# Inductor-fused cast of x. Estimates, not fitted: no device run has timed them yet.
-SAME_LINE = {"hq_w_fp32": "hq_w", "rebuild_x": "fwd_cast_x"}
+# kernels without a fitted line of their own, timed by a kernel that moves bytes alike: the
+# rebuild of a layer input in backward (``recompute_operands``: an Inductor pointwise
+# kernel) by the FP8 forward's Inductor-fused cast of x. An estimate, not fitted: no device
+# run has timed it alone.
+SAME_LINE = {"rebuild_x": "fwd_cast_x"}
 
 
 def site_kernels(gx: bool, gw: bool, rank: int = 16, gx_gemm: str = "hq_cublas",
@@ -168,6 +169,10 @@ H100 = CostModel(
         "grad_out": (0.0746, 1.4523e-09),
         "hq_g_token": (0.0133, 6.6051e-10),
         "hq_w": (0.0092, 9.4608e-10),
+        # the W kernel reading the fp32 parameter (recompute_operands), the two layers of
+        # layers_2026-11-24T095108 (ViT-B fc1 0.0199 ms, GPT d4096 fc1 0.2353 ms): cheaper
+        # per byte than the bf16 read (the borrowed hq_w line over-priced GPT fc1 by 39%)
+        "hq_w_fp32": (0.0121, 6.6540e-10),
         "hq_cublas": (0.0308, 6.7540e-13),
         "hq_int8": (0.0453, 8.1998e-13),
         "hla_g": (0.0232, 1.2559e-09),
