@@ -38,6 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import common as C  # noqa: E402
+import peak_live  # noqa: E402
 import train as T  # noqa: E402
 from hotcompile.debug.summary import fmt_bytes, load_dump  # noqa: E402
 
@@ -54,8 +55,10 @@ def build_vit_geometry(layers: int):
     return build
 
 
-def measure(model: str, hot: dict, opts: dict, dump_dir: str) -> dict:
-    """One compiled fwd+bwd step of ``model`` with a dump; the dump's rows and totals."""
+def measure(model: str, hot: dict, opts: dict, dump_dir: str, breakdown: bool = False) -> dict:
+    """One compiled fwd+bwd step of ``model`` with a dump; the dump's rows and totals.
+    ``breakdown`` (CUDA): one more step with the allocator's history on, and what is alive
+    at its peak (``peak_live``)."""
     C.reset_compile_state()
     run = T.setup_run(model, "hot", dict(opts, hot=dict(hot, dump_dir=dump_dir)))
     run.step(0)
@@ -71,11 +74,19 @@ def measure(model: str, hot: dict, opts: dict, dump_dir: str) -> dict:
     run.opt.step()
     run.opt.zero_grad(set_to_none=True)
     peak = torch.cuda.max_memory_allocated(run.device) if cuda else None
+    at_peak = None
+    if breakdown and cuda:
+        def step():
+            run.step(0)
+        traced_peak, groups = peak_live.record_step(step, run.device)
+        at_peak = {"peak_bytes": traced_peak,
+                   "groups": [{"phase": k[0], "origin": k[1], "bytes": v}
+                              for k, v in sorted(groups.items(), key=lambda kv: -kv[1])]}
     rep = run.be.report
     data = load_dump(dump_dir)
     out = {"rows": data["saved"], "autograd_saved_bytes": sb.nbytes, "peak_bytes": peak,
            "sites": len(rep.training), "rewritten": len(rep.rewritten),
-           "batch": run.wl.batch, "notes": run.wl.notes}
+           "batch": run.wl.batch, "notes": run.wl.notes, "at_peak": at_peak}
     del run, loss
     C.reset_compile_state()
     return out
@@ -120,6 +131,13 @@ def markdown(model: str, res: dict) -> str:
         L.append(f"peak allocated over one training step (after two): Inductor "
                  f"{fmt_bytes(base['peak_bytes'])}, HOT {fmt_bytes(hot['peak_bytes'])} "
                  f"({hot['peak_bytes'] / base['peak_bytes']:.3f}x)")
+    for side in ("inductor", "hot"):
+        at = res[side].get("at_peak")
+        if at:
+            L += ["", f"alive at the peak of one more step, {side} ({fmt_bytes(at['peak_bytes'])}, "
+                      "from the allocator's trace):", ""]
+            L += peak_live.table({(g["phase"], g["origin"]): g["bytes"] for g in at["groups"]},
+                                 at["peak_bytes"], fmt=fmt_bytes)
     L.append("")
     return "\n".join(L)
 
@@ -134,6 +152,8 @@ def main(argv=None) -> int:
     p.add_argument("--device")
     p.add_argument("--amp", default="bf16", choices=["bf16", "fp16", "none"])
     p.add_argument("--out", help="folder for saved_tensors_<date>_<device>.{json,md}")
+    p.add_argument("--peak-breakdown", action="store_true",
+                   help="CUDA: also what is alive at a step's peak, by where it was allocated")
     args = p.parse_args(argv)
     T.MODELS["vit_base_geometry"] = build_vit_geometry(args.layers)
     opts = {"device": args.device, "batch": args.batch, "amp": args.amp}
@@ -147,8 +167,10 @@ def main(argv=None) -> int:
             print(f"{model}: skipped ({why})")
             continue
         with tempfile.TemporaryDirectory() as d0, tempfile.TemporaryDirectory() as d1:
-            res = {"inductor": measure(model, {"include": (NOTHING,)}, opts, d0),
-                   "hot": measure(model, hot_kw, opts, d1), "hot_config": hot_kw}
+            res = {"inductor": measure(model, {"include": (NOTHING,)}, opts, d0,
+                                       args.peak_breakdown),
+                   "hot": measure(model, hot_kw, opts, d1, args.peak_breakdown),
+                   "hot_config": hot_kw}
         if res["inductor"]["rewritten"]:
             raise SystemExit(f"{model}: the baseline rewrote a layer (include={NOTHING!r})")
         results[model] = res

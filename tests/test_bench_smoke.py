@@ -386,3 +386,29 @@ def test_kernel_regs_offline_and_rank8_kernels_do_not_spill():
     for name, (regs, spill) in rows.items():
         assert 0 < regs <= 255 and spill == 0, (name, regs, spill)
     assert "largest spill: 0 bytes" in out.stdout
+
+
+def test_peak_live_replays_an_allocator_trace():
+    """``peak_live.peak_breakdown`` finds the highest point of a trace (allocs, completed
+    frees, blocks from before recording) and groups what is alive there by origin; the
+    groups add up to the peak."""
+    P = _load("peak_live")
+    here = "/nonexistent/model.py"           # no source text: the label is file:line name
+    torch_file = os.path.join(os.path.dirname(__import__("torch").__file__), "nn", "x.py")
+
+    def ev(action, addr, size, line=1, name="f"):
+        return {"action": action, "addr": addr, "size": size,
+                "frames": [{"filename": torch_file, "line": 3, "name": "inner"},
+                           {"filename": here, "line": line, "name": name}]}
+    trace = [ev("alloc", 1, 100, 10), ev("alloc", 2, 50, 20, "backward"),
+             ev("free_requested", 1, 100), ev("free_completed", 1, 100),
+             ev("alloc", 3, 120, 30), ev("free_completed", 99, 40),       # a block from before
+             ev("free_completed", 2, 50), ev("alloc", 4, 10, 30)]
+    peak, groups = P.peak_breakdown(trace, before=1000)
+    # 1000 +100 +50 -100 +120 (=1170) -40 -50 +10: the peak is 1170
+    assert peak == 1170 and sum(groups.values()) == peak
+    assert groups[("-", "before the step (parameters, optimizer state, batch)")] == 1000
+    assert groups[("backward", "model.py:20 backward")] == 50
+    assert groups[("forward", "model.py:30 f")] == 120
+    rows = P.table(groups, peak)
+    assert rows[2].startswith("| - | `before the step") and len(rows) == 5
