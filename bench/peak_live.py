@@ -36,8 +36,8 @@ def _origin(frames: List[dict]) -> str:
     """The first frame outside torch's package (innermost first), with its source text."""
     for f in frames:
         path = f.get("filename", "")
-        if not path or path.startswith(_TORCH_DIR) or path.startswith("<"):
-            continue
+        if not path.endswith(".py") or path.startswith(_TORCH_DIR):
+            continue                                     # C++ frames, torch's own Python
         text = linecache.getline(path, int(f.get("line", 0))).strip()
         where = f"{os.path.basename(path)}:{f.get('line')} {f.get('name', '')}"
         return f"{where}: {text[:90]}" if text else where
@@ -82,7 +82,7 @@ def record_step(step: Callable[[], None], device: torch.device,
     """Run ``step`` once with the allocator's history on; ``peak_breakdown`` of it."""
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
-    torch.cuda.memory._record_memory_history(max_entries=max_entries)
+    torch.cuda.memory._record_memory_history(stacks="python", max_entries=max_entries)
     try:
         step()
         torch.cuda.synchronize(device)
