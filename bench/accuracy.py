@@ -45,13 +45,12 @@ import argparse
 import copy
 import math
 import os
-import re
 import shlex
 import statistics
 import sys
 import time
 import zlib
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -136,9 +135,6 @@ def _hot_kwargs(small: bool, extra: dict) -> dict:
 
 
 # ----------------------------------------------------------------------------- modes / variants
-parse_variant, split_mode = C.parse_variant, C.split_mode
-
-
 def variant_modes(spec: Optional[str]) -> Optional[List[str]]:
     """``"default;rank=16,gx_bits=8"`` -> ["hot", "hot[rank=16,gx_bits=8]"]."""
     if not spec:
@@ -167,13 +163,13 @@ def expand_modes(modes: List[str], variants: Optional[List[str]]) -> List[str]:
 
 
 def is_hot(mode: str) -> bool:
-    return split_mode(mode)[0] in ("hot", "hot_ref")
+    return C.split_mode(mode)[0] in ("hot", "hot_ref")
 
 
 def check_modes(modes: List[str], hot_extra: dict, where: str) -> None:
     """Fail before any training when a mode or a HOTConfig override is wrong."""
     for mode in modes:
-        base, var = split_mode(mode)
+        base, var = C.split_mode(mode)
         if base not in C.MODE_INFO:
             raise SystemExit(f"{where}: unknown mode {mode!r} (one of {', '.join(C.MODE_INFO)})")
         if var and base not in ("hot", "hot_ref"):
@@ -287,7 +283,7 @@ def train_lm(mode: str, cfg: dict, data: dict, device, amp: Optional[str], hot_e
              seed: int, keep_state: bool = False) -> dict:
     C.reset_compile_state()
     torch.manual_seed(seed)
-    base_mode, variant = split_mode(mode)
+    base_mode, variant = C.split_mode(mode)
     with torch.device(device):
         gpt = C.GPT(vocab=256, d=cfg["d"], layers=cfg["layers"], heads=cfg["heads"],
                     seq=cfg["seq"])
@@ -383,7 +379,7 @@ def train_digits(mode: str, cfg: dict, data, device, hot_extra: dict, seed: int)
                          layers=cfg["layers"], heads=cfg["heads"])
     vit = fresh(seeds[0])
     wrapper = C.ClsLoss(vit)
-    base_mode, variant = split_mode(mode)
+    base_mode, variant = C.split_mode(mode)
     step_fn, be = C.compile_model(wrapper, base_mode,
                                   _hot_kwargs(cfg["d"] < 256, {**hot_extra, **variant}))
     steps, batch, s = cfg["steps"], cfg["batch"], cfg["shift"]
@@ -612,7 +608,7 @@ def _fidelity_hot(mode, wrapper, shapes, sites, batch, device, amp, hot_kw, avg,
     """HOT compiled whole: ``warmup`` passes (rank/LQS calibration and the recompile, no
     optimizer step so the weights stay the reference's), then ``avg`` measured passes."""
     C.reset_compile_state()
-    base_mode, variant = split_mode(mode)
+    base_mode, variant = C.split_mode(mode)
     hot = copy.deepcopy(wrapper)
     probes, _ = _attach_probes(hot, shapes, device)
     step_fn, be = C.compile_model(hot, base_mode, {**hot_kw, **variant})
@@ -721,14 +717,14 @@ def _lm_scale(cfg: dict) -> float:
 
 
 def estimate_lm_run(mode: str, cfg: dict) -> float:
-    base = split_mode(mode)[0]
+    base = C.split_mode(mode)[0]
     full = H100_S["lm"].get(base, 100.0)
     fixed = H100_S["lm_compile"] if C.MODE_INFO.get(base, (False,))[0] else 2.0
     return fixed + (full - fixed) * _lm_scale(cfg)
 
 
 def estimate_digits_run(mode: str, cfg: dict) -> float:
-    base = split_mode(mode)[0]
+    base = C.split_mode(mode)[0]
     per_seed = H100_S["digits_seed"].get(base, 40.0) * cfg["steps"] / 600
     return per_seed * cfg.get("seeds", 1)
 
@@ -783,7 +779,7 @@ def _corpus_list(text: Optional[str], default: List[str]) -> List[str]:
     return out
 
 
-_mode_list = C.mode_list
+
 
 
 def run_suite(args) -> dict:
@@ -806,9 +802,9 @@ def run_suite(args) -> dict:
     if args.no_tf32:
         lm_cfg["tf32"] = False
     if args.lm_modes:
-        lm_cfg["modes"] = _mode_list(args.lm_modes)
+        lm_cfg["modes"] = C.mode_list(args.lm_modes)
     if args.digits_modes:
-        dg_cfg["modes"] = _mode_list(args.digits_modes)
+        dg_cfg["modes"] = C.mode_list(args.digits_modes)
     if args.fidelity_models:
         fi_cfg["models"] = args.fidelity_models.split(",")
     if args.fidelity_warmup is not None:

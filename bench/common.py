@@ -240,9 +240,9 @@ def compile_model(module: nn.Module, mode: str, hot_kwargs: Optional[dict] = Non
         return module, None
     kw = {"mode": compile_mode} if compile_mode else {}
     if mode in ("hot", "hot_ref"):
-        hot_kwargs = {**(hot_kwargs or {}), **variant}
         import hotcompile
-        cfg = hot_config("auto" if mode == "hot" else "reference", **(hot_kwargs or {}))
+        cfg = hot_config("auto" if mode == "hot" else "reference", **(hot_kwargs or {}),
+                         **variant)
         be = hotcompile.backend(cfg)
         return torch.compile(module, backend=be, **kw), be
     return torch.compile(module, **kw), None

@@ -205,19 +205,19 @@ def test_accuracy_smoke(smoke):
 def test_accuracy_cli_helpers():
     """Mode / variant parsing, --hot values, old result files, the gate suite's content."""
     A = _load("accuracy")
+    C = sys.modules["common"]
     assert A.variant_modes("default;rank=16,gx_bits=8;gx_w_bits=4") == \
         ["hot", "hot[rank=16,gx_bits=8]", "hot[gx_w_bits=4]"]
     assert A.variant_modes(None) is None
-    assert A.split_mode("hot[rank=16,gx_bits=8]") == ("hot", {"rank": 16, "gx_bits": 8})
-    assert A.split_mode("hot[exclude=head,lm_head]") == \
+    assert C.split_mode("hot[rank=16,gx_bits=8]") == ("hot", {"rank": 16, "gx_bits": 8})
+    assert C.split_mode("hot[exclude=head,lm_head]") == \
         ("hot", {"exclude": ("head", "lm_head")})
-    assert A.split_mode("inductor") == ("inductor", {})
-    assert A._mode_list("inductor,hot[rank=8,gx_bits=8],fp32") == \
+    assert C.split_mode("inductor") == ("inductor", {})
+    assert C.mode_list("inductor,hot[rank=8,gx_bits=8],fp32") == \
         ["inductor", "hot[rank=8,gx_bits=8]", "fp32"]
     assert A.expand_modes(["fp32", "hot"], ["hot", "hot[rank=16]"]) == \
         ["fp32", "hot", "hot[rank=16]"]
     assert A.expand_modes(["inductor", "hot"], None) == ["inductor", "hot"]
-    C = sys.modules["common"]
     assert C.parse_overrides(["rank=auto", "gx_bits=8", "gx_w_bits=8"]) == \
         {"rank": "auto", "gx_bits": 8, "gx_w_bits": 8}
     assert C.parse_overrides(["rank=16", "rank_tolerance=0.05"]) == \

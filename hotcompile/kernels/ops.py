@@ -40,9 +40,12 @@ def draw_seed(device: torch.device) -> Tensor:
     errors are correlated and do not average out in the gradient all-reduce
     (docs/DISTRIBUTED.md). The offset keeps runs reproducible for a given world size.
     """
-    seed = torch.randint(0, _SEED_HIGH, (), device=device, dtype=torch.int64)
+    return _by_rank(torch.randint(0, _SEED_HIGH, (), device=device, dtype=torch.int64))
+
+
+def _by_rank(seeds: Tensor) -> Tensor:
     rank = _rank()
-    return seed + (rank * _RANK_STRIDE) % _SEED_HIGH if rank else seed
+    return seeds + (rank * _RANK_STRIDE) % _SEED_HIGH if rank else seeds
 
 
 @torch.library.custom_op("hot::draw_seeds", mutates_args=(),
@@ -50,9 +53,7 @@ def draw_seed(device: torch.device) -> Tensor:
 def draw_seeds(like: Tensor, n: int) -> Tensor:
     """``n`` Philox seeds on ``like``'s device, each offset by the rank as ``draw_seed``'s:
     one launch for every HOT op of a backward graph instead of one per op."""
-    seeds = torch.randint(0, _SEED_HIGH, (n,), device=like.device, dtype=torch.int64)
-    rank = _rank()
-    return seeds + (rank * _RANK_STRIDE) % _SEED_HIGH if rank else seeds
+    return _by_rank(torch.randint(0, _SEED_HIGH, (n,), device=like.device, dtype=torch.int64))
 
 
 @draw_seeds.register_fake
