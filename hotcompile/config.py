@@ -74,6 +74,11 @@ class HOTConfig:
     of W (rebuilt from the fp32 parameter). Bit-identical gradients, less memory
     (``bench/saved_tensors.py``), one more pointwise pass in backward: off by default
     until its device timing is measured.
+    splice: on a GPU, copy each HOT op's fused kernels into the graph (``passes/splice.py``)
+    so Inductor launches them from its own wrapper, with no Python between kernels (True);
+    False keeps them behind ``hot::`` custom ops (one profiler range per op: debugging).
+    Ops whose choices are made at run time (``gx_scale="lqs"``, ``rank="auto"`` while it
+    calibrates, dynamic shapes) stay ops either way; the report's ``launch`` says per site.
     lqs_*: calibration steps, per-token threshold ratio, re-calibration period (0 = never),
     and a JSON file to load/save the choices so a restarted run reuses them.
     dump_dir: write graphs and reports here (env ``HOT_DUMP`` does the same).
@@ -97,6 +102,7 @@ class HOTConfig:
     min_speedup: float = 1.0
     abc: bool = True
     recompute_operands: bool = False
+    splice: bool = True
     lqs_calibration_steps: int = 3
     lqs_ratio: float = 0.5
     lqs_recalibrate_every: int = 0
@@ -151,7 +157,7 @@ class HOTConfig:
         if (isinstance(self.min_speedup, bool) or not isinstance(self.min_speedup, (int, float))
                 or not 0 <= self.min_speedup < float("inf")):
             bad("min_speedup", "must be a finite number >= 0 (0 turns the cost gate off)")
-        for f in ("abc", "recompute_operands"):
+        for f in ("abc", "recompute_operands", "splice"):
             if not isinstance(getattr(self, f), bool):
                 bad(f, "must be a bool")
         if self.lqs_calibration_steps < 1:

@@ -47,3 +47,24 @@ def subprocess_suite(path: str, is_interpreted: bool):
                               text=True, timeout=600)
         assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
     return test_interpreter_suite_in_subprocess
+
+
+def compiled_mark(is_interpreted: bool):
+    """For tests that trace the kernels (``wrap_triton`` needs compiled-mode ``JITFunction``s):
+    skipped where an earlier module imported triton under the interpreter."""
+    return pytest.mark.skipif(is_interpreted, reason="triton was imported under the "
+                              "interpreter (see test_compiled_suite_in_subprocess)")
+
+
+def compiled_subprocess_suite(path: str, is_interpreted: bool):
+    """A test that re-runs the module at ``path`` in a child with triton in compiled mode."""
+    @pytest.mark.skipif(not is_interpreted, reason="the tests run in this process")
+    def test_compiled_suite_in_subprocess():
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                               os.path.abspath(path)], cwd=root, env=env, capture_output=True,
+                              text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+    return test_compiled_suite_in_subprocess
+

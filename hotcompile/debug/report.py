@@ -5,6 +5,7 @@ summary all read the same :class:`SiteRecord` list; the table is just one render
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 from typing import TYPE_CHECKING, List, Optional
@@ -55,6 +56,7 @@ class SiteRecord:
     forward_reason: str = ""               # why it stayed bf16 although FP8 was asked for
     forward_ms: Optional[list] = None      # forward cost gate: [bf16, FP8] ms (GPU only)
     w_operand: str = ""                    # "fp32 parameter": g_x reads it (recompute_operands)
+    launch: str = ""                       # "Inductor" (spliced) or "hot:: op (why not)"
 
     @property
     def rewritten(self) -> bool:
@@ -116,6 +118,7 @@ def record_site(site: "LinearSite", graph_index: int, config, plan=None) -> Site
                      rank="auto (calibrating)" if measuring else rank,
                      forward=site.forward, forward_reason=site.forward_reason,
                      w_operand="fp32 parameter" if site.eligible and site.w_chain else "",
+                     launch=site.launch if site.eligible else "",
                      forward_ms=[round(v, 4) for v in site.forward_ms]
                      if site.forward_ms else None,
                      layout=site.layout.describe() if site.layout is not None else None,
@@ -176,6 +179,20 @@ class Report:
         return {"layers": [dataclasses.asdict(r) for r in self.layers], "errors": self.errors,
                 "notes": self.notes}
 
+    def _launch_lines(self) -> List[str]:
+        """How the rewritten layers' kernels launch (``HOTConfig.splice``), on GPU graphs:
+        by Inductor, or through ``hot::`` ops with the reasons counted."""
+        how = [r.launch for r in self.rewritten if r.launch]
+        gpu = [h for h in how if "not on a CUDA device" not in h]
+        if not gpu:
+            return []
+        ops = collections.Counter(h for h in gpu if not h.startswith("Inductor"))
+        line = (f"kernels launched by Inductor at {len(gpu) - sum(ops.values())}/{len(gpu)} "
+                f"rewritten layers")
+        if ops:
+            line += "; through hot:: ops at " + ", ".join(f"{n} ({h})" for h, n in ops.items())
+        return [line]
+
     def __str__(self) -> str:
         for r in self.layers:
             r.refresh_lqs()
@@ -200,6 +217,7 @@ class Report:
         lines.append(f"{len(self.rewritten)}/{len(self.training)} linear layers rewritten; "
                      f"linear inputs saved for backward: {_fmt_bytes(b)} -> {_fmt_bytes(a)}"
                      + (f" ({b / a:.1f}x smaller)" if a else ""))
+        lines += self._launch_lines()
         ungated = sorted({r.cost_model for r in self.layers
                           if r.cost_model and r.cost_model.startswith("not gated")})
         lines += [f"cost gate not applied: {u.split(': ', 1)[1]} (min_speedup applies on GPUs)"

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from . import formats, gemm, grad_out, hadamard, hla
+from .launch import recording_launches
 from . import reference as ref
 
 _FUSED_BLOCK = 16
@@ -99,7 +100,7 @@ def _k_major(q: torch.Tensor) -> torch.Tensor:
     k = q.shape[0]
     out = gemm.transpose_padded(q.view(torch.int8), 16).view(q.dtype)
     if q.dtype == torch.float8_e4m3fn and out.shape[1] > k:
-        out[:, k:].zero_()
+        out.narrow(1, k, out.shape[1] - k).zero_()
     return out
 
 
@@ -167,12 +168,16 @@ def linear_backward(g: torch.Tensor, w: torch.Tensor, xt: torch.Tensor, x_scale:
     if warm_other_scale:
         hq_grad_input(g, w, gx_bits, not per_token, seed, block, False, w_bits)
     # the W kernel's and (split path) the HLA kernel's amax words: zeroed by one launch
-    ws = torch.zeros((w.shape[1] + (qg_t is None),), dtype=torch.int32, device=g.device)
+    # (traced for Inductor, each kernel zeroes its own: a shared buffer written through
+    # two views would be functionalised into scatters)
+    I = w.shape[1]
+    ws = None if recording_launches() else \
+        torch.zeros((I + (qg_t is None),), dtype=torch.int32, device=g.device)
     gx = _gx(g, w, gx_bits, w_bits, per_token, seed, gq=(qg, sg), path=path,
-             w_amax=ws[:w.shape[1]])
+             w_amax=None if ws is None else ws.narrow(0, 0, I))
     if qg_t is None:    # g's HLA operand from its own kernel: Philox key seed + 1
         gw = _gw(g, xt, x_scale, rank, "1d", gw_bits, seed, lay, seed_add=1,
-                 amax=ws[w.shape[1]:])
+                 amax=None if ws is None else ws.narrow(0, I, 1))
     else:
         gw = _gw(g, xt, x_scale, rank, "1d", gw_bits, seed, lay, qg=tuple(qg_t))
     return gx, gw

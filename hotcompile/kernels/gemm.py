@@ -78,6 +78,7 @@ import triton.language as tl
 
 from .formats import gx_rule
 from .hadamard import interpreting
+from .launch import launch
 
 
 @triton.jit
@@ -225,8 +226,8 @@ def _launch(args, flags, M: int, N: int, K: int, config: str | None = None) -> N
     name = config or tile_config(M, N, K, _sm_count(args[0].device.index or 0))
     bm, bn, bk, warps, stages, _ = CONFIGS[name]
     grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
-    _scaled_mm_kernel[grid](*args, **flags, EVEN_K=K % bk == 0, BM=bm, BN=bn, BK=bk, GROUP_M=8,
-                            num_warps=warps, num_stages=stages)
+    launch(_scaled_mm_kernel, grid, *args, **flags, EVEN_K=K % bk == 0, BM=bm, BN=bn, BK=bk,
+           GROUP_M=8, num_warps=warps, num_stages=stages)
 
 
 # FP8 accumulation mode: exact (promote every BLOCK_K) unless HOT_FP8_FAST_ACC=1.
@@ -331,8 +332,8 @@ def scaled_mm(a: torch.Tensor, bt: torch.Tensor, row_scale: torch.Tensor,
     args = (_as_operand(a), _as_operand(bt), res, row_scale, col_scale, float(alpha), M, N, K,
             a.stride(0), bt.stride(0), res.stride(0))
     if interp:
-        _scaled_mm_kernel[(triton.cdiv(M, 32) * triton.cdiv(N, 32),)](
-            *args, **flags, EVEN_K=K % _INTERP_BK == 0, BM=32, BN=32, BK=_INTERP_BK, GROUP_M=4)
+        launch(_scaled_mm_kernel, (triton.cdiv(M, 32) * triton.cdiv(N, 32),),
+               *args, **flags, EVEN_K=K % _INTERP_BK == 0, BM=32, BN=32, BK=_INTERP_BK, GROUP_M=4)
     else:
         _launch(args, flags, M, N, K, config)
     if res is not out:
@@ -361,8 +362,8 @@ def transpose_padded(x: torch.Tensor, pad_to: int = 16) -> torch.Tensor:
     dst = torch.empty((C, r_pad), dtype=x.dtype, device=x.device)
     if R and C:
         b = 32 if interpreting() else 64
-        _transpose_kernel[(triton.cdiv(R, b), triton.cdiv(C, b))](x, dst, R, C, x.stride(0),
-                                                                   r_pad, BR=b, BC=b)
+        launch(_transpose_kernel, (triton.cdiv(R, b), triton.cdiv(C, b)), x, dst, R, C,
+               x.stride(0), r_pad, BR=b, BC=b)
     return dst
 
 
@@ -402,5 +403,5 @@ def cublas_fp8_mm(a: torch.Tensor, bt: torch.Tensor, row_scale: torch.Tensor,
     if row_scale.dim() == 0 and col_scale.dim() == 0:
         return torch._scaled_mm(a, bt.t(), row_scale, col_scale, out_dtype=out_dtype,
                                 use_fast_accum=True)
-    return torch._scaled_mm(a, bt.t(), row_scale[:, None], col_scale[None, :],
+    return torch._scaled_mm(a, bt.t(), row_scale.unsqueeze(1), col_scale.unsqueeze(0),
                             out_dtype=out_dtype, use_fast_accum=True)

@@ -58,6 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import launch
 from . import hadamard, hla
 from .hadamard import (_load_fwht_rows, _quantize_store_rows, abs_bits, interpreting, qmax,
                        reciprocal_is_finite, scale_from_amax_bits, seed_pointer)
@@ -267,6 +268,6 @@ def grad_out_quant(g: torch.Tensor, hq_bits: int, per_token: bool, hq_seed, rank
     meta = dict(PER_TOKEN=bool(per_token), BT=bt, BC=bc, HR=hr, RP=hla._pow2_at_least(rank),
                 RANK=rank, KEPT=kept, HQ_Q=qmax(hq_bits), HLA_Q=qmax(hla_bits), FP8=bool(fp8),
                 INTERPRET=interp, num_warps=warps)
-    _grad_out_kernel[grid](*args, PHASE=1, **meta)
-    _grad_out_kernel[grid](*args, PHASE=2, **meta)
+    launch(_grad_out_kernel, grid, *args, PHASE=1, **meta)
+    launch(_grad_out_kernel, grid, *args, PHASE=2, **meta)
     return hq_q, hq_s, hla_q, hla_s

@@ -29,6 +29,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
+from .launch import launch
+
 # =========================================================================== building blocks
 
 
@@ -494,7 +496,7 @@ def hq_act_quant(g: torch.Tensor, bits: int, per_token: bool, seed, fp8: bool = 
         bc, one = column_tile(O_pad, max_tile=max_tile)
         br = max(1, min(8, 2048 // bc)) if not interp else max(1, min(8, 256 // bc))
         warps = 8 if bc * br >= 4096 else 4
-        _hq_token_kernel[(triton.cdiv(L, br),)](
+        launch(_hq_token_kernel, (triton.cdiv(L, br),),
             g, q, s, seed_t, L, O, O_pad, g.stride(0), O_pad, groups,
             BR=br, BC=bc, ONE_TILE=one, Q=Q, FP8=fp8, INTERPRET=interp, num_warps=warps)
         return q, s
@@ -505,8 +507,8 @@ def hq_act_quant(g: torch.Tensor, bits: int, per_token: bool, seed, fp8: bool = 
     grid = (triton.cdiv(L, br) * triton.cdiv(O_pad, bc),)
     args = (g, q, s, amax, seed_t, L, O, O_pad, g.stride(0), O_pad, groups)
     meta = dict(BR=br, BC=bc, Q=Q, FP8=fp8, INTERPRET=interp, num_warps=4 if interp else 8)
-    _hq_tensor_kernel[grid](*args, PHASE=1, **meta)
-    _hq_tensor_kernel[grid](*args, PHASE=2, **meta)
+    launch(_hq_tensor_kernel, grid, *args, PHASE=1, **meta)
+    launch(_hq_tensor_kernel, grid, *args, PHASE=2, **meta)
     return q, s
 
 
@@ -539,6 +541,6 @@ def hq_weight_quant(w: torch.Tensor, bits: int, fp8: bool = False, e4m3: bool = 
     rnd = _TL_DTYPES.get(round_to) if w.dtype == torch.float32 else None   # never an upcast
     meta = dict(BI=bi, BO=bo, Q=448 if e4m3 else qmax(bits), FP8=fp8, E4M3=e4m3, INTERPRET=interp,
                 ROUND=rnd, num_warps=8 if not interp else 4)
-    _hq_weight_kernel[grid](*args, PHASE=1, **meta)
-    _hq_weight_kernel[grid](*args, PHASE=2, **meta)
+    launch(_hq_weight_kernel, grid, *args, PHASE=1, **meta)
+    launch(_hq_weight_kernel, grid, *args, PHASE=2, **meta)
     return q, s

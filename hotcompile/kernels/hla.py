@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import launch
 from . import reference as ref
 from .hadamard import (abs_bits, fwht16, interpreting, philox_uniform16, quantize,
                        scale_from_amax_bits, seed_pointer, to_e4m3)
@@ -291,7 +292,7 @@ def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic:
         ldq = -(-rows_out // pad_to) * pad_to
         q = torch.empty((C, ldq), dtype=dtype, device=dev)
         if e4m3 and ldq > rows_out:
-            q[:, rows_out:].zero_()
+            q.narrow(1, rows_out, ldq - rows_out).zero_()
     else:
         ldq = C
         q = torch.empty((rows_out, C), dtype=dtype, device=dev)
@@ -305,6 +306,6 @@ def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic:
     seed_t = seed_pointer(seed, dev) if stochastic else amax    # amax: an unread placeholder
     args = (x, q, s, amax, seed_t, int(seed_add), float(scale_mul), S, n_sblk, stride_b,
             stride_s, C, x.stride(0), ldq, n_blk, -(-C // 8))
-    _hla_kernel[grid](*args, PHASE=1, **meta)
-    _hla_kernel[grid](*args, PHASE=2, **meta)
+    launch(_hla_kernel, grid, *args, PHASE=1, **meta)
+    launch(_hla_kernel, grid, *args, PHASE=2, **meta)
     return q, s

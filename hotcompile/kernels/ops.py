@@ -63,7 +63,7 @@ def _(like, n):
 
 def _seed(g: Tensor, seeds: Optional[Tensor], seed_index: int) -> Tensor:
     """The op's seed: its element of the graph's ``draw_seeds`` (a view), or a fresh draw."""
-    return seeds[seed_index] if seeds is not None else draw_seed(g.device)
+    return seeds.select(0, seed_index) if seeds is not None else draw_seed(g.device)
 
 
 def triton_usable(t: Tensor, kernels: str) -> bool:
@@ -96,8 +96,7 @@ def _hq_scaling(scale: str, site: str, g: Tensor, bits: int, block: int) -> tupl
 
 
 # ----------------------------------------------------------------------- HQ (g_x)
-@torch.library.custom_op("hot::hq_grad_input", mutates_args=())
-def hq_grad_input(g: Tensor, w: Tensor, bits: int, w_bits: int, block: int, scale: str,
+def hq_grad_input_body(g: Tensor, w: Tensor, bits: int, w_bits: int, block: int, scale: str,
                   site: str, kernels: str, seeds: Optional[Tensor] = None,
                   seed_index: int = 0) -> Tensor:
     """g_x ~= g W with block Hadamard along O: g to ``bits`` levels (stochastic), W to
@@ -110,6 +109,9 @@ def hq_grad_input(g: Tensor, w: Tensor, bits: int, w_bits: int, block: int, scal
     return ref.hq_grad_input(g, w, bits, per_token, seed, block, w_bits=w_bits)
 
 
+hq_grad_input = torch.library.custom_op("hot::hq_grad_input", mutates_args=())(hq_grad_input_body)
+
+
 @hq_grad_input.register_fake
 def _(g, w, bits, w_bits, block, scale, site, kernels, seeds=None, seed_index=0):
     torch._check(g.shape[1] == w.shape[0], lambda: "hq_grad_input: g and w disagree on O")
@@ -117,8 +119,7 @@ def _(g, w, bits, w_bits, block, scale, site, kernels, seeds=None, seed_index=0)
 
 
 # ----------------------------------------------------------------------- ABC (forward)
-@torch.library.custom_op("hot::abc_compress", mutates_args=())
-def abc_compress(x: Tensor, rank: int, bits: int, block: int, seq_len: int, seq_first: bool,
+def abc_compress_body(x: Tensor, rank: int, bits: int, block: int, seq_len: int, seq_first: bool,
                  kernels: str, fmt: str) -> tuple[Tensor, Tensor]:
     """x (L, I) -> (HLA-projected x (hla_rows, I), fp32 scale ()): int8 levels, or with
     ``fmt="e4m3"`` scaled FP8, the cuBLAS g_W GEMM's operand (``formats.gw_rule``).
@@ -131,6 +132,9 @@ def abc_compress(x: Tensor, rank: int, bits: int, block: int, seq_len: int, seq_
     return ref.abc_compress(x, rank, "1d", bits, block, **lay)
 
 
+abc_compress = torch.library.custom_op("hot::abc_compress", mutates_args=())(abc_compress_body)
+
+
 @abc_compress.register_fake
 def _(x, rank, bits, block, seq_len, seq_first, kernels, fmt):
     rows = ref.hla_rows(x.shape[0], rank, block, seq_len)
@@ -139,8 +143,7 @@ def _(x, rank, bits, block, seq_len, seq_first, kernels, fmt):
 
 
 # ----------------------------------------------------------------------- HLA (g_W)
-@torch.library.custom_op("hot::hla_grad_weight", mutates_args=())
-def hla_grad_weight(g: Tensor, xq: Tensor, x_scale: Tensor, rank: int, bits: int, block: int,
+def hla_grad_weight_body(g: Tensor, xq: Tensor, x_scale: Tensor, rank: int, bits: int, block: int,
                     seq_len: int, seq_first: bool, measure: str, kernels: str,
                     seeds: Optional[Tensor] = None, seed_index: int = 0) -> Tensor:
     """g_W ~= g^T x over the kept low-pass token coefficients. g: (L, O) -> (O, I).
@@ -154,6 +157,9 @@ def hla_grad_weight(g: Tensor, xq: Tensor, x_scale: Tensor, rank: int, bits: int
     if triton_usable(g, kernels):
         return _fused().hla_grad_weight(g, xq, x_scale, rank, "1d", bits, seed, block, **lay)
     return ref.hla_grad_weight(g, xq, x_scale, rank, "1d", bits, seed, block, **lay)
+
+
+hla_grad_weight = torch.library.custom_op("hot::hla_grad_weight", mutates_args=())(hla_grad_weight_body)
 
 
 @hla_grad_weight.register_fake
@@ -175,8 +181,7 @@ sweep of that session, no tile shape better): the (16-token x BC x 16) coefficie
 longer fits the registers next to the HQ half."""
 
 
-@torch.library.custom_op("hot::linear_backward", mutates_args=())
-def linear_backward(g: Tensor, xq: Tensor, x_scale: Tensor, rank: int, gw_bits: int, block: int,
+def linear_backward_body(g: Tensor, xq: Tensor, x_scale: Tensor, rank: int, gw_bits: int, block: int,
                     seq_len: int, seq_first: bool, measure: str, kernels: str, w: Tensor,
                     gx_bits: int, w_bits: int, scale: str, site: str,
                     seeds: Optional[Tensor] = None, seed_index: int = 0) -> tuple[Tensor, Tensor]:
@@ -199,6 +204,9 @@ def linear_backward(g: Tensor, xq: Tensor, x_scale: Tensor, rank: int, gw_bits: 
                                         warm_other_scale=warm_other)
     return ref.linear_backward(g, w, xq, x_scale, rank, gx_bits, w_bits, gw_bits, per_token,
                                seed, block, **lay)
+
+
+linear_backward = torch.library.custom_op("hot::linear_backward", mutates_args=())(linear_backward_body)
 
 
 @linear_backward.register_fake

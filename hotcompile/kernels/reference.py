@@ -69,9 +69,16 @@ def block_fwht(x: torch.Tensor, block: int = 16) -> torch.Tensor:
     return y.reshape(*lead, d)
 
 
-def sequency(row: torch.Tensor) -> int:
-    """Number of sign changes along a +-1 row."""
-    return int((row[1:] != row[:-1]).sum())
+def sequency(row) -> int:
+    """Number of sign changes along a +-1 row (a tensor or a list)."""
+    row = row.tolist() if isinstance(row, torch.Tensor) else row
+    return sum(a != b for a, b in zip(row[1:], row[:-1]))
+
+
+def _sylvester_rows(n: int) -> list:
+    """Sylvester H_n as lists of +-1: H[i][j] = (-1) ** popcount(i & j). Plain Python, so
+    the kept-row choice can be made while tensors are being traced (fake mode)."""
+    return [[-1 if bin(i & j).count("1") % 2 else 1 for j in range(n)] for i in range(n)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -84,14 +91,14 @@ def low_pass_rows(rank: int, select: str = "1d", block: int = 16) -> tuple[int, 
     """
     if not 1 <= rank <= block:
         raise ValueError(f"rank must be in [1, {block}], got {rank}")
-    h = _hadamard_cpu(block)
+    h = _sylvester_rows(block)
     if select == "1d":
         key = [(sequency(h[i]), i) for i in range(block)]
     elif select == "2d":
         side = math.isqrt(block)
         if side * side != block:
             raise ValueError(f"select='2d' needs a square block, got {block}")
-        hs = _hadamard_cpu(side)
+        hs = _sylvester_rows(side)
         seq = [sequency(hs[i]) for i in range(side)]
         key = [(seq[i // side] + seq[i % side], max(seq[i // side], seq[i % side]), i)
                for i in range(block)]

@@ -67,6 +67,7 @@ class LinearSite:
     forward_reason: str = ""      # why a site asked for FP8 keeps a bf16 forward
     forward_ms: Optional[tuple] = None  # forward cost gate: (bf16 ms, FP8 ms) predicted
     w_chain: Optional[list] = None  # views + cast from the fp32 parameter to W (recompute.py)
+    launch: str = ""              # how its HOT kernels launch: "Inductor" or "hot:: op (why)"
     rewritten_gx: Optional[Node] = None
     rewritten_gw: Optional[Node] = None
 

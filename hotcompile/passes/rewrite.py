@@ -31,6 +31,7 @@ from .find import LinearSite, find_linear_sites, is_forward
 from .forward import rewrite_forward
 from .recompute import parameter_weight_chain, replay_without_cast
 from .graph_utils import add_node, fake_mode_of, fake_run
+from .splice import splice_ops
 from .tokens import AxisLabels
 
 HQ_OP = torch.ops.hot.hq_grad_input.default
@@ -224,10 +225,29 @@ def rewrite_joint_graph(graph: Graph, config, params: Optional[Set[Node]] = None
         for old in (s.gx, s.gw):
             if old is not None and not old.users:
                 graph.erase_node(old)
+    _splice(graph, todo, buffers, config, fake_mode)
     graph.eliminate_dead_code()
     graph.lint()
     register_runtime(config, registrations(sites))
     return sites
+
+
+def _splice(graph: Graph, sites: List[LinearSite], buffers, config, fake_mode) -> None:
+    """With ``config.splice``: every HOT op's fused body into the graph (``splice.py``), so
+    Inductor launches the kernels; each site records how its backward launches."""
+    abc_ops = {k: v[0].args[0] for k, v in buffers.items()}
+    nodes: List[Node] = []
+    for s in sites:
+        for n in (abc_ops.get(s.group), s.rewritten_gx, s.rewritten_gw):
+            if n is not None and n not in nodes:
+                nodes.append(n)
+    how = splice_ops(graph, nodes, fake_mode) if config.splice else \
+        {n: "hot:: op (splice=False)" for n in nodes}
+    for s in sites:
+        s.launch = how.get(s.rewritten_gx or s.rewritten_gw, "")
+        comp = abc_ops.get(s.group)
+        if comp is not None and how.get(comp) != s.launch:
+            s.launch += f"; its ABC: {how.get(comp)}"
 
 
 def _share_seeds(graph: Graph, sites: List[LinearSite], fake_mode) -> None:

@@ -1,0 +1,172 @@
+"""passes/splice.py on CPU: the hot:: ops' fused bodies traced into a graph for Inductor.
+
+CI has no GPU, so the graphs here hold fake CUDA tensors and Triton's mutation analysis
+runs against a stand-in sm_90 target (TTIR needs no driver). What runs, and is bit-equal to
+the ops, is checked on the GPU (tests/test_gpu_compiled.py)."""
+from __future__ import annotations
+
+import logging
+import operator
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+import hotcompile  # noqa: F401  registers torch.ops.hot.*
+from hotcompile.passes import splice as SP
+
+triton = pytest.importorskip("triton")
+from hotcompile.kernels import gemm, hadamard  # noqa: E402  (triton present)
+
+import interp  # noqa: E402
+
+_INTERPRETED = interp.interpreted(hadamard._hq_token_kernel)
+compiled = interp.compiled_mark(_INTERPRETED)
+test_compiled_suite_in_subprocess = interp.compiled_subprocess_suite(__file__, _INTERPRETED)
+WRAPPER = torch.ops.higher_order.triton_kernel_wrapper_functional
+hot = torch.ops.hot
+
+
+class _Hopper:
+    """A Triton driver that only names its target: enough for TTIR (mutation analysis)."""
+
+    def get_current_target(self):
+        from triton.backends.compiler import GPUTarget
+        return GPUTarget("cuda", 90, 32)
+
+
+@pytest.fixture
+def hopper(monkeypatch):
+    driver = triton.runtime.driver
+    before = driver._active
+    driver.set_active(_Hopper())
+    monkeypatch.setattr(gemm, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(gemm, "_sm_count", lambda index: 132)
+    yield
+    driver._active = before
+
+
+def _fakes(mode, *shapes, dtype=torch.bfloat16, device="cuda"):
+    with mode:
+        return [torch.empty(s, device=device, dtype=dtype) for s in shapes]
+
+
+def _site_graph(device="cuda", scale="token", measure="", fmt="e4m3", L=256):
+    """A graph holding one site's ops as the rewrite inserts them: seeds, ABC, unit."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    g, x, w = _fakes(mode, (L, 512), (L, 384), (512, 384), device=device)
+
+    def f(g, x, w):
+        seeds = hot.draw_seeds(g, 1)
+        xq, xs = hot.abc_compress(x, 16, 8, 16, 0, False, "auto", fmt)
+        return hot.linear_backward(g, xq, xs, 16, 8, 16, 0, False, measure, "auto", w, 4, 8,
+                                   scale, "k", seeds, 0)
+
+    with mode:
+        gm = make_fx(f, tracing_mode="fake")(g, x, w)
+    for n in gm.graph.nodes:
+        n.meta["partitioner_tag"] = "is_backward"
+    return gm, mode
+
+
+def _nodes(gm, targets):
+    return [n for n in gm.graph.nodes if n.target in targets]
+
+
+@compiled
+def test_a_site_splices_into_kernel_nodes_with_the_ops_outputs(hopper):
+    gm, mode = _site_graph()
+    want = [tuple(n.meta["val"].shape) for n in gm.graph.output_node().args[0]]
+    how = SP.splice_ops(gm.graph, _nodes(gm, SP.BODIES), mode)
+    assert sorted(how.values()) == ["Inductor", "Inductor"], how
+    gm.graph.eliminate_dead_code()
+    gm.graph.lint()
+    assert not _nodes(gm, SP.BODIES)
+    assert len(_nodes(gm, {hot.draw_seeds.default})) == 1       # one per graph, kept
+    kernels = _nodes(gm, {WRAPPER})
+    # ABC 2 phases; HQ g 1; W 2 phases; HLA g 2 phases; x made K-major 1; + 2 cuBLAS GEMMs
+    assert len(kernels) == 8, [k.kwargs["kwargs"].keys() for k in kernels]
+    assert len(_nodes(gm, {torch.ops.aten._scaled_mm.default})) == 2
+    copies = [n for n in gm.graph.nodes if n.target is torch.ops.aten.copy_.default]
+    assert not copies, "a spliced body must not write into its inputs"
+    outs = gm.graph.output_node().args[0]
+    assert [tuple(n.meta["val"].shape) for n in outs] == want
+    for n in gm.graph.nodes:
+        if n.op == "call_function":
+            assert n.meta.get("partitioner_tag") == "is_backward", n.format_node()
+            assert isinstance(n.meta.get("val"), (torch.Tensor, dict, tuple, list)) or \
+                n.target is operator.getitem, n.format_node()
+
+
+@compiled
+def test_the_forward_abc_keeps_its_save_policy(hopper):
+    gm, mode = _site_graph()
+    comp = _nodes(gm, {hot.abc_compress.default})[0]
+    comp.meta.update(recompute=CheckpointPolicy.MUST_SAVE, partitioner_tag="is_forward")
+    first = comp.prev
+    SP.splice_ops(gm.graph, [comp], mode)
+    n = first.next
+    spliced = []
+    while n.target is not hot.linear_backward.default:
+        spliced.append(n)
+        n = n.next
+    assert spliced and all(s.meta["recompute"] is CheckpointPolicy.MUST_SAVE for s in spliced)
+    assert all(s.meta["partitioner_tag"] == "is_forward" for s in spliced)
+
+
+@compiled
+@pytest.mark.parametrize("case,reason", [
+    ("lqs", "gx_scale='lqs'"),
+    ("measure", "rank calibration"),
+    ("cpu", "not on a CUDA device"),
+    ("checkpointed", "activation-checkpointed"),
+])
+def test_run_time_choices_keep_the_op(hopper, case, reason):
+    gm, mode = _site_graph(device="cpu" if case == "cpu" else "cuda",
+                           scale="lqs" if case == "lqs" else "token",
+                           measure="m" if case == "measure" else "")
+    unit = _nodes(gm, {hot.linear_backward.default})[0]
+    if case == "checkpointed":
+        unit.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
+    how = SP.splice_ops(gm.graph, [unit], mode)
+    assert reason in how[unit]
+    assert _nodes(gm, {hot.linear_backward.default}) == [unit]
+
+
+@compiled
+def test_dynamic_shapes_keep_the_op(hopper):
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
+    tokens = env.create_symintnode(env.create_symbol(256, ConstantSource("L")), hint=256)
+    with mode:
+        g = torch.empty((tokens, 512), device="cuda", dtype=torch.bfloat16)
+        w = torch.empty((512, 384), device="cuda", dtype=torch.bfloat16)
+    graph = torch.fx.Graph()
+    gn, wn = graph.placeholder("g"), graph.placeholder("w")
+    gn.meta["val"], wn.meta["val"] = g, w
+    node = graph.call_function(hot.hq_grad_input.default, (gn, wn, 4, 8, 16, "token", "k", "auto"))
+    node.meta["val"] = g.new_empty((tokens, 384))
+    graph.output(node)
+    assert SP.refusal(node) == "dynamic shapes (tiles and grids are chosen from sizes)"
+
+
+@compiled
+def test_a_body_whose_kernels_cannot_be_analysed_stays_an_op(hopper, caplog):
+    """Without a target Triton's mutation analysis fails and torch assumes every input is
+    written; functionalisation would copy inputs back: the op stays."""
+    gm, mode = _site_graph()
+    unit = _nodes(gm, {hot.linear_backward.default})[0]
+
+    class _NoTarget:
+        def get_current_target(self):
+            raise RuntimeError("no target")
+
+    triton.runtime.driver.set_active(_NoTarget())
+    with caplog.at_level(logging.ERROR):
+        how = SP.splice_ops(gm.graph, [unit], mode)
+    assert "writes into its inputs" in how[unit], how
+    assert _nodes(gm, {hot.linear_backward.default}) == [unit]
