@@ -89,6 +89,14 @@ def test_a_site_splices_into_kernel_nodes_with_the_ops_outputs(hopper):
     # ABC 2 phases; HQ g 1; W 2 phases; HLA g 2 phases; x made K-major 1; + 2 cuBLAS GEMMs
     assert len(kernels) == 8, [k.kwargs["kwargs"].keys() for k in kernels]
     assert len(_nodes(gm, {torch.ops.aten._scaled_mm.default})) == 2
+    # what Inductor lowers the graph with: every op needs a lowering or, without one, no
+    # decomposition (Inductor refuses a fallback for an op it expects decomposed)
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._inductor.lowering import lowerings
+    decomps = select_decomp_table()
+    for n in gm.graph.nodes:
+        if isinstance(n.target, torch._ops.OpOverload):
+            assert n.target in lowerings or n.target not in decomps, n.format_node()
     copies = [n for n in gm.graph.nodes if n.target is torch.ops.aten.copy_.default]
     assert not copies, "a spliced body must not write into its inputs"
     outs = gm.graph.output_node().args[0]

@@ -86,10 +86,12 @@ def trace_body(node: Node, fake_mode) -> torch.fx.GraphModule:
             args[i] = t
         return body(*args)
 
+    from torch._inductor.decomposition import select_decomp_table
     from torch.fx.experimental.proxy_tensor import make_fx
     fakes = [node.args[i].meta["val"] for i in slots]
-    with recording(), fake_mode:
-        gm = make_fx(torch.func.functionalize(run), tracing_mode="fake")(*fakes)
+    with recording(), fake_mode:    # decomposed as AOT decomposes the rest for Inductor
+        gm = make_fx(torch.func.functionalize(run), decomposition_table=select_decomp_table(),
+                     tracing_mode="fake")(*fakes)
     mutated = [n for n in gm.graph.nodes if n.op == "call_function"
                and n.target is aten.copy_.default and n.args[0].op == "placeholder"]
     if mutated:
