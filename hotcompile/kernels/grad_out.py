@@ -253,9 +253,10 @@ def grad_out_quant(g: torch.Tensor, hq_bits: int, per_token: bool, hq_seed, rank
     ld_hla = -(-(n_blk * rank) // 16) * 16
     dev = g.device
     hq_q = torch.empty((L, O_pad), dtype=hadamard.level_dtype(fp8), device=dev)
-    hq_s = torch.empty((L,) if per_token else (), dtype=torch.float32, device=dev)
+    hq_s = torch.empty((L,), dtype=torch.float32, device=dev) if per_token else \
+        hadamard.scalar_buffer(dev)
     hla_q = torch.empty((O, ld_hla), dtype=torch.int8, device=dev)
-    hla_s = torch.empty((), dtype=torch.float32, device=dev)
+    hla_s = hadamard.scalar_buffer(dev)
     amax = torch.zeros((1 + (L if per_token else 1),), dtype=torch.int32, device=dev)
     interp = interpreting()
     bt, bc, warps, hr = tile_shape(O_pad, interp)

@@ -475,6 +475,12 @@ def seed_pointer(seed, device) -> torch.Tensor:
     return torch.full((1,), int(seed), dtype=torch.int64, device=device)
 
 
+def scalar_buffer(device) -> torch.Tensor:
+    """A 0-d fp32 buffer a kernel writes, as a view of a (1,) allocation: Inductor lowers a
+    0-d ``empty`` to a fill kernel (a launch), a 1-element one to a bare allocation."""
+    return torch.empty((1,), dtype=torch.float32, device=device).view(())
+
+
 def hq_act_quant(g: torch.Tensor, bits: int, per_token: bool, seed, fp8: bool = False):
     """Transform g (L, O) along O (zero-padded to O_pad), quantize with stochastic rounding.
 
@@ -500,7 +506,7 @@ def hq_act_quant(g: torch.Tensor, bits: int, per_token: bool, seed, fp8: bool = 
             g, q, s, seed_t, L, O, O_pad, g.stride(0), O_pad, groups,
             BR=br, BC=bc, ONE_TILE=one, Q=Q, FP8=fp8, INTERPRET=interp, num_warps=warps)
         return q, s
-    s = torch.empty((), dtype=torch.float32, device=dev)
+    s = scalar_buffer(dev)
     amax = torch.zeros((1,), dtype=torch.int32, device=dev)
     bc, _ = column_tile(O_pad, max_tile=512 if not interp else 64)
     br = max(1, (4096 if not interp else 128) // bc)

@@ -34,7 +34,7 @@ import triton.language as tl
 
 from .launch import launch
 from . import reference as ref
-from .hadamard import (abs_bits, fwht16, interpreting, philox_uniform16, quantize,
+from .hadamard import (abs_bits, fwht16, interpreting, philox_uniform16, quantize, scalar_buffer,
                        scale_from_amax_bits, seed_pointer, to_e4m3)
 
 
@@ -296,7 +296,7 @@ def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic:
     else:
         ldq = C
         q = torch.empty((rows_out, C), dtype=dtype, device=dev)
-    s = torch.empty((), dtype=torch.float32, device=dev)
+    s = scalar_buffer(dev)
     amax = torch.zeros((1,), dtype=torch.int32, device=dev) if amax is None else amax
     bt, bc, warps = _tile_shape(C, interpreting())
     grid = (triton.cdiv(n_blk, bt) * triton.cdiv(C, bc),)

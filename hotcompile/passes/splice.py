@@ -25,6 +25,7 @@ import operator
 from typing import Callable, Dict, Optional
 
 import torch
+from torch._inductor import inductor_prims  # noqa: F401  registers force_stride_order
 from torch.fx import Graph, Node
 
 from ..kernels import ops
@@ -99,6 +100,26 @@ def trace_body(node: Node, fake_mode) -> torch.fx.GraphModule:
     return gm
 
 
+def _realized(graph: Graph, arg: Node, node: Node, fake_mode) -> Node:
+    """``arg`` as one buffer with its traced strides, for all the kernels that read it.
+
+    Why: Inductor gives a user kernel an input with exactly the strides it was traced with.
+    An input not yet in memory (a fused pointwise result such as GELU's backward) is then
+    computed into a fresh copy for *each* kernel reading it: three writes of g_y for the
+    HQ and the two HLA launches (H100 output code, 2026-11-24). ``force_stride_order``
+    makes Inductor realize it once, in that layout (a no-op for a tensor already there)."""
+    val = arg.meta.get("val")
+    if arg.op == "placeholder" or not isinstance(val, torch.Tensor) or val.dim() == 0:
+        return arg
+    with graph.inserting_before(node):
+        fixed = graph.call_function(torch.ops.prims.inductor_force_stride_order.default,
+                                    (arg, list(val.stride())))
+    with fake_mode:
+        fixed.meta["val"] = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype,
+                                                device=val.device)
+    return fixed
+
+
 def splice(graph: Graph, node: Node, fake_mode) -> None:
     """Replace ``node`` by its traced body: the new nodes carry its partitioner tag,
     provenance and (forward ABC) its save policy; its users read the body's outputs."""
@@ -106,10 +127,10 @@ def splice(graph: Graph, node: Node, fake_mode) -> None:
     if tuple_out and any(u.target is not operator.getitem for u in node.users):
         raise RuntimeError("a user other than getitem reads the op's outputs")
     gm = trace_body(node, fake_mode)
-    slots = [a for a in node.args if isinstance(a, Node)]
+    before = node.prev
+    slots = [_realized(graph, a, node, fake_mode) for a in node.args if isinstance(a, Node)]
     places = [n for n in gm.graph.nodes if n.op == "placeholder"]
     val_map = dict(zip(places, slots))
-    before = node.prev
     with graph.inserting_before(node):
         out = graph.graph_copy(gm.graph, val_map)
     extra = {k: node.meta[k] for k in ("recompute", "ac_graph_id") if k in node.meta}
