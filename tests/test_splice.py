@@ -178,17 +178,3 @@ def test_a_body_whose_kernels_cannot_be_analysed_stays_an_op(hopper, caplog):
         how = SP.splice_ops(gm.graph, [unit], mode)
     assert "writes into its inputs" in how[unit], how
     assert _nodes(gm, {hot.linear_backward.default}) == [unit]
-
-
-@compiled
-def test_ops_reading_the_fp32_parameter_stay_in_backward(hopper):
-    """The tag that keeps the partitioner from moving W's kernels into the forward."""
-    gm, mode = _site_graph()
-    unit = _nodes(gm, {hot.linear_backward.default})[0]
-    first = unit.prev
-    SP.splice_ops(gm.graph, [unit], mode, backward_only=[unit])
-    n, tags = first.next, set()
-    while n.op != "output":
-        tags.add(n.meta.get("partitioner_tag"))
-        n = n.next
-    assert tags == {"must_be_in_backward"}, tags

@@ -241,8 +241,7 @@ def _splice(graph: Graph, sites: List[LinearSite], buffers, config, fake_mode) -
         for n in (abc_ops.get(s.group), s.rewritten_gx, s.rewritten_gw):
             if n is not None and n not in nodes:
                 nodes.append(n)
-    stay = [s.rewritten_gx for s in sites if s.w_chain and s.rewritten_gx is not None]
-    how = splice_ops(graph, nodes, fake_mode, stay) if config.splice else \
+    how = splice_ops(graph, nodes, fake_mode) if config.splice else \
         {n: "hot:: op (splice=False)" for n in nodes}
     for s in sites:
         s.launch = how.get(s.rewritten_gx or s.rewritten_gw, "")

@@ -120,9 +120,9 @@ def _realized(graph: Graph, arg: Node, node: Node, fake_mode) -> Node:
     return fixed
 
 
-def splice(graph: Graph, node: Node, fake_mode, tag: Optional[str] = None) -> None:
-    """Replace ``node`` by its traced body: the new nodes carry its partitioner tag (or
-    ``tag``), provenance and (forward ABC) its save policy; its users read its outputs."""
+def splice(graph: Graph, node: Node, fake_mode) -> None:
+    """Replace ``node`` by its traced body: the new nodes carry its partitioner tag,
+    provenance and (forward ABC) its save policy; its users read the body's outputs."""
     tuple_out = isinstance(node.meta["val"], (tuple, list))
     if tuple_out and any(u.target is not operator.getitem for u in node.users):
         raise RuntimeError("a user other than getitem reads the op's outputs")
@@ -136,7 +136,7 @@ def splice(graph: Graph, node: Node, fake_mode, tag: Optional[str] = None) -> No
     extra = {k: node.meta[k] for k in ("recompute", "ac_graph_id") if k in node.meta}
     n = before.next
     while n is not node:
-        _stamp(n, tag or node.meta.get("partitioner_tag", "is_backward"), node, extra)
+        _stamp(n, node.meta.get("partitioner_tag", "is_backward"), node, extra)
         n = n.next
     outs = out if isinstance(out, (tuple, list)) else (out,)
     if tuple_out:
@@ -148,22 +148,15 @@ def splice(graph: Graph, node: Node, fake_mode, tag: Optional[str] = None) -> No
     graph.erase_node(node)
 
 
-def splice_ops(graph: Graph, nodes, fake_mode, backward_only=()) -> Dict[Node, str]:
+def splice_ops(graph: Graph, nodes, fake_mode) -> Dict[Node, str]:
     """Splice every node of ``nodes`` that ``refusal`` allows; node -> how it launches
-    ("Inductor", or "hot:: op (<reason>)"). A failed trace leaves the op, with the error.
-
-    ``backward_only``: ops whose bodies must stay in backward although part of them needs
-    no gradient: the W kernels reading the fp32 parameter (``recompute_operands``). The
-    partitioner places a node by what it depends on, not by its ``is_backward`` tag, and
-    would run them in the forward and keep their FP8 output, the memory that option exists
-    to save (ViT-B/16, H100: peak 0.769x Inductor's against 0.751x unspliced)."""
+    ("Inductor", or "hot:: op (<reason>)"). A failed trace leaves the op, with the error."""
     how: Dict[Node, str] = {}
     for node in nodes:
         why = refusal(node)
         if why is None:
             try:
-                splice(graph, node, fake_mode,
-                       "must_be_in_backward" if node in backward_only else None)
+                splice(graph, node, fake_mode)
                 how[node] = "Inductor"
                 continue
             except Exception as e:  # noqa: BLE001 - the op is the correct fallback
