@@ -53,15 +53,15 @@ def _fakes(mode, *shapes, dtype=torch.bfloat16, device="cuda"):
         return [torch.empty(s, device=device, dtype=dtype) for s in shapes]
 
 
-def _site_graph(device="cuda", scale="token", measure="", fmt="e4m3", L=256):
+def _site_graph(device="cuda", scale="token", measure="", fmt="e4m3", L=256, block=16):
     """A graph holding one site's ops as the rewrite inserts them: seeds, ABC, unit."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     g, x, w = _fakes(mode, (L, 512), (L, 384), (512, 384), device=device)
 
     def f(g, x, w):
         seeds = hot.draw_seeds(g, 1)
-        xq, xs = hot.abc_compress(x, 16, 8, 16, 0, False, "auto", fmt)
-        return hot.linear_backward(g, xq, xs, 16, 8, 16, 0, False, measure, "auto", w, 4, 8,
+        xq, xs = hot.abc_compress(x, block, 8, block, 0, False, "auto", fmt)
+        return hot.linear_backward(g, xq, xs, block, 8, block, 0, False, measure, "auto", w, 4, 8,
                                    scale, "k", seeds, 0)
 
     with mode:
@@ -177,4 +177,21 @@ def test_a_body_whose_kernels_cannot_be_analysed_stays_an_op(hopper, caplog):
     with caplog.at_level(logging.ERROR):
         how = SP.splice_ops(gm.graph, [unit], mode)
     assert "writes into its inputs" in how[unit], how
+    assert _nodes(gm, {hot.linear_backward.default}) == [unit]
+
+
+@compiled
+def test_a_body_without_fused_kernels_stays_an_op(hopper, monkeypatch):
+    """A body that falls back to the reference twin (aten ops only) is not spliced: Inductor
+    could re-associate its float math and the op would no longer be the reference."""
+    gm, mode = _site_graph()
+    unit = _nodes(gm, {hot.linear_backward.default})[0]
+
+    def reference_like(g, xq, xs, *rest):
+        w = rest[7]
+        return g.float().mm(w.float()).to(g.dtype), g.t().float().mm(xq.float()).to(g.dtype)
+
+    monkeypatch.setitem(SP.BODIES, hot.linear_backward.default, reference_like)
+    how = SP.splice_ops(gm.graph, [unit], mode)
+    assert "no fused kernel" in how[unit], how
     assert _nodes(gm, {hot.linear_backward.default}) == [unit]

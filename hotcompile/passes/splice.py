@@ -33,17 +33,19 @@ from ..kernels.launch import recording
 from .graph_utils import _stamp
 
 aten = torch.ops.aten
+WRAPPER = torch.ops.higher_order.triton_kernel_wrapper_functional
 BODIES: Dict[object, Callable] = {
     torch.ops.hot.linear_backward.default: ops.linear_backward_body,
     torch.ops.hot.hq_grad_input.default: ops.hq_grad_input_body,
     torch.ops.hot.hla_grad_weight.default: ops.hla_grad_weight_body,
     torch.ops.hot.abc_compress.default: ops.abc_compress_body,
 }
-# where each op keeps its kernels choice, LQS scale and rank-measure key
-_KERNELS_ARG = {torch.ops.hot.linear_backward.default: 9, torch.ops.hot.hq_grad_input.default: 7,
-                torch.ops.hot.hla_grad_weight.default: 9, torch.ops.hot.abc_compress.default: 6}
-_SCALE_ARG = {torch.ops.hot.linear_backward.default: 13, torch.ops.hot.hq_grad_input.default: 5}
-_MEASURE_ARG = {torch.ops.hot.linear_backward.default: 8, torch.ops.hot.hla_grad_weight.default: 8}
+
+
+def _arg(node: Node, name: str, vals: list):
+    """The value of the op's argument ``name`` (by its schema), or None if it has none."""
+    names = [a.name for a in node.target._schema.arguments]
+    return vals[names.index(name)] if name in names and names.index(name) < len(vals) else None
 
 
 def _symbolic(v) -> bool:
@@ -61,11 +63,11 @@ def refusal(node: Node) -> Optional[str]:
     first = next((v for v in vals if isinstance(v, torch.Tensor)), None)
     if first is None or first.device.type != "cuda":
         return "not on a CUDA device (the reference kernels run there)"
-    if vals[_KERNELS_ARG[op]] == "reference":
+    if _arg(node, "kernels", vals) == "reference":
         return "kernels='reference'"
-    if op in _SCALE_ARG and vals[_SCALE_ARG[op]] == "lqs":
+    if _arg(node, "scale", vals) == "lqs":
         return "gx_scale='lqs' chooses the scaling at run time"
-    if op in _MEASURE_ARG and vals[_MEASURE_ARG[op]]:
+    if _arg(node, "measure", vals):
         return "rank calibration measures g_W at run time"
     if any(_symbolic(v) for v in vals):
         return "dynamic shapes (tiles and grids are chosen from sizes)"
@@ -97,6 +99,10 @@ def trace_body(node: Node, fake_mode) -> torch.fx.GraphModule:
                and n.target is aten.copy_.default and n.args[0].op == "placeholder"]
     if mutated:
         raise RuntimeError(f"the trace writes into its inputs {[n.args[0].name for n in mutated]}")
+    if not any(n.target is WRAPPER for n in gm.graph.nodes):
+        # the body fell back to the reference twin (a block or bit width without fused
+        # kernels): as aten ops Inductor could re-associate its float math
+        raise RuntimeError("no fused kernel for this configuration (the op runs the reference)")
     return gm
 
 
