@@ -40,13 +40,17 @@ def subprocess_suite(path: str, is_interpreted: bool):
                         or os.environ.get("HOT_KERNEL_TESTS_CHILD") == "1",
                         reason="the interpreter tests run in this process")
     def test_interpreter_suite_in_subprocess():
-        env = dict(os.environ, TRITON_INTERPRET="1", HOT_KERNEL_TESTS_CHILD="1")
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                               os.path.abspath(path)], cwd=root, env=env, capture_output=True,
-                              text=True, timeout=600)
-        assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+        _rerun(path, dict(os.environ, TRITON_INTERPRET="1", HOT_KERNEL_TESTS_CHILD="1"))
     return test_interpreter_suite_in_subprocess
+
+
+def _rerun(path: str, env: dict) -> None:
+    """Run the test module at ``path`` in a child pytest with ``env``; fail with its output."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           os.path.abspath(path)], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
 
 
 def compiled_mark(is_interpreted: bool):
@@ -60,11 +64,6 @@ def compiled_subprocess_suite(path: str, is_interpreted: bool):
     """A test that re-runs the module at ``path`` in a child with triton in compiled mode."""
     @pytest.mark.skipif(not is_interpreted, reason="the tests run in this process")
     def test_compiled_suite_in_subprocess():
-        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                               os.path.abspath(path)], cwd=root, env=env, capture_output=True,
-                              text=True, timeout=600)
-        assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+        _rerun(path, {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
     return test_compiled_suite_in_subprocess
 
