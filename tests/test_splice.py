@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import operator
+import os
 
 import pytest
 import torch
@@ -22,7 +23,10 @@ from hotcompile.kernels import gemm, hadamard  # noqa: E402  (triton present)
 
 import interp  # noqa: E402
 
-_INTERPRETED = interp.interpreted(hadamard._hq_token_kernel)
+# wrap_triton traces JITFunctions only: an interpreted kernel (TRITON_INTERPRET=1 when the
+# kernels module was imported, whatever triton.language was imported under) reruns in a child
+_INTERPRETED = not isinstance(hadamard._hq_token_kernel, triton.runtime.jit.JITFunction) or \
+    os.environ.get("TRITON_INTERPRET") == "1"
 compiled = interp.compiled_mark(_INTERPRETED)
 test_compiled_suite_in_subprocess = interp.compiled_subprocess_suite(__file__, _INTERPRETED)
 WRAPPER = torch.ops.higher_order.triton_kernel_wrapper_functional
