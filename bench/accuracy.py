@@ -779,9 +779,6 @@ def _corpus_list(text: Optional[str], default: List[str]) -> List[str]:
     return out
 
 
-
-
-
 def run_suite(args) -> dict:
     preset = copy.deepcopy(SUITES["smoke" if args.suite == "smoke" else
                                   ("gate" if args.suite == "gate" else "full")])

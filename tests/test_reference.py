@@ -224,3 +224,15 @@ def test_gw_e4m3_error_against_int8():
     assert ef < 0.06 and 1.2 * e8 < ef < 3.5 * e8
     e8, ef = errors(g * torch.exp(torch.randn(O) * 1.5), x * torch.exp(torch.randn(I) * 1.5))
     assert ef < 0.06 and ef < e8 / 2
+
+
+def test_hadamard_cache_holds_a_real_tensor_when_first_built_while_tracing():
+    """The splice pass traces bodies under fake tensors; H's cache must not keep a fake."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    R._hadamard_cpu.cache_clear()
+    with FakeTensorMode():
+        R.hadamard(16)
+    h = R.hadamard(16)
+    assert not isinstance(h, FakeTensor)
+    assert torch.equal(h @ h.T, 16 * torch.eye(16))
+    assert R.sequency(h[1]) == R.sequency(list(R._sylvester_rows(16)[1])) == 15

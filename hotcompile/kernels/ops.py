@@ -97,8 +97,8 @@ def _hq_scaling(scale: str, site: str, g: Tensor, bits: int, block: int) -> tupl
 
 # ----------------------------------------------------------------------- HQ (g_x)
 def hq_grad_input_body(g: Tensor, w: Tensor, bits: int, w_bits: int, block: int, scale: str,
-                  site: str, kernels: str, seeds: Optional[Tensor] = None,
-                  seed_index: int = 0) -> Tensor:
+                       site: str, kernels: str, seeds: Optional[Tensor] = None,
+                       seed_index: int = 0) -> Tensor:
     """g_x ~= g W with block Hadamard along O: g to ``bits`` levels (stochastic), W to
     ``w_bits`` levels. g: (L, O), w: (O, I). ``site``: the runtime key (LQS table)."""
     per_token, warm_other = _hq_scaling(scale, site, g, bits, block)
@@ -109,7 +109,8 @@ def hq_grad_input_body(g: Tensor, w: Tensor, bits: int, w_bits: int, block: int,
     return ref.hq_grad_input(g, w, bits, per_token, seed, block, w_bits=w_bits)
 
 
-hq_grad_input = torch.library.custom_op("hot::hq_grad_input", mutates_args=())(hq_grad_input_body)
+hq_grad_input = torch.library.custom_op("hot::hq_grad_input", mutates_args=())(
+    hq_grad_input_body)
 
 
 @hq_grad_input.register_fake
@@ -119,8 +120,8 @@ def _(g, w, bits, w_bits, block, scale, site, kernels, seeds=None, seed_index=0)
 
 
 # ----------------------------------------------------------------------- ABC (forward)
-def abc_compress_body(x: Tensor, rank: int, bits: int, block: int, seq_len: int, seq_first: bool,
-                 kernels: str, fmt: str) -> tuple[Tensor, Tensor]:
+def abc_compress_body(x: Tensor, rank: int, bits: int, block: int, seq_len: int,
+                      seq_first: bool, kernels: str, fmt: str) -> tuple[Tensor, Tensor]:
     """x (L, I) -> (HLA-projected x (hla_rows, I), fp32 scale ()): int8 levels, or with
     ``fmt="e4m3"`` scaled FP8, the cuBLAS g_W GEMM's operand (``formats.gw_rule``).
 
@@ -132,7 +133,8 @@ def abc_compress_body(x: Tensor, rank: int, bits: int, block: int, seq_len: int,
     return ref.abc_compress(x, rank, "1d", bits, block, **lay)
 
 
-abc_compress = torch.library.custom_op("hot::abc_compress", mutates_args=())(abc_compress_body)
+abc_compress = torch.library.custom_op("hot::abc_compress", mutates_args=())(
+    abc_compress_body)
 
 
 @abc_compress.register_fake
@@ -143,9 +145,9 @@ def _(x, rank, bits, block, seq_len, seq_first, kernels, fmt):
 
 
 # ----------------------------------------------------------------------- HLA (g_W)
-def hla_grad_weight_body(g: Tensor, xq: Tensor, x_scale: Tensor, rank: int, bits: int, block: int,
-                    seq_len: int, seq_first: bool, measure: str, kernels: str,
-                    seeds: Optional[Tensor] = None, seed_index: int = 0) -> Tensor:
+def hla_grad_weight_body(g: Tensor, xq: Tensor, x_scale: Tensor, rank: int, bits: int,
+                         block: int, seq_len: int, seq_first: bool, measure: str, kernels: str,
+                         seeds: Optional[Tensor] = None, seed_index: int = 0) -> Tensor:
     """g_W ~= g^T x over the kept low-pass token coefficients. g: (L, O) -> (O, I).
 
     ``measure``: a rank-calibration key (``runtime.rank``): also measure, on this step's
@@ -159,7 +161,8 @@ def hla_grad_weight_body(g: Tensor, xq: Tensor, x_scale: Tensor, rank: int, bits
     return ref.hla_grad_weight(g, xq, x_scale, rank, "1d", bits, seed, block, **lay)
 
 
-hla_grad_weight = torch.library.custom_op("hot::hla_grad_weight", mutates_args=())(hla_grad_weight_body)
+hla_grad_weight = torch.library.custom_op("hot::hla_grad_weight", mutates_args=())(
+    hla_grad_weight_body)
 
 
 @hla_grad_weight.register_fake
@@ -181,10 +184,11 @@ sweep of that session, no tile shape better): the (16-token x BC x 16) coefficie
 longer fits the registers next to the HQ half."""
 
 
-def linear_backward_body(g: Tensor, xq: Tensor, x_scale: Tensor, rank: int, gw_bits: int, block: int,
-                    seq_len: int, seq_first: bool, measure: str, kernels: str, w: Tensor,
-                    gx_bits: int, w_bits: int, scale: str, site: str,
-                    seeds: Optional[Tensor] = None, seed_index: int = 0) -> tuple[Tensor, Tensor]:
+def linear_backward_body(g: Tensor, xq: Tensor, x_scale: Tensor, rank: int, gw_bits: int,
+                         block: int, seq_len: int, seq_first: bool, measure: str, kernels: str,
+                         w: Tensor, gx_bits: int, w_bits: int, scale: str, site: str,
+                         seeds: Optional[Tensor] = None,
+                         seed_index: int = 0) -> tuple[Tensor, Tensor]:
     """(g_x, g_W) of one linear site: ``hq_grad_input`` and ``hla_grad_weight`` in one op:
     one dispatch, one seed drawn (g_W's bits from seed + 1), and up to rank
     ``ONE_PASS_MAX_RANK`` one kernel pair reading g for both operands.
@@ -206,7 +210,8 @@ def linear_backward_body(g: Tensor, xq: Tensor, x_scale: Tensor, rank: int, gw_b
                                seed, block, **lay)
 
 
-linear_backward = torch.library.custom_op("hot::linear_backward", mutates_args=())(linear_backward_body)
+linear_backward = torch.library.custom_op("hot::linear_backward", mutates_args=())(
+    linear_backward_body)
 
 
 @linear_backward.register_fake

@@ -40,13 +40,22 @@ _M32 = 0xFFFFFFFF
 
 # --------------------------------------------------------------------------- Hadamard
 @functools.lru_cache(maxsize=None)
-def _hadamard_cpu(n: int) -> torch.Tensor:
+def _sylvester_rows(n: int) -> tuple:
+    """Sylvester H_n as rows of +-1 ints: H[i][j] = (-1) ** popcount(i & j). Plain Python,
+    so the kept-row choice can be made while tensors are being traced (fake mode)."""
     if n < 1 or n & (n - 1):
         raise ValueError(f"block must be a power of two, got {n}")
-    h = torch.ones(1, 1)
-    while h.shape[0] < n:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h
+    return tuple(tuple(-1 if bin(i & j).count("1") % 2 else 1 for j in range(n))
+                 for i in range(n))
+
+
+@functools.lru_cache(maxsize=None)
+def _hadamard_cpu(n: int) -> torch.Tensor:
+    # outside any dispatch mode: a first call made while a body is traced (fake or proxy
+    # tensors) must still cache a real tensor
+    from torch.utils._python_dispatch import _disable_current_modes
+    with _disable_current_modes():
+        return torch.tensor(_sylvester_rows(n), dtype=torch.float32)
 
 
 def hadamard(n: int, device=None, dtype=torch.float32) -> torch.Tensor:
@@ -70,15 +79,9 @@ def block_fwht(x: torch.Tensor, block: int = 16) -> torch.Tensor:
 
 
 def sequency(row) -> int:
-    """Number of sign changes along a +-1 row (a tensor or a list)."""
+    """Number of sign changes along a +-1 row (a tensor or a sequence)."""
     row = row.tolist() if isinstance(row, torch.Tensor) else row
     return sum(a != b for a, b in zip(row[1:], row[:-1]))
-
-
-def _sylvester_rows(n: int) -> list:
-    """Sylvester H_n as lists of +-1: H[i][j] = (-1) ** popcount(i & j). Plain Python, so
-    the kept-row choice can be made while tensors are being traced (fake mode)."""
-    return [[-1 if bin(i & j).count("1") % 2 else 1 for j in range(n)] for i in range(n)]
 
 
 @functools.lru_cache(maxsize=None)

@@ -35,9 +35,8 @@ from ..kernels.ops import ONE_PASS_MAX_RANK
 
 # one entry per kernel of a HOT site, plus the two bf16 GEMMs of the exact backward
 KERNELS = ("grad_out", "hq_g_token", "hq_w", "hq_w_fp32", "hq_cublas", "hq_int8", "hla_g",
-           "transpose_xq",
-           "hla_int8", "hla_cublas", "abc_x", "gx_bf16", "gw_bf16", "fwd_cast_x", "fwd_cast_w",
-           "fwd_fp8", "fwd_bf16")
+           "transpose_xq", "hla_int8", "hla_cublas", "abc_x", "gx_bf16", "gw_bf16",
+           "fwd_cast_x", "fwd_cast_w", "fwd_fp8", "fwd_bf16")
 
 
 # kernels without a fitted line of their own, timed by a kernel that moves bytes alike: the

@@ -31,7 +31,7 @@ def fake_run(op, args, fake_mode):
         return op(*_fake_args(args))
 
 
-def _stamp(node: Node, tag: str, like: Optional[Node], meta: Optional[dict] = None) -> None:
+def stamp(node: Node, tag: str, like: Optional[Node], meta: Optional[dict] = None) -> None:
     """What every inserted node carries: ``like``'s provenance, the partitioner tag, extras."""
     if like is not None:
         for k in _COPIED_META:
@@ -45,7 +45,7 @@ def add_node(graph: Graph, op, args: tuple, before: Node, tag: str, like: Option
              fake_mode=None, val: Any = None) -> Node:
     with graph.inserting_before(before):
         node = graph.call_function(op, args)
-    _stamp(node, tag, like)
+    stamp(node, tag, like)
     node.meta["val"] = val if val is not None else fake_run(op, args, fake_mode)
     return node
 
@@ -69,7 +69,7 @@ def emit(graph: Graph, fn, args: tuple, before: Node, tag: str, like: Optional[N
     val = lambda n: n.meta["val"]  # noqa: E731
     node = first.next
     while node is not before:
-        _stamp(node, tag, like, meta)
+        stamp(node, tag, like, meta)
         with fake_mode:
             node.meta["val"] = node.target(*torch.fx.node.map_arg(node.args, val),
                                            **torch.fx.node.map_arg(node.kwargs, val))

@@ -30,7 +30,7 @@ from torch.fx import Graph, Node
 
 from ..kernels import ops
 from ..kernels.launch import recording
-from .graph_utils import _stamp
+from .graph_utils import stamp
 
 aten = torch.ops.aten
 WRAPPER = torch.ops.higher_order.triton_kernel_wrapper_functional
@@ -142,7 +142,7 @@ def splice(graph: Graph, node: Node, fake_mode) -> None:
     extra = {k: node.meta[k] for k in ("recompute", "ac_graph_id") if k in node.meta}
     n = before.next
     while n is not node:
-        _stamp(n, node.meta.get("partitioner_tag", "is_backward"), node, extra)
+        stamp(n, node.meta.get("partitioner_tag", "is_backward"), node, extra)
         n = n.next
     outs = out if isinstance(out, (tuple, list)) else (out,)
     if tuple_out:
