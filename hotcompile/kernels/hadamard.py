@@ -542,11 +542,15 @@ def hq_weight_quant(w: torch.Tensor, bits: int, fp8: bool = False, e4m3: bool = 
     interp = interpreting()
     bi = 32 if not interp else 8                     # 64 contiguous bytes of each W row
     bo = min(256 if not interp else 64, _pow2_at_least(O_pad))
+    warps = 8 if not interp else 4
+    if "HOT_HQ_W_TILE" in os.environ and not interp:   # "BI,BO,WARPS" (tuning)
+        bi, bo, warps = (int(v) for v in os.environ["HOT_HQ_W_TILE"].split(","))
+        bo = min(bo, _pow2_at_least(O_pad))
     grid = (triton.cdiv(I, bi) * triton.cdiv(O_pad, bo),)
     args = (w, q, s, amax, float(scale_mul), O, I, O_pad, w.stride(0), w.stride(1), O_pad)
     rnd = _TL_DTYPES.get(round_to) if w.dtype == torch.float32 else None   # never an upcast
     meta = dict(BI=bi, BO=bo, Q=448 if e4m3 else qmax(bits), FP8=fp8, E4M3=e4m3, INTERPRET=interp,
-                ROUND=rnd, num_warps=8 if not interp else 4)
+                ROUND=rnd, num_warps=warps)
     launch(_hq_weight_kernel, grid, *args, PHASE=1, **meta)
     launch(_hq_weight_kernel, grid, *args, PHASE=2, **meta)
     return q, s

@@ -1,0 +1,239 @@
+"""A/B of HOT's transform kernels: the working tree against a git revision, side by side.
+
+Why: a kernel rewrite is worth keeping only if it is bit-identical to what it replaces and
+faster on the device, measured in one process against the same inputs. This script loads
+``hotcompile/kernels`` as it was at ``--rev`` into a private package next to the working
+tree's, checks that both produce the same bytes (levels and scales) at each shape, and times
+each with CUDA events (median over rotating inputs larger than L2), along with launch-option
+variants of the new code (``HOT_HLA_MAXNREG``, ``HOT_HQ_W_TILE``, ``HOT_HLA_TILE``) and a
+device copy of the same bytes (the bandwidth floor the issue's 80% target is against).
+
+    python bench/kernel_ab.py --rev HEAD --out bench/results
+
+Kernels (the defaults of a site's backward on an H100): ``hla_g`` (g's HLA operand:
+stochastic e4m3, transposed, 2 launches), ``abc_x`` (the forward's compressed input: e4m3
+row-major, 2 launches), ``abc_x_kmajor`` (the same written K-major directly, new code only,
+against row-major + ``transpose_padded``), ``hq_w`` (W's HQ operand: e4m3, 2 launches).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import device_name, stamp, write_json, write_text  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# (label, L tokens, C channels) of g (hla_g), x (abc_x) or (O, I) of W (hq_w)
+G_SHAPES = (("llama q/k/v/o/down g", 8192, 4096), ("llama gate/up g", 8192, 11008),
+            ("vit fc1 g", 12608, 3072))
+X_SHAPES = (("llama x (d)", 8192, 4096), ("llama x (ffn)", 8192, 11008),
+            ("vit x", 12608, 768))
+W_SHAPES = (("llama q (4096x4096)", 4096, 4096), ("llama up (11008x4096)", 11008, 4096),
+            ("llama down (4096x11008)", 4096, 11008))
+
+
+def load_rev(rev: str):
+    """hotcompile/kernels at ``rev`` (a git revision, or a directory holding those files:
+    the device machines get no .git) as a package ``hot_rev_kernels``; relative imports
+    inside it resolve within the copy."""
+    d = tempfile.mkdtemp(prefix="kernels_rev_")
+    pkg = os.path.join(d, "hot_rev_kernels")
+    if os.path.isdir(rev):
+        shutil.copytree(rev, pkg)
+    else:
+        os.makedirs(pkg)
+        names = subprocess.run(["git", "ls-tree", "--name-only", f"{rev}:hotcompile/kernels"],
+                               cwd=ROOT, capture_output=True, text=True,
+                               check=True).stdout.split()
+        for n in names:
+            if n.endswith(".py"):
+                src = subprocess.run(["git", "show", f"{rev}:hotcompile/kernels/{n}"], cwd=ROOT,
+                                     capture_output=True, text=True, check=True).stdout
+                with open(os.path.join(pkg, n), "w") as f:
+                    f.write(src)
+    sys.path.insert(0, d)
+    return importlib.import_module("hot_rev_kernels")
+
+
+@contextlib.contextmanager
+def env(**kv):
+    old = {k: os.environ.get(k) for k in kv}
+    for k, v in kv.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = str(v)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def time_ms(fn, inputs, reps: int = 30) -> float:
+    """Median ms of ``fn(x)`` over ``reps`` calls cycling through ``inputs`` (each call
+    timed alone by CUDA events, after two warm-up rounds)."""
+    for x in inputs * 2:
+        fn(x)
+    torch.cuda.synchronize()
+    times = []
+    for i in range(reps):
+        x = inputs[i % len(inputs)]
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn(x)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def copy_ms(nbytes: int, reps: int = 30) -> float:
+    """A device copy moving ``nbytes`` in total (half read, half written)."""
+    n = max(1, nbytes // 4)
+    srcs = [torch.empty(n, dtype=torch.int16, device="cuda").random_() for _ in range(3)]
+    dst = torch.empty(n, dtype=torch.int16, device="cuda")
+    return time_ms(lambda s: dst.copy_(s), srcs, reps)
+
+
+def same(a, b) -> bool:
+    """Bit equality of two (levels, scale) results."""
+    return all(torch.equal(x.view(torch.uint8) if x.dtype.itemsize == 1 else x, y.view(torch.uint8)
+                           if y.dtype.itemsize == 1 else y) for x, y in zip(a, b))
+
+
+def inputs_of(shape, n=3, scale=1.0):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    return [torch.randn(*shape, device="cuda", generator=gen, dtype=torch.bfloat16) * scale
+            for _ in range(n)]
+
+
+def bench_hla_g(old, new, rows):
+    seed = torch.tensor([7], device="cuda", dtype=torch.int64)
+
+    def run(mod):
+        return lambda g: mod.hla.hla_quant(g, 16, "1d", 8, stochastic=True, seed=seed, seed_add=1,
+                                           transposed=True, pad_to=16, e4m3=True,
+                                           scale_mul=1 / 16)
+    for label, L, C in G_SHAPES:
+        xs = inputs_of((L, C))
+        nbytes = 2 * L * C + L * C
+        ok = same(run(old)(xs[0]), run(new)(xs[0]))
+        floor = copy_ms(nbytes)
+        res = {"old": time_ms(run(old), xs)}
+        for cap in (0, 168, 160, 128):
+            with env(HOT_HLA_MAXNREG=cap):
+                res[f"new maxnreg={cap or 'none'}"] = time_ms(run(new), xs)
+        rows.append(dict(kernel="hla_g", shape=label, L=L, C=C, bit_identical=ok, copy_ms=floor,
+                         **res))
+        print(json.dumps(rows[-1]), flush=True)
+
+
+def bench_abc(old, new, rows):
+    def run(mod, transposed=False):
+        return lambda x: mod.hla.hla_quant(x, 16, "1d", 8, stochastic=False, e4m3=True,
+                                           transposed=transposed, pad_to=16)
+    for label, L, C in X_SHAPES:
+        xs = inputs_of((L, C))
+        nbytes = 2 * L * C + L * C
+        ok = same(run(old)(xs[0]), run(new)(xs[0]))
+        q_row, s_row = run(new)(xs[0])
+        q_t, s_t = run(new, True)(xs[0])
+        k_major = new.fused._k_major(q_row)
+        ok_t = torch.equal(k_major.view(torch.uint8), q_t.view(torch.uint8)) and torch.equal(s_row, s_t)
+        res = {"old": time_ms(run(old), xs),
+               "old + transpose": time_ms(lambda x: old.fused._k_major(run(old)(x)[0]), xs)}
+        for cap in (0, 168):
+            with env(HOT_HLA_MAXNREG=cap):
+                res[f"new maxnreg={cap or 'none'}"] = time_ms(run(new), xs)
+                res[f"new kmajor maxnreg={cap or 'none'}"] = time_ms(run(new, True), xs)
+        rows.append(dict(kernel="abc_x", shape=label, L=L, C=C, bit_identical=ok,
+                         kmajor_equals_transpose=ok_t, copy_ms=copy_ms(nbytes), **res))
+        print(json.dumps(rows[-1]), flush=True)
+
+
+def bench_hq_w(old, new, rows):
+    def run(mod):
+        return lambda w: mod.hadamard.hq_weight_quant(w, 8, e4m3=True, scale_mul=1 / 16)
+    for label, O, I in W_SHAPES:
+        ws = inputs_of((O, I), scale=0.02)
+        nbytes = 2 * O * I + O * I
+        ok = same(run(old)(ws[0]), run(new)(ws[0]))
+        res = {"old": time_ms(run(old), ws)}
+        for tile in ("32,256,8", "64,256,8", "128,128,8", "64,128,4", "128,64,4", "16,256,4",
+                     "64,512,8"):
+            with env(HOT_HQ_W_TILE=tile):
+                try:
+                    out = run(new)(ws[0])
+                    res[f"new tile={tile}"] = time_ms(run(new), ws)
+                    res[f"new tile={tile} identical"] = same(out, run(old)(ws[0]))
+                except Exception as e:  # noqa: BLE001  (a tile that does not compile)
+                    res[f"new tile={tile}"] = f"failed: {type(e).__name__}: {str(e)[:120]}"
+        rows.append(dict(kernel="hq_w", shape=label, O=O, I=I, bit_identical=ok,
+                         copy_ms=copy_ms(nbytes), **res))
+        print(json.dumps(rows[-1]), flush=True)
+
+
+def markdown(rows, meta) -> str:
+    out = [f"Device **{meta['device']}**, {meta['when']}, torch {meta['torch']}, new = working "
+           f"tree (git {meta['git']}), old = {meta['rev']}. Median ms of CUDA events over "
+           "rotating inputs; '% copy' = a device copy of the same bytes over the kernel time.",
+           ""]
+    for r in rows:
+        times = {k: v for k, v in r.items() if isinstance(v, float) and k != "copy_ms"}
+        out.append(f"- **{r['kernel']} {r['shape']}** (bit-identical to old: {r['bit_identical']}"
+                   + (f", K-major written = transpose of row-major: {r['kmajor_equals_transpose']}"
+                      if "kmajor_equals_transpose" in r else "") + f"; copy {r['copy_ms']:.4f} ms)")
+        for k, v in times.items():
+            out.append(f"  - {k}: {v:.4f} ms ({100 * r['copy_ms'] / v:.0f}% copy)")
+        for k, v in r.items():
+            if isinstance(v, str) and v.startswith("failed"):
+                out.append(f"  - {k}: {v}")
+    return "\n".join(out) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rev", default="HEAD", help="git revision or directory of the old kernels")
+    p.add_argument("--kernels", default="hla_g,abc_x,hq_w")
+    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
+    a = p.parse_args(argv)
+    old = load_rev(a.rev)
+    importlib.import_module("hot_rev_kernels.fused")
+    importlib.import_module("hot_rev_kernels.hla")
+    importlib.import_module("hot_rev_kernels.hadamard")
+    from hotcompile.kernels import fused, hadamard, hla  # noqa: F401
+    new = importlib.import_module("hotcompile.kernels")
+    rows: list = []
+    for k in a.kernels.split(","):
+        {"hla_g": bench_hla_g, "abc_x": bench_abc, "hq_w": bench_hq_w}[k](old, new, rows)
+    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                         text=True).stdout.strip() or os.environ.get("HOT_GIT", "?")
+    meta = dict(device=device_name(torch.device("cuda")), when=stamp(), torch=torch.__version__,
+                git=git, rev=a.rev)
+    os.makedirs(a.out, exist_ok=True)
+    base = os.path.join(a.out, f"kernel_ab_{meta['when'].replace(':', '')}")
+    write_json(base + ".json", dict(meta=meta, rows=rows))
+    write_text(base + ".md", markdown(rows, meta))
+    print(markdown(rows, meta))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
