@@ -96,6 +96,7 @@ def kernels_for(L: int, I: int, O: int, rank: int):
                  dict(BR=br, BC=bc, ONE_TILE=one, Q=7, FP8=False, INTERPRET=False),
                  8 if bc * br >= 4096 else 4))
     bc, _ = H.column_tile(o_pad, max_tile=512)
+    wbi, wbo, wwarps = H.weight_tile(o_pad, False)
     for phase in (1, 2):
         rows.append((f"hq g per tensor p{phase}", H._hq_tensor_kernel,
                      {"g_ptr": "*bf16", "q_ptr": "*i8", "s_ptr": "*fp32", "amax_ptr": "*i32",
@@ -110,9 +111,9 @@ def kernels_for(L: int, I: int, O: int, rank: int):
                          {"w_ptr": "*fp32" if param else "*bf16",
                           "q_ptr": "*fp8e4nv" if e4m3 else "*i8",
                           "s_ptr": "*fp32", "amax_ptr": "*i32"},
-                         dict(PHASE=phase, BI=32, BO=min(256, H._pow2_at_least(o_pad)),
+                         dict(PHASE=phase, BI=wbi, BO=wbo,
                               Q=448 if e4m3 else 127, FP8=False, E4M3=e4m3, INTERPRET=False,
-                              ROUND=H.tl.bfloat16 if param else None), 8))
+                              ROUND=H.tl.bfloat16 if param else None), wwarps))
     for what, C, stochastic in (("hla g", O, True), ("abc x", I, False)):
         bt, bcc, warps = hla._tile_shape(C, False)
         for e4m3 in (False, True):     # int8 levels (INT8 GEMM) or scaled e4m3 (cuBLAS FP8)

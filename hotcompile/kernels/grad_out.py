@@ -62,7 +62,7 @@ from .launch import launch
 from . import hadamard, hla
 from .hadamard import (_load_fwht_rows, _quantize_store_rows, abs_bits, interpreting, qmax,
                        reciprocal_is_finite, scale_from_amax_bits, seed_pointer)
-from .hla import _load_fwht, _packed_rows, _tile_origin, gather_kept, quantize_store_tile
+from .hla import _load_project, _packed_rows, _quantize_store_tile, _tile_origin
 
 # =========================================================================== HLA half
 
@@ -76,10 +76,10 @@ def _hla_half(g_ptr, q_ptr, s_ptr, amax_ptr, seed_ptr, seed_add, blk0, col0, S, 
     """The tile's HLA coefficients (BT, BC, RP): phase 1 maxes their amax into word 0,
     phase 2 quantizes them into the transposed (O, L'_pad) operand (``hla._hla_kernel``,
     stochastic, transposed); the first program stores the scale."""
-    y = _load_fwht(g_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, O, stride_g, BT, BC)
+    v = _load_project(g_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, O, stride_g, BT,
+                      BC, RP, RANK, KEPT)
     if PHASE == 1:
-        v = gather_kept(y, RP, RANK, KEPT)
-        keep = (tl.arange(0, RP) < RANK)[None, :]
+        keep = (tl.arange(0, RP) < RANK)[None, None, :]
         tl.atomic_max(amax_ptr, tl.max(tl.where(keep, abs_bits(v), 0)))
     else:
         seed = tl.load(seed_ptr) + seed_add
@@ -87,8 +87,12 @@ def _hla_half(g_ptr, q_ptr, s_ptr, amax_ptr, seed_ptr, seed_add, blk0, col0, S, 
         inv_s = tl.math.div_rn(1.0, s)
         if is_first:
             tl.store(s_ptr, s)
-        quantize_store_tile(q_ptr, y, s, inv_s, seed, blk0, col0, n_blk, O, ld_q, groups, BT, BC,
-                            RP, RANK, KEPT, Q, True, True, INTERPRET, False)
+        if inv_s < float("inf"):
+            _quantize_store_tile(q_ptr, v, s, inv_s, seed, blk0, col0, n_blk, O, ld_q, groups,
+                                 BT, BC, RP, RANK, Q, True, True, INTERPRET, False)
+        else:
+            _quantize_store_tile(q_ptr, v, s, inv_s, seed, blk0, col0, n_blk, O, ld_q, groups,
+                                 BT, BC, RP, RANK, Q, True, True, INTERPRET, True)
 
 
 # =========================================================================== HQ half

@@ -129,59 +129,39 @@ def _load_project(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C, st
     """Blocks blk0 .. blk0+BT-1 of 16 neighbouring tokens, channels col0 .. col0+BC-1,
     projected onto the kept rows: a (BT, BC, RP) fp32 tile, coefficients last (entries
     >= rank: padding)."""
-    y = gather_kept(_load_fwht(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C,
-                               stride_x, BT, BC), RP, RANK, KEPT)
-    return tl.reshape(y, (BT, BC, RP))
-
-
-@triton.jit
-def _load_fwht(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C, stride_x,
-               BT: tl.constexpr, BC: tl.constexpr):
-    """The tile's 16-token blocks transformed along their tokens: (BT * BC, 16) fp32, row
-    b * BC + c holding block blk0 + b, channel col0 + c."""
     tok, valid = _token_rows(blk0, n_blk, S, n_sblk, stride_b, stride_s, BT)
     cols = col0 + tl.arange(0, BC)
     mask = valid[:, None] & (cols < C)[None, :]
     x = tl.load(x_ptr + tok[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
     x = tl.permute(tl.reshape(x.to(tl.float32), (BT, 16, BC)), (0, 2, 1))   # token axis last
-    return fwht16(tl.reshape(x, (BT * BC, 16)))
+    y = gather_kept(fwht16(tl.reshape(x, (BT * BC, 16))), RP, RANK, KEPT)
+    return tl.reshape(y, (BT, BC, RP))
 
 
 @triton.jit
-def quantize_store_tile(q_ptr, y, s, inv_s, seed, blk0, col0, n_blk, C, ldq, groups_per_row,
-                        BT: tl.constexpr, BC: tl.constexpr, RP: tl.constexpr, RANK: tl.constexpr,
-                        KEPT: tl.constexpr, Q: tl.constexpr, STOCHASTIC: tl.constexpr,
-                        TRANSPOSED: tl.constexpr, INTERPRET: tl.constexpr, E4M3: tl.constexpr):
-    """Quantize the kept coefficients of a transformed tile y (``_load_fwht``'s (BT * BC, 16))
-    to int8 levels, or with E4M3 to scaled FP8 (``to_e4m3``), and store them at rows
-    (blk0 + b) * rank + j of (L', C), or at the transposed positions of a (C, L'_pad)
-    buffer (one 16-byte run per channel and block at rank 16).
+def _quantize_store_tile(q_ptr, v, s, inv_s, seed, blk0, col0, n_blk, C, ldq, groups_per_row,
+                         BT: tl.constexpr, BC: tl.constexpr, RP: tl.constexpr, RANK: tl.constexpr,
+                         Q: tl.constexpr, STOCHASTIC: tl.constexpr, TRANSPOSED: tl.constexpr,
+                         INTERPRET: tl.constexpr, IEEE_DIV: tl.constexpr,
+                         E4M3: tl.constexpr = False):
+    """Quantize a (BT, BC, RP) tile (to int8 levels, or with E4M3 to scaled FP8:
+    ``to_e4m3``) and store it at rows (blk0 + b) * rank + j of (L', C), or at the
+    transposed positions of a (C, L'_pad) buffer.
 
-    One kept row at a time (``_quantize_join``): its value, its Philox bits (8 channels per
-    counter, one counter per thread) and its level are computed before the next row's, so
-    a thread never holds the tile's 128 uniforms at once. Quantizing the whole tile, then
-    storing it, needed 255 registers and spilled 456 bytes at sm_90 (e4m3, stochastic);
-    row by row it needs ~160 without spills (``bench/kernel_regs.py``).
-    The quotient takes the IEEE path where 1 / s is not finite (see ``quantize``)."""
-    LEVELS: tl.constexpr = (RP >= 2) + (RP >= 4) + (RP >= 8) + (RP >= 16)
-    if inv_s < float("inf"):
-        q = _quantize_join(y, 0, 1, LEVELS, s, inv_s, seed, blk0, col0, groups_per_row, BT, BC,
-                           RANK, KEPT, Q, STOCHASTIC, INTERPRET, False, E4M3)
-    else:
-        q = _quantize_join(y, 0, 1, LEVELS, s, inv_s, seed, blk0, col0, groups_per_row, BT, BC,
-                           RANK, KEPT, Q, STOCHASTIC, INTERPRET, True, E4M3)
-    _store_tile(q_ptr, tl.reshape(q, (BT, BC, RP)), blk0, col0, n_blk, C, ldq, BT, BC, RP, RANK,
-                TRANSPOSED)
-
-
-@triton.jit
-def _store_tile(q_ptr, q, blk0, col0, n_blk, C, ldq, BT: tl.constexpr, BC: tl.constexpr,
-                RP: tl.constexpr, RANK: tl.constexpr, TRANSPOSED: tl.constexpr):
-    """Store a (BT, BC, RP) tile of levels at rows (blk0 + b) * rank + j of (L', C), or at
-    the transposed positions of a (C, L'_pad) buffer."""
+    (Quantizing 8 coefficients at a time removes phase 2's register spills at rank 16,
+    yet ran 10% slower on the H100, 2026-11-24; so did a register cap of 128 or 168.)"""
     j = tl.arange(0, RP)
     rows = (blk0 + tl.arange(0, BT))[:, None] * RANK + j[None, :]            # (BT, RP)
     cols = col0 + tl.arange(0, BC)
+    if STOCHASTIC:   # uniforms follow the (L', C) layout: generate there, then turn
+        u = philox_uniform16(seed, tl.reshape(rows, (BT * RP,)), col0, groups_per_row, BC)
+        u = tl.permute(tl.reshape(u, (BT, RP, BC)), (0, 2, 1))
+    else:
+        u = 0.5
+    if E4M3:
+        q = to_e4m3(v, s, inv_s, IEEE_DIV or INTERPRET, INTERPRET, u, STOCHASTIC)
+    else:
+        q = quantize(v, s, inv_s, u, Q, IEEE_DIV or INTERPRET, not INTERPRET).to(tl.int8)
     valid = ((blk0 + tl.arange(0, BT)) < n_blk)[:, None] & (j < RANK)[None, :]
     mask = valid[:, None, :] & (cols < C)[None, :, None]
     if TRANSPOSED:
@@ -189,47 +169,6 @@ def _store_tile(q_ptr, q, blk0, col0, n_blk, C, ldq, BT: tl.constexpr, BC: tl.co
     else:
         ptrs = q_ptr + rows.to(tl.int64)[:, None, :] * ldq + cols[None, :, None]
     tl.store(ptrs, q, mask=mask)
-
-
-@triton.jit
-def _quantize_leaf(y, j: tl.constexpr, s, inv_s, seed, blk0, col0, groups_per_row,
-                   BT: tl.constexpr, BC: tl.constexpr, RANK: tl.constexpr, KEPT: tl.constexpr,
-                   Q: tl.constexpr, STOCHASTIC: tl.constexpr, INTERPRET: tl.constexpr,
-                   IEEE_DIV: tl.constexpr, E4M3: tl.constexpr):
-    """Kept coefficient j of every (token block, channel) of the tile, quantized: a
-    (BT * BC,) tile. Its uniforms are drawn here, 8 channels per Philox counter, so only
-    one coefficient row's bits are live at a time."""
-    v = _kept(y, j, RANK, KEPT)
-    if STOCHASTIC:
-        rows = (blk0 + tl.arange(0, BT)) * RANK + j
-        u = tl.reshape(philox_uniform16(seed, rows, col0, groups_per_row, BC), (BT * BC,))
-    else:
-        u = 0.5
-    if E4M3:
-        q = to_e4m3(v, s, inv_s, IEEE_DIV or INTERPRET, INTERPRET, u, STOCHASTIC)
-    else:
-        q = quantize(v, s, inv_s, u, Q, IEEE_DIV or INTERPRET, not INTERPRET).to(tl.int8)
-    return q
-
-
-@triton.jit
-def _quantize_join(y, base: tl.constexpr, stride: tl.constexpr, LEVELS: tl.constexpr, s, inv_s,
-                   seed, blk0, col0, groups_per_row, BT: tl.constexpr, BC: tl.constexpr,
-                   RANK: tl.constexpr, KEPT: tl.constexpr, Q: tl.constexpr,
-                   STOCHASTIC: tl.constexpr, INTERPRET: tl.constexpr, IEEE_DIV: tl.constexpr,
-                   E4M3: tl.constexpr):
-    """``_join_kept`` with each leaf quantized as it is picked."""
-    if LEVELS == 0:
-        return _quantize_leaf(y, base, s, inv_s, seed, blk0, col0, groups_per_row, BT, BC,
-                              RANK, KEPT, Q, STOCHASTIC, INTERPRET, IEEE_DIV, E4M3)
-    else:
-        return tl.join(
-            _quantize_join(y, base, 2 * stride, LEVELS - 1, s, inv_s, seed, blk0, col0,
-                           groups_per_row, BT, BC, RANK, KEPT, Q, STOCHASTIC, INTERPRET,
-                           IEEE_DIV, E4M3),
-            _quantize_join(y, base + stride, 2 * stride, LEVELS - 1, s, inv_s, seed, blk0,
-                           col0, groups_per_row, BT, BC, RANK, KEPT, Q, STOCHASTIC, INTERPRET,
-                           IEEE_DIV, E4M3))
 
 
 @triton.jit
@@ -269,10 +208,16 @@ def _hla_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, seed_ptr, seed_add, scale_mul, S,
         inv_s = tl.math.div_rn(1.0, s)
         if pid == 0:
             tl.store(s_ptr, s * scale_mul)
-        y = _load_fwht(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C, stride_x,
-                       BT, BC)
-        quantize_store_tile(q_ptr, y, s, inv_s, seed, blk0, col0, n_blk, C, ldq, groups_per_row,
-                            BT, BC, RP, RANK, KEPT, Q, STOCHASTIC, TRANSPOSED, INTERPRET, E4M3)
+        v = _load_project(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C,
+                          stride_x, BT, BC, RP, RANK, KEPT)
+        if inv_s < float("inf"):
+            _quantize_store_tile(q_ptr, v, s, inv_s, seed, blk0, col0, n_blk, C, ldq,
+                                 groups_per_row, BT, BC, RP, RANK, Q, STOCHASTIC, TRANSPOSED,
+                                 INTERPRET, False, E4M3)
+        else:
+            _quantize_store_tile(q_ptr, v, s, inv_s, seed, blk0, col0, n_blk, C, ldq,
+                                 groups_per_row, BT, BC, RP, RANK, Q, STOCHASTIC, TRANSPOSED,
+                                 INTERPRET, True, E4M3)
 
 
 # =========================================================================== launcher
@@ -362,18 +307,5 @@ def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic:
     args = (x, q, s, amax, seed_t, int(seed_add), float(scale_mul), S, n_sblk, stride_b,
             stride_s, C, x.stride(0), ldq, n_blk, -(-C // 8))
     launch(_hla_kernel, grid, *args, PHASE=1, **meta)
-    launch(_hla_kernel, grid, *args, PHASE=2, **meta, **_phase2_cap(interpreting()))
+    launch(_hla_kernel, grid, *args, PHASE=2, **meta)
     return q, s
-
-
-def _phase2_cap(interp: bool) -> dict:
-    """Phase 2's register cap, as launch options: ptxas gives the row-by-row quantizer up
-    to 255 registers (latency hiding it cannot use: 8 warps per SM), where ~160 suffice
-    without spilling. HOT_HLA_MAXNREG=N overrides (0: no cap; tuning)."""
-    if interp:
-        return {}
-    cap = int(os.environ.get("HOT_HLA_MAXNREG", _PHASE2_MAXNREG))
-    return {"maxnreg": cap} if cap else {}
-
-
-_PHASE2_MAXNREG = 0

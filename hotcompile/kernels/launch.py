@@ -18,7 +18,6 @@ higher-order-op dispatch.
 from __future__ import annotations
 
 import contextlib
-import functools
 import threading
 
 _STATE = threading.local()
@@ -41,25 +40,9 @@ def recording():
 
 
 def launch(kernel, grid, *args, **meta) -> None:
-    """``kernel[grid](*args, **meta)``, or its ``wrap_triton`` record inside ``recording()``.
-
-    ``maxnreg`` (a register cap per thread, Triton's compile option) is passed through; for
-    Inductor it travels as a one-config autotuner (``_capped``), the form in which
-    Inductor's user-kernel path keeps it (a plain keyword would be taken for an argument)."""
+    """``kernel[grid](*args, **meta)``, or its ``wrap_triton`` record inside ``recording()``."""
     if recording_launches():
         import torch
-        maxnreg = meta.pop("maxnreg", None)
-        if maxnreg is not None:
-            kernel = _capped(kernel, meta.pop("num_warps", 4), meta.pop("num_stages", 3), maxnreg)
         torch.library.wrap_triton(kernel)[grid](*args, **meta)
     else:
         kernel[grid](*args, **meta)
-
-
-@functools.lru_cache(maxsize=None)
-def _capped(kernel, num_warps: int, num_stages: int, maxnreg: int):
-    """``kernel`` as a one-config autotuner carrying its warps, stages and register cap
-    (cached: one wrapper, hence one Inductor kernel, per combination)."""
-    import triton
-    config = triton.Config({}, num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg)
-    return triton.autotune(configs=[config], key=[])(kernel)
