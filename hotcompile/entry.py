@@ -42,6 +42,7 @@ from .kernels import ops as _ops  # noqa: F401  registers torch.ops.hot.*
 from .names import (SharedGraphNames, alias_records, compiled_root, naming_of, param_slots,
                     source_name)
 from .passes.find import Naming, ParamSet, find_linear_sites
+from .passes.kernel_access import memoized_kernel_access
 from .passes.rewrite import RankPlan, register_runtime, registrations, rewrite_joint_graph
 from .runtime import rank as RANK
 
@@ -298,7 +299,8 @@ class HotBackend:
             patches.update(fw_bw_dump_patches(self.config, graph_index))
             patches["fx_graph_cache"] = caches = False      # dumps come from the pass itself
         with torch._functorch.config.patch(enable_autograd_cache=caches
-                                           and torch._functorch.config.enable_autograd_cache):
+                                           and torch._functorch.config.enable_autograd_cache), \
+                memoized_kernel_access():
             compiled = compile_fx(gm, example_inputs, config_patches=patches)
         if not joint.ran and not joint.restore():
             msg = (f"graph {graph_index}: served from Inductor's cache, but its site records "

@@ -199,3 +199,60 @@ def test_a_body_without_fused_kernels_stays_an_op(hopper, monkeypatch):
     how = SP.splice_ops(gm.graph, [unit], mode)
     assert "no fused kernel" in how[unit], how
     assert _nodes(gm, {hot.linear_backward.default}) == [unit]
+
+
+@compiled
+def test_repeated_launches_are_analysed_once_per_compile(hopper):
+    """Sites repeat the same launches: Triton's mutation analysis (a TTIR generation each)
+    runs once per distinct launch while the memo is installed, and the spliced graph is the
+    one the unmemoized analysis gives. Outside a compile torch's own function is back."""
+    from torch._higher_order_ops import triton_kernel_wrap as twrap
+    from hotcompile.passes import kernel_access as KA
+
+    def two_sites():
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        ins = _fakes(mode, *[(256, 512), (256, 384), (512, 384)] * 2)
+
+        def f(*a):
+            seeds = hot.draw_seeds(a[0], 2)
+            outs = []
+            for i in range(2):
+                g, x, w = a[3 * i:3 * i + 3]
+                xq, xs = hot.abc_compress(x, 16, 8, 16, 0, False, "auto", "e4m3")
+                outs += hot.linear_backward(g, xq, xs, 16, 8, 16, 0, False, "", "auto", w, 4, 8,
+                                            "token", "k", seeds, i)
+            return outs
+
+        with mode:
+            gm = make_fx(f, tracing_mode="fake")(*ins)
+        return gm, mode
+
+    original = twrap.identify_accessed_tensors
+    gm, mode = two_sites()
+    before = dict(KA.STATS)
+    SP.splice_ops(gm.graph, _nodes(gm, SP.BODIES), mode)
+    assert twrap.identify_accessed_tensors is original and not KA._MEMO
+    misses = KA.STATS["misses"] - before["misses"]
+    hits = KA.STATS["hits"] - before["hits"]
+    assert (misses, hits) == (8, 8), (misses, hits)     # 8 launches per site, 2 like sites
+
+    gm2, mode2 = two_sites()
+    with pytest.MonkeyPatch.context() as mp:            # no memo: every launch analysed
+        mp.setattr(KA, "memoized_kernel_access", __import__("contextlib").nullcontext)
+        mp.setattr(SP, "memoized_kernel_access", __import__("contextlib").nullcontext)
+        SP.splice_ops(gm2.graph, _nodes(gm2, SP.BODIES), mode2)
+    shape = lambda g: [(n.op, str(n.target), sorted(n.kwargs.get("kwargs", {}))   # noqa: E731
+                        if n.target is WRAPPER else None) for n in g.graph.nodes]
+    assert shape(gm) == shape(gm2)
+
+
+def test_unkeyable_launches_go_to_the_original_analysis():
+    """A symbolic size (or any argument the memo cannot describe) is never keyed."""
+    from hotcompile.passes import kernel_access as KA
+
+    class _Sym:
+        pass
+
+    assert KA._key(object(), {"n": _Sym()}, None) is None
+    assert KA._key(len, {"x": torch.empty(2, dtype=torch.bfloat16), "B": 4}, None) == \
+        (len, (("B", "int", 4), ("x", "tensor", torch.bfloat16)), "")

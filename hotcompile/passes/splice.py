@@ -31,6 +31,7 @@ from torch.fx import Graph, Node
 from ..kernels import ops
 from ..kernels.launch import recording
 from .graph_utils import stamp
+from .kernel_access import memoized_kernel_access
 
 aten = torch.ops.aten
 WRAPPER = torch.ops.higher_order.triton_kernel_wrapper_functional
@@ -158,14 +159,15 @@ def splice_ops(graph: Graph, nodes, fake_mode) -> Dict[Node, str]:
     """Splice every node of ``nodes`` that ``refusal`` allows; node -> how it launches
     ("Inductor", or "hot:: op (<reason>)"). A failed trace leaves the op, with the error."""
     how: Dict[Node, str] = {}
-    for node in nodes:
-        why = refusal(node)
-        if why is None:
-            try:
-                splice(graph, node, fake_mode)
-                how[node] = "Inductor"
-                continue
-            except Exception as e:  # noqa: BLE001 - the op is the correct fallback
-                why = f"trace failed: {type(e).__name__}: {e}"
-        how[node] = f"hot:: op ({why})"
+    with memoized_kernel_access():      # the sites repeat a few launches: analyse each once
+        for node in nodes:
+            why = refusal(node)
+            if why is None:
+                try:
+                    splice(graph, node, fake_mode)
+                    how[node] = "Inductor"
+                    continue
+                except Exception as e:  # noqa: BLE001 - the op is the correct fallback
+                    why = f"trace failed: {type(e).__name__}: {e}"
+            how[node] = f"hot:: op ({why})"
     return how
