@@ -149,7 +149,10 @@ def _quantize_store_tile(q_ptr, v, s, inv_s, seed, blk0, col0, n_blk, C, ldq, gr
     transposed positions of a (C, L'_pad) buffer.
 
     (Quantizing 8 coefficients at a time removes phase 2's register spills at rank 16,
-    yet ran 10% slower on the H100, 2026-11-24; so did a register cap of 128 or 168.)"""
+    yet ran 10% slower on the H100, 2026-11-24; so did a register cap of 128 or 168. One
+    kept row at a time, each with its own Philox counter, kept the 16-byte stores and had
+    no spills, yet ran at the same speed, with or without a cap: bench/NOTES_kernels.md,
+    seventh stop.)"""
     j = tl.arange(0, RP)
     rows = (blk0 + tl.arange(0, BT))[:, None] * RANK + j[None, :]            # (BT, RP)
     cols = col0 + tl.arange(0, BC)
