@@ -23,7 +23,6 @@ import importlib
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -31,8 +30,10 @@ import tempfile
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench.common import device_name, stamp, write_json, write_text  # noqa: E402
+from layers import bench_graph  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -87,29 +88,11 @@ def env(**kv):
 
 
 def time_ms(fn, inputs, reps: int = 20) -> float:
-    """GPU ms of one ``fn(x)``: a CUDA graph holding one call per input (rotating inputs
-    larger than L2) is replayed ``reps`` times between two events; the median replay over
-    the inputs. A graph keeps the host's allocation and launch time out of the figure (each
-    call timed alone from Python would include it whenever the GPU waits on the host)."""
-    for x in inputs:
-        fn(x)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for x in inputs:
-            fn(x)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / len(inputs))
-    del graph
-    return statistics.median(times)
+    """GPU ms of one ``fn(x)``, from a CUDA graph replaying it over every input (rotating
+    inputs larger than L2; ``layers.bench_graph``). A graph keeps the host's allocations and
+    launches out of the figure: each call timed alone from Python would include them
+    whenever the GPU waits on the host."""
+    return bench_graph(fn, [(x,) for x in inputs], reps)
 
 
 def copy_ms(nbytes: int, reps: int = 30) -> float:

@@ -412,3 +412,27 @@ def test_peak_live_replays_an_allocator_trace():
     assert groups[("forward", "model.py:30 f")] == 120
     rows = P.table(groups, peak)
     assert rows[2].startswith("| - | `before the step") and len(rows) == 5
+
+
+def test_kernel_ab_loads_old_kernels_and_counts_differing_bytes(tmp_path):
+    """bench/kernel_ab.py's CPU parts: the old kernels load from a directory of their files
+    as their own package (the device copy has no .git), and ``mismatch`` counts differing
+    bytes over levels and scale (1.0 when layouts differ)."""
+    import shutil
+    import torch
+    sys.path.insert(0, REPO)
+    from bench import kernel_ab as KA
+    src = os.path.join(REPO, "hotcompile", "kernels")
+    old_dir = tmp_path / "old"
+    shutil.copytree(src, old_dir, ignore=shutil.ignore_patterns("__pycache__"))
+    old = KA.load_rev(str(old_dir))
+    ref = importlib.import_module(old.__name__ + ".reference")
+    assert os.path.dirname(ref.__file__).endswith("hot_rev_kernels") and ref.qmax(8) == 127
+    assert not ref.__file__.startswith(src)
+    q = torch.randint(-100, 100, (8, 16), dtype=torch.int8)
+    s = torch.tensor(0.5)
+    assert KA.mismatch((q, s), (q.clone(), s.clone())) == 0.0
+    q2 = q.clone()
+    q2[3, 5] += 1
+    assert KA.mismatch((q, s), (q2, s)) == 1 / (q.numel() + 4)
+    assert KA.mismatch((q, s), (q.t(), s)) == 1.0
