@@ -123,18 +123,29 @@ def inputs_of(shape, n=3, scale=1.0):
 
 
 def bench_hla_g(old, new, rows):
+    """g's HLA operand as the site writes it (stochastic e4m3, K-major), old against new;
+    and, new only, the variants that say where its time goes: row-major (with and without
+    the transpose the GEMM would then need), nearest rounding (no Philox bits), int8 levels."""
     seed = torch.tensor([7], device="cuda", dtype=torch.int64)
 
-    def run(mod):
-        return lambda g: mod.hla.hla_quant(g, 16, "1d", 8, stochastic=True, seed=seed, seed_add=1,
-                                           transposed=True, pad_to=16, e4m3=True,
-                                           scale_mul=1 / 16)
+    def run(mod, **over):
+        kw = dict(stochastic=True, seed=seed, seed_add=1, transposed=True, pad_to=16, e4m3=True,
+                  scale_mul=1 / 16)
+        kw.update(over)
+        return lambda g: mod.hla.hla_quant(g, 16, "1d", 8, **kw)
     for label, L, C in G_SHAPES:
         xs = inputs_of((L, C))
         nbytes = 2 * L * C + L * C
         ok = mismatch(run(old)(xs[0]), run(new)(xs[0]))
         floor = copy_ms(nbytes)
-        res = {"old": time_ms(run(old), xs), "new": time_ms(run(new), xs)}
+        row = run(new, transposed=False)
+        res = {"old": time_ms(run(old), xs), "new": time_ms(run(new), xs),
+               "new row-major": time_ms(row, xs),
+               "new row-major + transpose": time_ms(lambda g: new.fused._k_major(row(g)[0]), xs),
+               "new nearest": time_ms(run(new, stochastic=False), xs),
+               "new int8 levels": time_ms(run(new, e4m3=False, scale_mul=1.0), xs)}
+        res["old (again)"] = time_ms(run(old), xs)     # the spread between like timings
+        res["new (again)"] = time_ms(run(new), xs)
         rows.append(dict(kernel="hla_g", shape=label, L=L, C=C, mismatch_vs_old=ok, copy_ms=floor,
                          **res))
         print(json.dumps(rows[-1]), flush=True)

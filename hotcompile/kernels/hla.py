@@ -186,7 +186,7 @@ def _hla_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, seed_ptr, seed_add, scale_mul, S,
                 BT: tl.constexpr, BC: tl.constexpr, RP: tl.constexpr, RANK: tl.constexpr,
                 KEPT: tl.constexpr, Q: tl.constexpr, STOCHASTIC: tl.constexpr,
                 TRANSPOSED: tl.constexpr, INTERPRET: tl.constexpr, E4M3: tl.constexpr):
-    """One tile of BT token blocks x BC channels per program.
+    """One tile of BT token blocks x BC channels per program (phase 2: ``_phase2_tiles``).
 
     Phase 1: project, atomically max the amax of the kept coefficients into ``amax_ptr``
     (zeroed). Phase 2: scale, re-project, quantize, store; tiles in reverse order so the
@@ -202,7 +202,6 @@ def _hla_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, seed_ptr, seed_add, scale_mul, S,
         keep = (tl.arange(0, RP) < RANK)[None, None, :]
         tl.atomic_max(amax_ptr, tl.max(tl.where(keep, abs_bits(v), 0)))
     else:
-        blk0, col0 = _tile_origin(tl.num_programs(0) - 1 - pid, n_ct, BT, BC)
         if STOCHASTIC:
             seed = tl.load(seed_ptr) + seed_add
         else:   # nearest rounding: no seed (callers pass any pointer)
@@ -211,16 +210,36 @@ def _hla_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, seed_ptr, seed_add, scale_mul, S,
         inv_s = tl.math.div_rn(1.0, s)
         if pid == 0:
             tl.store(s_ptr, s * scale_mul)
+        n_tiles = tl.cdiv(n_blk, BT) * n_ct
+        if inv_s < float("inf"):
+            _phase2_tiles(x_ptr, q_ptr, s, inv_s, seed, pid, n_tiles, n_ct, S, n_sblk, stride_b,
+                          stride_s, C, stride_x, ldq, n_blk, groups_per_row, BT, BC, RP, RANK,
+                          KEPT, Q, STOCHASTIC, TRANSPOSED, INTERPRET, False, E4M3)
+        else:
+            _phase2_tiles(x_ptr, q_ptr, s, inv_s, seed, pid, n_tiles, n_ct, S, n_sblk, stride_b,
+                          stride_s, C, stride_x, ldq, n_blk, groups_per_row, BT, BC, RP, RANK,
+                          KEPT, Q, STOCHASTIC, TRANSPOSED, INTERPRET, True, E4M3)
+
+
+@triton.jit
+def _phase2_tiles(x_ptr, q_ptr, s, inv_s, seed, pid, n_tiles, n_ct, S, n_sblk, stride_b,
+                  stride_s, C, stride_x, ldq, n_blk, groups_per_row, BT: tl.constexpr,
+                  BC: tl.constexpr, RP: tl.constexpr, RANK: tl.constexpr, KEPT: tl.constexpr,
+                  Q: tl.constexpr, STOCHASTIC: tl.constexpr, TRANSPOSED: tl.constexpr,
+                  INTERPRET: tl.constexpr, IEEE_DIV: tl.constexpr, E4M3: tl.constexpr):
+    """Phase 2's tile(s) of this program, in reverse order: the tiles phase 1 read last
+    come first (L2). The grid covers every tile, so the loop runs once; written as a loop
+    (scale, seed and branch settled before it) it measured 4-14% faster than the same
+    tile code inline, bit-identical (H100, kernel_ab_2026-11-24T1643*_h100.md). A
+    persistent grid looping over several tiles, with or without Triton's pipelining, was
+    slower (kernel_ab_2026-11-24T164302_h100.md)."""
+    for t in tl.range(pid, n_tiles, tl.num_programs(0), num_stages=1):
+        blk0, col0 = _tile_origin(n_tiles - 1 - t, n_ct, BT, BC)
         v = _load_project(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C,
                           stride_x, BT, BC, RP, RANK, KEPT)
-        if inv_s < float("inf"):
-            _quantize_store_tile(q_ptr, v, s, inv_s, seed, blk0, col0, n_blk, C, ldq,
-                                 groups_per_row, BT, BC, RP, RANK, Q, STOCHASTIC, TRANSPOSED,
-                                 INTERPRET, False, E4M3)
-        else:
-            _quantize_store_tile(q_ptr, v, s, inv_s, seed, blk0, col0, n_blk, C, ldq,
-                                 groups_per_row, BT, BC, RP, RANK, Q, STOCHASTIC, TRANSPOSED,
-                                 INTERPRET, True, E4M3)
+        _quantize_store_tile(q_ptr, v, s, inv_s, seed, blk0, col0, n_blk, C, ldq,
+                             groups_per_row, BT, BC, RP, RANK, Q, STOCHASTIC, TRANSPOSED,
+                             INTERPRET, IEEE_DIV, E4M3)
 
 
 # =========================================================================== launcher
