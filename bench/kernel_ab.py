@@ -122,10 +122,13 @@ def inputs_of(shape, n=3, scale=1.0):
             for _ in range(n)]
 
 
+CPTS = (1, 2, 4)
+
+
 def bench_hla_g(old, new, rows):
-    """g's HLA operand as the site writes it (stochastic e4m3, K-major), old against new;
-    and, new only, the variants that say where its time goes: row-major (with and without
-    the transpose the GEMM would then need), nearest rounding (no Philox bits), int8 levels."""
+    """g's HLA operand as the site writes it (stochastic e4m3, K-major), old against new,
+    and the new kernel's tile at each number of channels per thread (``HOT_HLA_CPT``).
+    (The seventh stop's variants, row-major, nearest and int8 levels, are in git history.)"""
     seed = torch.tensor([7], device="cuda", dtype=torch.int64)
 
     def run(mod, **over):
@@ -138,12 +141,10 @@ def bench_hla_g(old, new, rows):
         nbytes = 2 * L * C + L * C
         ok = mismatch(run(old)(xs[0]), run(new)(xs[0]))
         floor = copy_ms(nbytes)
-        row = run(new, transposed=False)
-        res = {"old": time_ms(run(old), xs), "new": time_ms(run(new), xs),
-               "new row-major": time_ms(row, xs),
-               "new row-major + transpose": time_ms(lambda g: new.fused._k_major(row(g)[0]), xs),
-               "new nearest": time_ms(run(new, stochastic=False), xs),
-               "new int8 levels": time_ms(run(new, e4m3=False, scale_mul=1.0), xs)}
+        res = {"old": time_ms(run(old), xs), "new": time_ms(run(new), xs)}
+        for cpt in CPTS:      # channels per thread of the channel-major tile
+            with env(HOT_HLA_CPT=str(cpt)):
+                res[f"new CPT={cpt}"] = time_ms(run(new), xs)
         res["old (again)"] = time_ms(run(old), xs)     # the spread between like timings
         res["new (again)"] = time_ms(run(new), xs)
         rows.append(dict(kernel="hla_g", shape=label, L=L, C=C, mismatch_vs_old=ok, copy_ms=floor,

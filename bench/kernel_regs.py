@@ -115,8 +115,9 @@ def kernels_for(L: int, I: int, O: int, rank: int):
                               Q=448 if e4m3 else 127, FP8=False, E4M3=e4m3, INTERPRET=False,
                               ROUND=H.tl.bfloat16 if param else None), wwarps))
     for what, C, stochastic in (("hla g", O, True), ("abc x", I, False)):
-        bt, bcc, warps = hla._tile_shape(C, False)
         for e4m3 in (False, True):     # int8 levels (INT8 GEMM) or scaled e4m3 (cuBLAS FP8)
+            bt, bcc, warps, cpt = hla._tile_shape(C, False, hla._pow2_at_least(rank),
+                                                  stochastic and e4m3)
             ptrs = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv" if e4m3 else "*i8", "s_ptr": "*fp32",
                     "amax_ptr": "*i32", "seed_ptr": "*i64"}
             for phase in (1, 2):
@@ -124,7 +125,8 @@ def kernels_for(L: int, I: int, O: int, rank: int):
                              dict(PHASE=phase, BT=bt, BC=bcc, RP=hla._pow2_at_least(rank),
                                   RANK=rank, KEPT=hla._packed_rows(rank, "1d"),
                                   Q=448 if e4m3 else 127, STOCHASTIC=stochastic,
-                                  TRANSPOSED=stochastic or e4m3, INTERPRET=False, E4M3=e4m3),
+                                  TRANSPOSED=stochastic or e4m3, INTERPRET=False, E4M3=e4m3,
+                                  CPT=cpt),
                              warps))
     bt, bcc, warps, hr = grad_out.tile_shape(o_pad, False)
     for phase in (1, 2):

@@ -178,7 +178,8 @@ def test_hla_e4m3_bit_exact(poison, L, C, rank, stochastic):
     rows = -(-L // 16) * rank
     assert q.dtype == torch.float8_e4m3fn and q.shape == (rows, C)
     proj = _hla_butterfly_reference(x, rank, "1d", 0, False, 0, project_only=True)
-    qr, sr = R.quantize_e4m3(proj, per_row=False, stochastic=stochastic, seed=101)
+    u = R.hla_uniforms(101, C, -(-L // 16), rank) if stochastic else None
+    qr, sr = R.quantize_e4m3(proj, per_row=False, stochastic=stochastic, seed=101, u=u)
     assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
     assert float(s) * 16 == float(sr)
     qt, _ = HL.hla_quant(x, rank, "1d", 8, stochastic=stochastic, seed=99, seed_add=2,
@@ -439,6 +440,38 @@ def test_gpu_hq_full_shape_bit_exact(monkeypatch, I, O, per_token, fmt):
     acc = R.int_matmul(q, qw.t())
     expect = (acc * (s[:, None] if per_token else s) * (sw[None, :] / 16)).to(g.dtype)
     assert torch.equal(F.hq_grad_input(g, w, 4, per_token, seed), expect)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("L,C,rank,seq_len", [(12608, 3072, 16, 197), (8192, 4104, 16, 0),
+                                              (2048, 1000, 8, 0), (1000, 776, 3, 125)])
+def test_gpu_hla_e4m3_channel_major_bit_exact(monkeypatch, L, C, rank, seq_len):
+    """g's stochastic e4m3 HLA operand from the compiled channel-major tile, at every
+    channels-per-thread setting: bit-equal to the butterfly-summed projection quantized with
+    reference.hla_uniforms (so the bits do not depend on the tile), zero K-major pad, and
+    a NaN turns the scale NaN and every level 0."""
+    torch.manual_seed(3)
+    x = _randn(L, C, dtype=torch.bfloat16, device="cuda") * torch.exp(
+        torch.randn(1, C, device="cuda")).to(torch.bfloat16)
+    seed = torch.tensor(41, device="cuda")
+    n_blk = HL.token_layout(L, seq_len)[4]
+    rows = n_blk * rank
+    xb = R.sequence_blocks(x.float(), 16, seq_len, False).reshape(n_blk * 16, C)
+    proj = _hla_butterfly_reference(xb, rank, "1d", 0, False, 0, project_only=True)
+    qr, sr = R.quantize_e4m3(proj, per_row=False, stochastic=True,
+                             u=R.hla_uniforms(43, C, n_blk, rank, device="cuda"))
+    for cpt in ("1", "2", "4"):
+        monkeypatch.setenv("HOT_HLA_CPT", cpt)
+        qt, s = HL.hla_quant(x, rank, "1d", 8, stochastic=True, seed=seed, seed_add=2,
+                             transposed=True, pad_to=16, e4m3=True, seq_len=seq_len)
+        assert float(s) == float(sr), cpt
+        assert torch.equal(qt[:, :rows].view(torch.uint8), qr.t().view(torch.uint8)), cpt
+        assert not qt[:, rows:].float().any()
+    x[7, 5] = float("nan")
+    qt, s = HL.hla_quant(x, rank, "1d", 8, stochastic=True, seed=seed, transposed=True,
+                         pad_to=16, e4m3=True, seq_len=seq_len)
+    assert torch.isnan(s) and not qt.float().any()
 
 
 @pytest.mark.gpu

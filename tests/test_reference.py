@@ -208,7 +208,9 @@ def test_gw_e4m3_error_against_int8():
     """What the e4m3 g_W path costs or saves in accuracy (``formats.gw_rule``): e4m3 keeps a
     relative step per value, int8 one absolute step per tensor. On Gaussian data its error
     is about twice int8's (both small); where channel magnitudes spread (real gradients)
-    it is several times smaller."""
+    it is about half int8's. The e4m3 error is a mean over four seeds: one draw varies by
+    +-7% (24 seeds: 0.0486 +- 0.0031, against int8's 0.094), which a single seed's margin
+    did not cover once the draw changed (``hla_uniforms``)."""
     torch.manual_seed(1)
     L, O, I = 2048, 192, 160
     g, x = torch.randn(L, O), torch.randn(L, I)
@@ -217,13 +219,14 @@ def test_gw_e4m3_error_against_int8():
     def errors(g, x):
         exact = g.double().t() @ x.double()
         e8 = rel(R.hla_grad_weight(g, *R.abc_compress(x, 16), 16, seed=5), exact)
-        ef = rel(R.hla_grad_weight(g, *R.abc_compress(x, 16, fmt="e4m3"), 16, seed=5), exact)
+        xq = R.abc_compress(x, 16, fmt="e4m3")
+        ef = sum(rel(R.hla_grad_weight(g, *xq, 16, seed=s), exact) for s in range(4)) / 4
         return e8, ef
 
     e8, ef = errors(g, x)
     assert ef < 0.06 and 1.2 * e8 < ef < 3.5 * e8
     e8, ef = errors(g * torch.exp(torch.randn(O) * 1.5), x * torch.exp(torch.randn(I) * 1.5))
-    assert ef < 0.06 and ef < e8 / 2
+    assert ef < 0.06 and ef < 0.6 * e8
 
 
 def test_hadamard_cache_holds_a_real_tensor_when_first_built_while_tracing():

@@ -77,7 +77,7 @@ def _hla_half(g_ptr, q_ptr, s_ptr, amax_ptr, seed_ptr, seed_add, blk0, col0, S, 
     phase 2 quantizes them into the transposed (O, L'_pad) operand (``hla._hla_kernel``,
     stochastic, transposed); the first program stores the scale."""
     v = _load_project(g_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, O, stride_g, BT,
-                      BC, RP, RANK, KEPT)
+                      BC, RP, RANK, KEPT, 8)
     if PHASE == 1:
         keep = (tl.arange(0, RP) < RANK)[None, None, :]
         tl.atomic_max(amax_ptr, tl.max(tl.where(keep, abs_bits(v), 0)))

@@ -125,12 +125,16 @@ def _token_rows(blk0, n_blk, S, n_sblk, stride_b, stride_s, BT: tl.constexpr):
 @triton.jit
 def _load_project(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C, stride_x,
                   BT: tl.constexpr, BC: tl.constexpr,
-                  RP: tl.constexpr, RANK: tl.constexpr, KEPT: tl.constexpr):
+                  RP: tl.constexpr, RANK: tl.constexpr, KEPT: tl.constexpr, CPT: tl.constexpr):
     """Blocks blk0 .. blk0+BT-1 of 16 neighbouring tokens, channels col0 .. col0+BC-1,
     projected onto the kept rows: a (BT, BC, RP) fp32 tile, coefficients last (entries
-    >= rank: padding)."""
+    >= rank: padding). ``CPT`` < 8 caps the load's vector at CPT channels, so a warp's
+    32 threads span 32 * CPT channels and each thread keeps every token of its own
+    (``_tile_shape``)."""
     tok, valid = _token_rows(blk0, n_blk, S, n_sblk, stride_b, stride_s, BT)
     cols = col0 + tl.arange(0, BC)
+    if CPT < 8:
+        cols = tl.max_contiguous(cols, CPT)
     mask = valid[:, None] & (cols < C)[None, :]
     x = tl.load(x_ptr + tok[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
     x = tl.permute(tl.reshape(x.to(tl.float32), (BT, 16, BC)), (0, 2, 1))   # token axis last
@@ -156,7 +160,12 @@ def _quantize_store_tile(q_ptr, v, s, inv_s, seed, blk0, col0, n_blk, C, ldq, gr
     j = tl.arange(0, RP)
     rows = (blk0 + tl.arange(0, BT))[:, None] * RANK + j[None, :]            # (BT, RP)
     cols = col0 + tl.arange(0, BC)
-    if STOCHASTIC:   # uniforms follow the (L', C) layout: generate there, then turn
+    if STOCHASTIC and E4M3:   # uniforms along each channel's padded coefficients
+        # (reference.hla_uniforms): counters c * groups_per_row + (blk * RP + j) // 8, all
+        # of them in the thread that owns channel c (blk0 * RP is a multiple of 8)
+        u = philox_uniform16(seed, cols, blk0 * RP, groups_per_row, BT * RP)   # (BC, BT*RP)
+        u = tl.permute(tl.reshape(u, (BC, BT, RP)), (1, 0, 2))
+    elif STOCHASTIC:   # uniforms follow the (L', C) layout: generate there, then turn
         u = philox_uniform16(seed, tl.reshape(rows, (BT * RP,)), col0, groups_per_row, BC)
         u = tl.permute(tl.reshape(u, (BT, RP, BC)), (0, 2, 1))
     else:
@@ -185,7 +194,8 @@ def _hla_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, seed_ptr, seed_add, scale_mul, S,
                 stride_s, C, stride_x, ldq, n_blk, groups_per_row, PHASE: tl.constexpr,
                 BT: tl.constexpr, BC: tl.constexpr, RP: tl.constexpr, RANK: tl.constexpr,
                 KEPT: tl.constexpr, Q: tl.constexpr, STOCHASTIC: tl.constexpr,
-                TRANSPOSED: tl.constexpr, INTERPRET: tl.constexpr, E4M3: tl.constexpr):
+                TRANSPOSED: tl.constexpr, INTERPRET: tl.constexpr, E4M3: tl.constexpr,
+                CPT: tl.constexpr):
     """One tile of BT token blocks x BC channels per program (phase 2: ``_phase2_tiles``).
 
     Phase 1: project, atomically max the amax of the kept coefficients into ``amax_ptr``
@@ -198,7 +208,7 @@ def _hla_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, seed_ptr, seed_add, scale_mul, S,
     if PHASE == 1:
         blk0, col0 = _tile_origin(pid, n_ct, BT, BC)
         v = _load_project(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C,
-                          stride_x, BT, BC, RP, RANK, KEPT)
+                          stride_x, BT, BC, RP, RANK, KEPT, CPT)
         keep = (tl.arange(0, RP) < RANK)[None, None, :]
         tl.atomic_max(amax_ptr, tl.max(tl.where(keep, abs_bits(v), 0)))
     else:
@@ -214,11 +224,11 @@ def _hla_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, seed_ptr, seed_add, scale_mul, S,
         if inv_s < float("inf"):
             _phase2_tiles(x_ptr, q_ptr, s, inv_s, seed, pid, n_tiles, n_ct, S, n_sblk, stride_b,
                           stride_s, C, stride_x, ldq, n_blk, groups_per_row, BT, BC, RP, RANK,
-                          KEPT, Q, STOCHASTIC, TRANSPOSED, INTERPRET, False, E4M3)
+                          KEPT, Q, STOCHASTIC, TRANSPOSED, INTERPRET, False, E4M3, CPT)
         else:
             _phase2_tiles(x_ptr, q_ptr, s, inv_s, seed, pid, n_tiles, n_ct, S, n_sblk, stride_b,
                           stride_s, C, stride_x, ldq, n_blk, groups_per_row, BT, BC, RP, RANK,
-                          KEPT, Q, STOCHASTIC, TRANSPOSED, INTERPRET, True, E4M3)
+                          KEPT, Q, STOCHASTIC, TRANSPOSED, INTERPRET, True, E4M3, CPT)
 
 
 @triton.jit
@@ -226,7 +236,8 @@ def _phase2_tiles(x_ptr, q_ptr, s, inv_s, seed, pid, n_tiles, n_ct, S, n_sblk, s
                   stride_s, C, stride_x, ldq, n_blk, groups_per_row, BT: tl.constexpr,
                   BC: tl.constexpr, RP: tl.constexpr, RANK: tl.constexpr, KEPT: tl.constexpr,
                   Q: tl.constexpr, STOCHASTIC: tl.constexpr, TRANSPOSED: tl.constexpr,
-                  INTERPRET: tl.constexpr, IEEE_DIV: tl.constexpr, E4M3: tl.constexpr):
+                  INTERPRET: tl.constexpr, IEEE_DIV: tl.constexpr, E4M3: tl.constexpr,
+                  CPT: tl.constexpr):
     """Phase 2's tile(s) of this program, in reverse order: the tiles phase 1 read last
     come first (L2). The grid covers every tile, so the loop runs once; written as a loop
     (scale, seed and branch settled before it) it measured 4-14% faster than the same
@@ -236,7 +247,7 @@ def _phase2_tiles(x_ptr, q_ptr, s, inv_s, seed, pid, n_tiles, n_ct, S, n_sblk, s
     for t in tl.range(pid, n_tiles, tl.num_programs(0), num_stages=1):
         blk0, col0 = _tile_origin(n_tiles - 1 - t, n_ct, BT, BC)
         v = _load_project(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C,
-                          stride_x, BT, BC, RP, RANK, KEPT)
+                          stride_x, BT, BC, RP, RANK, KEPT, CPT)
         _quantize_store_tile(q_ptr, v, s, inv_s, seed, blk0, col0, n_blk, C, ldq,
                              groups_per_row, BT, BC, RP, RANK, Q, STOCHASTIC, TRANSPOSED,
                              INTERPRET, IEEE_DIV, E4M3)
@@ -254,24 +265,38 @@ def _pow2_at_least(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-def _tile_shape(C: int, interp: bool) -> tuple[int, int, int]:
-    """(BT token blocks, BC channels, warps) of a program's tile.
+def _tile_shape(C: int, interp: bool, rp: int = 16,
+                channel_major: bool = False) -> tuple[int, int, int, int]:
+    """(BT token blocks, BC channels, warps, CPT channels per thread) of a program's tile.
 
-    BC = 256 * warps makes Triton's coalesced load layout give every thread 8 consecutive
-    channels (one 16-byte bf16 vector) of all 16 tokens of a block: the token-axis
-    transform, the kept-row gather and the Philox words (8 consecutive channels per
-    counter) are then all in registers, with no layout conversion through shared memory
-    (compiled code: 6 instructions per element in phase 1, against 19 and 8 conversions
-    for a 16 x 128 tile on 4 warps). Warps: the count that pads C least, then the most.
-    HOT_HLA_TILE="BT,BC,WARPS" overrides (tuning).
+    Row-map kernels (nearest rounding, int8 levels): BC = 256 * warps makes Triton's
+    coalesced load layout give every thread 8 consecutive channels (one 16-byte bf16
+    vector) of all 16 tokens of a block: the token-axis transform, the kept-row gather and
+    the Philox words (8 consecutive channels per counter) are then all in registers, with
+    no layout conversion through shared memory (compiled code: 6 instructions per element
+    in phase 1, against 19 and 8 conversions for a 16 x 128 tile on 4 warps). Warps: the
+    count that pads C least, then the most.
+
+    ``channel_major`` (stochastic e4m3: Philox counters run along each channel's
+    coefficients, ``reference.hla_uniforms``): each thread owns CPT channels (default 2,
+    ``HOT_HLA_CPT``) of all BT * 16 tokens, so its 128-value tile of the row-map layout
+    shrinks to 16 * CPT values, its uniforms come from its own counters and its kept
+    coefficients leave as one RANK-byte run per channel (the K-major store). BT makes each
+    tile start on a counter: BT * RP a multiple of 8.
+    HOT_HLA_TILE="BT,BC,WARPS" overrides the row-map tile (tuning).
     """
+    bt_min = max(1, 8 // rp) if channel_major else 1
     if interp:
-        return 1, 32, 4
+        return bt_min, 32, 4, 8
+    if channel_major:
+        cpt = int(os.environ.get("HOT_HLA_CPT", "2"))
+        warps = 4
+        return bt_min, 32 * cpt * warps, warps, cpt
     if "HOT_HLA_TILE" in os.environ:
         bt, bc, warps = (int(v) for v in os.environ["HOT_HLA_TILE"].split(","))
-        return bt, bc, warps
+        return bt, bc, warps, 8
     warps = min((4, 2, 1), key=lambda w: (-(-C // (256 * w)) * 256 * w, -w))
-    return 1, 256 * warps, warps
+    return 1, 256 * warps, warps, 8
 
 
 def token_layout(L: int, seq_len: int = 0, seq_first: bool = False):
@@ -320,14 +345,18 @@ def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic:
         q = torch.empty((rows_out, C), dtype=dtype, device=dev)
     s = scalar_buffer(dev)
     amax = torch.zeros((1,), dtype=torch.int32, device=dev) if amax is None else amax
-    bt, bc, warps = _tile_shape(C, interpreting())
+    rp = _pow2_at_least(rank)
+    channel_major = stochastic and e4m3
+    bt, bc, warps, cpt = _tile_shape(C, interpreting(), rp, channel_major)
     grid = (triton.cdiv(n_blk, bt) * triton.cdiv(C, bc),)
-    meta = dict(BT=bt, BC=bc, RP=_pow2_at_least(rank), RANK=rank, KEPT=_packed_rows(rank, select),
+    meta = dict(BT=bt, BC=bc, RP=rp, RANK=rank, KEPT=_packed_rows(rank, select),
                 Q=448 if e4m3 else 2 ** (bits - 1) - 1, STOCHASTIC=stochastic,
-                TRANSPOSED=transposed, INTERPRET=interpreting(), E4M3=e4m3, num_warps=warps)
+                TRANSPOSED=transposed, INTERPRET=interpreting(), E4M3=e4m3, CPT=cpt,
+                num_warps=warps)
+    groups = -(-n_blk * rp // 8) if channel_major else -(-C // 8)   # Philox counters per row
     seed_t = seed_pointer(seed, dev) if stochastic else amax    # amax: an unread placeholder
     args = (x, q, s, amax, seed_t, int(seed_add), float(scale_mul), S, n_sblk, stride_b,
-            stride_s, C, x.stride(0), ldq, n_blk, -(-C // 8))
+            stride_s, C, x.stride(0), ldq, n_blk, groups)
     launch(_hla_kernel, grid, *args, PHASE=1, **meta)
     launch(_hla_kernel, grid, *args, PHASE=2, **meta)
     return q, s

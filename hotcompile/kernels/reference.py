@@ -203,6 +203,18 @@ def uniform16(seed, rows: int, cols: int, device=None) -> torch.Tensor:
     return (u16.to(torch.float32) + 0.5) * (1.0 / 65536.0)
 
 
+def hla_uniforms(seed, channels: int, n_blk: int, rank: int, device=None) -> torch.Tensor:
+    """(n_blk * rank, channels) uniforms of HLA's stochastic e4m3 g operand.
+
+    Drawn along the layout the g_W GEMM reads, channel-major: ``uniform16`` of a
+    (channels, n_blk * RP) tensor whose rows hold each block's RP = 2**ceil(log2 rank)
+    coefficient slots (those past ``rank`` unused), so a kernel thread that owns a channel
+    finds all of a block's counters in that channel's row (``hla.py``, ``_tile_shape``)."""
+    rp = 1 << max(0, (int(rank) - 1).bit_length())
+    u = uniform16(seed, channels, n_blk * rp, device=device)
+    return u.reshape(channels, n_blk, rp)[:, :, :rank].reshape(channels, n_blk * rank).t()
+
+
 # --------------------------------------------------------------------------- quantization
 def qmax(bits: int) -> int:
     return 2 ** (bits - 1) - 1
@@ -233,7 +245,8 @@ def quantize(v: torch.Tensor, bits: int, per_row: bool, stochastic: bool, seed=0
 E4M3_MAX = 448.0
 
 
-def quantize_e4m3(v: torch.Tensor, per_row: bool, stochastic: bool = False, seed=0):
+def quantize_e4m3(v: torch.Tensor, per_row: bool, stochastic: bool = False, seed=0,
+                  u: torch.Tensor | None = None):
     """Scaled FP8: (v / s rounded to an e4m3 value, fp32 scale s = amax / 448).
 
     The 8-bit operand format of cuBLAS's FP8 GEMM: 3 mantissa bits, so a relative step of
@@ -247,7 +260,7 @@ def quantize_e4m3(v: torch.Tensor, per_row: bool, stochastic: bool = False, seed
     the lower in units of their spacing (unbiased, like ``quantize``'s levels): with
     step = 2**(max(floor(log2 |t|), -6) - 3) the spacing of t's binade (the subnormal step
     2**-9 below 2**-6), the result is floor(t / step + u) * step with u from ``uniform16``
-    (element (r, c) of the (R, C) tensor). t / step is exact (a power of two) and the
+    (element (r, c) of the (R, C) tensor), or the given ``u``. t / step is exact (a power of two) and the
     fp32 sum with u rounds the same in the kernels; the result is always an e4m3 value
     (at most 448: |t| <= 448 = 14 * 2**5 is itself on the grid of its binade).
     """
@@ -258,7 +271,8 @@ def quantize_e4m3(v: torch.Tensor, per_row: bool, stochastic: bool = False, seed
     if stochastic:
         binade = (torch.frexp(t).exponent - 1).clamp_(min=-6)   # floor(log2 |t|), 0 -> -1
         step = torch.ldexp(torch.ones_like(t), binade - 3)
-        u = uniform16(seed, t.shape[0], t.shape[1], device=t.device)
+        if u is None:
+            u = uniform16(seed, t.shape[0], t.shape[1], device=t.device)
         t = torch.floor(t / step + u) * step
     return t.to(torch.float8_e4m3fn), s
 
@@ -357,13 +371,14 @@ def hla_grad_weight(g: torch.Tensor, xt: torch.Tensor, x_scale: torch.Tensor, ra
 
     ``xt`` is the projected x: int8 levels (with ``x_scale``), floats (x_scale = 1), or
     scaled e4m3 (``abc_compress(fmt="e4m3")``), in which case g's coefficients become
-    scaled e4m3 with stochastic rounding (``quantize_e4m3``; ``bits`` unused): the
-    operands of the cuBLAS FP8 GEMM.
+    scaled e4m3 with stochastic rounding (``quantize_e4m3``, its uniforms drawn
+    channel-major: ``hla_uniforms``; ``bits`` unused): the operands of the cuBLAS FP8 GEMM.
     bits=0 skips quantizing the gradient (with rank=block this is exact).
     """
     gt = hla_project(g, rank, select, block, seq_len=seq_len, seq_first=seq_first)  # (L', O)
     if xt.dtype == torch.float8_e4m3fn:
-        qg, sg = quantize_e4m3(gt, per_row=False, stochastic=True, seed=seed)
+        u = hla_uniforms(seed, gt.shape[1], gt.shape[0] // rank, rank, device=g.device)
+        qg, sg = quantize_e4m3(gt, per_row=False, stochastic=True, seed=seed, u=u)
         # products of e4m3 values are exact in fp64; the sum nearly so (the GEMM's is not)
         acc = (qg.double().t() @ xt.double()).float()
     elif bits == 0:
