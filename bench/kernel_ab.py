@@ -168,6 +168,10 @@ def bench_abc(old, new, rows):
                "old + transpose": time_ms(lambda x: old.fused._k_major(run(old)(x)[0]), xs),
                "new": time_ms(run(new), xs),
                "new written K-major": time_ms(run(new, True), xs)}
+        for cpt in CPTS:      # channels per thread of the channel-major (K-major) tile
+            with env(HOT_HLA_CPT=str(cpt)):
+                res[f"new written K-major CPT={cpt}"] = time_ms(run(new, True), xs)
+        res["old + transpose (again)"] = time_ms(lambda x: old.fused._k_major(run(old)(x)[0]), xs)
         rows.append(dict(kernel="abc_x", shape=label, L=L, C=C, mismatch_vs_old=ok,
                          kmajor_mismatch_vs_transpose=ok_t, copy_ms=copy_ms(nbytes), **res))
         print(json.dumps(rows[-1]), flush=True)

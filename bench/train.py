@@ -348,10 +348,18 @@ def run_one(model: str, mode: str, opts: dict) -> dict:
 
     # first step: compile (for compiled modes) + first run
     C.sync(device)
+    prof = None
+    if opts.get("profile_first"):      # where a first step's (compile's) time goes
+        import cProfile
+        prof = cProfile.Profile()
+        prof.enable()
     t0 = time.perf_counter()
     loss = step(0)
     C.sync(device)
     rec["first_step_s"] = time.perf_counter() - t0
+    if prof is not None:
+        prof.disable()
+        _write_profile(prof, f"{opts['profile_first']}_{model}_{mode}.txt")
     rec["loss_first"] = float(loss.detach())
     for i in range(opts.get("warmup", 5)):
         step(i + 1)
@@ -414,6 +422,19 @@ def run_one(model: str, mode: str, opts: dict) -> dict:
             step_fn, module, opt, wl, device, amp, opts)
     rec["run_s"] = time.perf_counter() - t_start
     return rec
+
+
+def _write_profile(prof, path: str) -> None:
+    """cProfile of one first step: the top of cumulative and of internal time."""
+    import io
+    import pstats
+    buf = io.StringIO()
+    st = pstats.Stats(prof, stream=buf)
+    st.sort_stats("cumulative").print_stats(80)
+    st.sort_stats("tottime").print_stats(40)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(buf.getvalue())
 
 
 def host_ms_per_step(run: Run, n: int) -> float:
@@ -607,7 +628,8 @@ def run_suite(args) -> dict:
             "steps": args.steps if args.steps is not None else suite.get("steps", 20),
             "batch": args.batch, "max_batch": args.max_batch,
             "max_batch_cap": args.max_batch_cap, "hot": C.parse_overrides(args.hot),
-            "compile_mode": args.compile_mode, "lr": 1e-4}
+            "compile_mode": args.compile_mode, "lr": 1e-4,
+            "profile_first": os.path.abspath(args.profile_first) if args.profile_first else None}
     isolate = args.isolate or suite.get("isolate", "process")
     budget = args.budget_s if args.budget_s is not None else suite.get("budget_s")
     out_dir = args.out or C.RESULTS_DIR
@@ -974,6 +996,8 @@ def parse_args(argv=None):
     p.add_argument("--models-order", action="store_true",
                    help="run model by model instead of the full suite's priority tiers")
     p.add_argument("--cache-dir", help="Inductor/Triton cache folder (e.g. .carry/inductor)")
+    p.add_argument("--profile-first", metavar="PREFIX",
+                   help="cProfile each run's first step (compile included) into PREFIX_<model>_<mode>.txt")
     p.add_argument("--update-docs", nargs="?", const=C.DOCS_FILE, default=None,
                    metavar="PATH", help="rewrite the train section of docs/BENCHMARKS.md")
     p.add_argument("--docs-only", nargs="+", metavar="JSON_OR_DIR",

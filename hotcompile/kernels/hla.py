@@ -171,7 +171,8 @@ def _quantize_store_tile(q_ptr, v, s, inv_s, seed, blk0, col0, n_blk, C, ldq, gr
     else:
         u = 0.5
     if E4M3:
-        q = to_e4m3(v, s, inv_s, IEEE_DIV or INTERPRET, INTERPRET, u, STOCHASTIC)
+        q = to_e4m3(v, s, inv_s, IEEE_DIV or INTERPRET, INTERPRET, u, STOCHASTIC,
+                    FINITE=not IEEE_DIV)
     else:
         q = quantize(v, s, inv_s, u, Q, IEEE_DIV or INTERPRET, not INTERPRET).to(tl.int8)
     valid = ((blk0 + tl.arange(0, BT)) < n_blk)[:, None] & (j < RANK)[None, :]
@@ -221,7 +222,7 @@ def _hla_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, seed_ptr, seed_add, scale_mul, S,
         if pid == 0:
             tl.store(s_ptr, s * scale_mul)
         n_tiles = tl.cdiv(n_blk, BT) * n_ct
-        if inv_s < float("inf"):
+        if (inv_s < float("inf")) & (inv_s > 0.0):     # s finite: every quotient is finite
             _phase2_tiles(x_ptr, q_ptr, s, inv_s, seed, pid, n_tiles, n_ct, S, n_sblk, stride_b,
                           stride_s, C, stride_x, ldq, n_blk, groups_per_row, BT, BC, RP, RANK,
                           KEPT, Q, STOCHASTIC, TRANSPOSED, INTERPRET, False, E4M3, CPT)
