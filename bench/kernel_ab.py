@@ -142,9 +142,9 @@ def bench_hla_g(old, new, rows):
         ok = mismatch(run(old)(xs[0]), run(new)(xs[0]))
         floor = copy_ms(nbytes)
         res = {"old": time_ms(run(old), xs), "new": time_ms(run(new), xs)}
-        for cpt in CPTS:      # channels per thread of the channel-major tile
-            with env(HOT_HLA_CPT=str(cpt)):
-                res[f"new CPT={cpt}"] = time_ms(run(new), xs)
+        for bt in (2, 4):      # token blocks per program (32-byte runs per channel at 2)
+            with env(HOT_HLA_BT=str(bt)):
+                res[f"new BT={bt}"] = time_ms(run(new), xs)
         res["old (again)"] = time_ms(run(old), xs)     # the spread between like timings
         res["new (again)"] = time_ms(run(new), xs)
         rows.append(dict(kernel="hla_g", shape=label, L=L, C=C, mismatch_vs_old=ok, copy_ms=floor,
@@ -168,9 +168,9 @@ def bench_abc(old, new, rows):
                "old + transpose": time_ms(lambda x: old.fused._k_major(run(old)(x)[0]), xs),
                "new": time_ms(run(new), xs),
                "new written K-major": time_ms(run(new, True), xs)}
-        for cpt in CPTS:      # channels per thread of the channel-major (K-major) tile
-            with env(HOT_HLA_CPT=str(cpt)):
-                res[f"new written K-major CPT={cpt}"] = time_ms(run(new, True), xs)
+        for bt in (1, 2, 4):      # token blocks per program of the channel-major tile
+            with env(HOT_HLA_KMAJOR_CM="1", HOT_HLA_BT=str(bt)):
+                res[f"new written K-major channel-major BT={bt}"] = time_ms(run(new, True), xs)
         res["old + transpose (again)"] = time_ms(lambda x: old.fused._k_major(run(old)(x)[0]), xs)
         rows.append(dict(kernel="abc_x", shape=label, L=L, C=C, mismatch_vs_old=ok,
                          kmajor_mismatch_vs_transpose=ok_t, copy_ms=copy_ms(nbytes), **res))

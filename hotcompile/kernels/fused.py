@@ -82,22 +82,36 @@ def abc_compress(x: torch.Tensor, rank: int, select: str = "1d", bits: int = 8,
                  block: int = 16, *, seq_len: int = 0, seq_first: bool = False,
                  fmt: str = "int8"):
     """The saved activation: HLA-projected x (hla_rows, I) as int8 levels, or with
-    ``fmt="e4m3"`` as scaled FP8 (the cuBLAS g_W GEMM's operand); fp32 scale ()."""
+    ``fmt="e4m3"`` as scaled FP8 (the cuBLAS g_W GEMM's operand); fp32 scale ().
+
+    Written K-major by the kernel (``reference.k_major_saved``: an (L', I) view of an
+    (I, L'_pad) buffer), the layout both g_W GEMMs read, so no transpose runs in backward.
+    H100 (kernel_ab_2026-11-24T174155): 0.069 vs 0.075 + 0.025 ms (row-major + transpose)
+    at 8192 x 4096, 0.164 vs 0.170 + 0.068 ms at 8192 x 11008."""
     lay = dict(seq_len=seq_len, seq_first=seq_first)
     if block != _FUSED_BLOCK or not _fused_bits(bits) or x.numel() == 0:
-        return ref.abc_compress(x, rank, select, bits, block, **lay, fmt=fmt)
-    return hla.hla_quant(x, rank, select, bits, stochastic=False, e4m3=fmt == "e4m3", **lay)
+        q, s = ref.abc_compress(x, rank, select, bits, block, **lay, fmt=fmt)
+        return ref.k_major_saved(q), s
+    q, s = hla.hla_quant(x, rank, select, bits, stochastic=False, e4m3=fmt == "e4m3",
+                         transposed=True, pad_to=16, **lay)
+    return q.narrow(1, 0, ref.hla_rows(x.shape[0], rank, block, seq_len)).t(), s
 
 
 def _k_major(q: torch.Tensor) -> torch.Tensor:
     """The saved (L', I) activation -> the (I, L'_pad) K-major buffer the g_W GEMMs read
-    (``pad_to`` 16), by the transpose kernel (1-byte elements: int8 or e4m3 alike). The pad
-    columns are zeroed for the cuBLAS GEMM, which reads all of them (the INT8 kernel masks
-    them). Why not have ABC write it transposed: its transposed stores made the forward
-    kernel slower than this copy (H100, GPT d4096 fc2: 0.86 ms against 0.53 + 0.22 ms,
-    layers_2026-11-24T025738 and ..T030739), and a row-major buffer is one layout for both
-    formats."""
+    (``pad_to`` 16; pad columns zero for the cuBLAS GEMM, which reads them all; the INT8
+    kernel masks them).
+
+    ABC's own buffer (``abc_compress``, strides (1, L'_pad)) is that buffer: returned as
+    is when L' is a multiple of 16 (every full-rank site; rank 8 with an even block
+    count), else copied with its pad, since the view does not reach the pad. A row-major
+    (L', I) tensor goes through the transpose kernel (1-byte elements: int8 or e4m3)."""
     k = q.shape[0]
+    k_pad = -(-k // 16) * 16
+    if q.stride(0) == 1 and q.shape[1] > 1:
+        if k == k_pad and q.stride(1) == k:
+            return q.t()
+        return torch.nn.functional.pad(q.t().view(torch.int8), (0, k_pad - k)).view(q.dtype)
     out = gemm.transpose_padded(q.view(torch.int8), 16).view(q.dtype)
     if q.dtype == torch.float8_e4m3fn and out.shape[1] > k:
         out.narrow(1, k, out.shape[1] - k).zero_()

@@ -278,12 +278,15 @@ def _tile_shape(C: int, interp: bool, rp: int = 16,
     in phase 1, against 19 and 8 conversions for a 16 x 128 tile on 4 warps). Warps: the
     count that pads C least, then the most.
 
-    ``channel_major`` (stochastic e4m3: Philox counters run along each channel's
-    coefficients, ``reference.hla_uniforms``): each thread owns CPT channels (default 2,
-    ``HOT_HLA_CPT``) of all BT * 16 tokens, so its 128-value tile of the row-map layout
-    shrinks to 16 * CPT values, its uniforms come from its own counters and its kept
-    coefficients leave as one RANK-byte run per channel (the K-major store). BT makes each
-    tile start on a counter: BT * RP a multiple of 8.
+    ``channel_major`` (K-major stores, and the stochastic e4m3 operand, whose Philox
+    counters run along each channel's coefficients, ``reference.hla_uniforms``): each
+    thread owns CPT channels (default 2, ``HOT_HLA_CPT``) of all BT * 16 tokens, so its
+    uniforms come from its own counters and its kept coefficients leave as one
+    BT * RANK-byte run per channel. BT (``HOT_HLA_BT``) is the smallest count whose runs
+    fill a 32-byte sector, at most 4 (rank 16: 2, rank 8: 4), and a multiple of
+    8 / RP so each tile starts on a counter. H100 (kernel_ab_2026-11-24T174155): half-sector
+    runs (BT = 1 at rank 16) cost 17-45%: g's operand at 8192 x 11008 0.287 -> 0.237 ms,
+    ABC written K-major 0.305 -> 0.164 ms, now faster than row-major + transpose (0.238).
     HOT_HLA_TILE="BT,BC,WARPS" overrides the row-map tile (tuning).
     """
     bt_min = max(1, 8 // rp) if channel_major else 1
@@ -291,8 +294,11 @@ def _tile_shape(C: int, interp: bool, rp: int = 16,
         return bt_min, 32, 4, 8
     if channel_major:
         cpt = int(os.environ.get("HOT_HLA_CPT", "2"))
+        bt = int(os.environ.get("HOT_HLA_BT", max(bt_min, min(4, 32 // rp))))
+        if bt % bt_min:
+            raise ValueError(f"HOT_HLA_BT={bt}: must be a multiple of {bt_min} at this rank")
         warps = 4
-        return bt_min, 32 * cpt * warps, warps, cpt
+        return bt, 32 * cpt * warps, warps, cpt
     if "HOT_HLA_TILE" in os.environ:
         bt, bc, warps = (int(v) for v in os.environ["HOT_HLA_TILE"].split(","))
         return bt, bc, warps, 8
@@ -347,7 +353,9 @@ def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic:
     s = scalar_buffer(dev)
     amax = torch.zeros((1,), dtype=torch.int32, device=dev) if amax is None else amax
     rp = _pow2_at_least(rank)
-    channel_major = stochastic and e4m3
+    # the channel-major tile for g's stochastic operand (its Philox map needs it) and for
+    # every K-major store of nearest levels (ABC): runs of BT * RANK bytes per channel
+    channel_major = (stochastic and e4m3) or (transposed and not stochastic)
     bt, bc, warps, cpt = _tile_shape(C, interpreting(), rp, channel_major)
     grid = (triton.cdiv(n_blk, bt) * triton.cdiv(C, bc),)
     meta = dict(BT=bt, BC=bc, RP=rp, RANK=rank, KEPT=_packed_rows(rank, select),

@@ -123,14 +123,16 @@ def _(g, w, bits, w_bits, block, scale, site, kernels, seeds=None, seed_index=0)
 def abc_compress_body(x: Tensor, rank: int, bits: int, block: int, seq_len: int,
                       seq_first: bool, kernels: str, fmt: str) -> tuple[Tensor, Tensor]:
     """x (L, I) -> (HLA-projected x (hla_rows, I), fp32 scale ()): int8 levels, or with
-    ``fmt="e4m3"`` scaled FP8, the cuBLAS g_W GEMM's operand (``formats.gw_rule``).
+    ``fmt="e4m3"`` scaled FP8, the cuBLAS g_W GEMM's operand (``formats.gw_rule``), held
+    K-major (``reference.k_major_saved``) on every path.
 
     Blocks hold ``block`` neighbouring tokens of one sequence of ``seq_len`` tokens
     (rows ``b*S + s``, or ``s*B + b`` with ``seq_first``); ``seq_len=0``: one flat axis."""
     lay = dict(seq_len=seq_len, seq_first=seq_first, fmt=fmt)
     if triton_usable(x, kernels):
         return _fused().abc_compress(x, rank, "1d", bits, block, **lay)
-    return ref.abc_compress(x, rank, "1d", bits, block, **lay)
+    q, s = ref.abc_compress(x, rank, "1d", bits, block, **lay)
+    return ref.k_major_saved(q), s
 
 
 abc_compress = torch.library.custom_op("hot::abc_compress", mutates_args=())(
@@ -141,7 +143,9 @@ abc_compress = torch.library.custom_op("hot::abc_compress", mutates_args=())(
 def _(x, rank, bits, block, seq_len, seq_first, kernels, fmt):
     rows = ref.hla_rows(x.shape[0], rank, block, seq_len)
     dtype = torch.float8_e4m3fn if fmt == "e4m3" else torch.int8
-    return x.new_empty((rows, x.shape[1]), dtype=dtype), x.new_empty((), dtype=torch.float32)
+    ld = (rows + 15) // 16 * 16          # reference.k_major_saved: K-major, as every path
+    return (x.new_empty_strided((rows, x.shape[1]), (1, ld), dtype=dtype),
+            x.new_empty((), dtype=torch.float32))
 
 
 # ----------------------------------------------------------------------- HLA (g_W)

@@ -350,6 +350,18 @@ def hq_grad_input(g: torch.Tensor, w: torch.Tensor, bits: int, per_token: bool, 
     return (acc * sg * (sw[None, :] / block)).to(g.dtype)
 
 
+def k_major_saved(q: torch.Tensor, pad_to: int = 16) -> torch.Tensor:
+    """The saved activation's layout: (L', I) values held in a K-major (I, L'_pad) buffer
+    (L'_pad = L' rounded up to ``pad_to``, pad zeroed), returned as its (L', I) view with
+    strides (1, L'_pad). The g_W GEMMs read that buffer directly (``fused._k_major``);
+    the op's fake gives these strides, so every path of the op must."""
+    rows, cols = q.shape
+    ld = -(-rows // pad_to) * pad_to
+    buf = q.new_zeros((cols, ld))
+    buf[:, :rows] = q.t()
+    return buf[:, :rows].t()
+
+
 def abc_compress(x: torch.Tensor, rank: int, select: str = "1d", bits: int = 8,
                  block: int = 16, *, seq_len: int = 0, seq_first: bool = False,
                  fmt: str = "int8"):
