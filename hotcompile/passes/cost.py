@@ -162,6 +162,13 @@ class CostModel:
 # transpose kernel; site backward = hot::linear_backward; the INT8 GEMM lines from the same
 # run's GEMM timings). Host times from the 2026-11-23T201819 run: the eager HOT backward of
 # the smallest layer (ViT-B proj, GPU 0.14 ms) took 0.275 ms, the exact one is GPU-bound.
+# Not refitted since ABC writes x K-major (no transpose in backward) and the HLA tile
+# changed (eighth stop): the table still charges ``transpose_xq`` and the slower HLA / ABC
+# lines, so it over-prices a HOT site by ~5-20% at Llama shapes against
+# layers_2026-11-24T175841 (the gate errs towards exact). A refit on that run raised the
+# fixed costs 4.7x to cover ViT-B's ABC column, which layers.py times eagerly (host
+# included: 0.15-0.18 ms for a 0.025 ms kernel), and then over-priced GPT d2048 fc2 by
+# 20%: time ABC from graph replays in layers.py before refitting.
 H100 = CostModel(
     name="H100 (layers_2026-11-24T030739)",
     kernels={
