@@ -50,10 +50,19 @@ def device_slug(device: torch.device) -> str:
 
 
 def git_commit() -> Optional[str]:
+    """HEAD's short hash, with "+dirty" when tracked files differ from it: the device
+    machines get a copy of the working tree next to a .git that can be older, and a result
+    must not name a commit whose code it did not run."""
     try:
         out = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"],
                              capture_output=True, text=True, timeout=10)
-        return out.stdout.strip() or None
+        head = out.stdout.strip()
+        if not head:
+            return None
+        dirty = subprocess.run(["git", "-C", REPO, "status", "--porcelain",
+                                "--untracked-files=no"], capture_output=True, text=True,
+                               timeout=30).stdout.strip()
+        return head + ("+dirty" if dirty else "")
     except Exception:  # noqa: BLE001 - a missing git is not an error for a benchmark
         return None
 

@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench.common import device_name, stamp, write_json, write_text  # noqa: E402
+from bench.common import device_name, git_commit, stamp, write_json, write_text  # noqa: E402
 from layers import bench_graph  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -233,8 +233,7 @@ def main(argv=None) -> int:
     rows: list = []
     for k in a.kernels.split(","):
         {"hla_g": bench_hla_g, "abc_x": bench_abc, "hq_w": bench_hq_w}[k](old, new, rows)
-    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                         text=True).stdout.strip() or os.environ.get("HOT_GIT", "?")
+    git = git_commit() or os.environ.get("HOT_GIT", "?")
     meta = dict(device=device_name(torch.device("cuda")), when=stamp(), torch=torch.__version__,
                 git=git, rev=a.rev)
     os.makedirs(a.out, exist_ok=True)
