@@ -10,10 +10,10 @@ Each op is a short pipeline of single-pass kernels (``hadamard``, ``hla``, ``gem
   applies (bf16 g_y with per-token scales on Ada/Hopper; W then scaled e4m3 when its
   levels would not be exact), else this package's INT8 kernel.
 * ``abc_compress``: x (L, I) -> projected, RTN int8 levels (L', I) (or scaled e4m3) and a
-  per-tensor scale.
+  per-tensor scale, held K-major: a view of the (I, L'_pad) buffer the g_W GEMM reads.
 * ``hla_grad_weight``: g (L, O) -> projected stochastic int8 levels written transposed
-  (O, L'); the saved (L', I) levels transposed once to (I, L') (the GEMM reads both
-  operands along L'); one GEMM with acc * s_g * s_x / 16 in its epilogue. When the saved
+  (O, L'); the saved buffer read as it is (both GEMM operands along L'); one GEMM with
+  acc * s_g * s_x / 16 in its epilogue. When the saved
   activation is e4m3 (``formats.gw_rule``), g's coefficients are stochastic e4m3 and the
   GEMM is cuBLAS FP8 with tensor-wise scales.
 

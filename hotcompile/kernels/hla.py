@@ -1,16 +1,18 @@
 """HLA: project each block of 16 tokens onto r low-pass Hadamard rows, then quantize to INT8.
 
 Why a kernel of its own: the transform runs along the *token* axis (rows), so a tile of
-16 tokens x BC channels is loaded (contiguous along channels), turned so every thread
-owns a 16-token column, transformed with the same register butterfly as ``hadamard.py``
-(``fwht16``), and only the r kept coefficients are gathered, quantized and stored.
-Used twice per linear layer:
+BT blocks of 16 tokens x BC channels is loaded (contiguous along channels) so that every
+thread owns whole token columns, transformed with the same register butterfly as
+``hadamard.py`` (``fwht16``), and only the r kept coefficients are gathered, quantized and
+stored (``_tile_shape``: which thread owns what, and why). Used twice per linear layer:
 
-* ``abc_compress`` (forward, the saved activation): x (L, I) -> levels (L', I), nearest
-  rounding, one per-tensor scale; L' = ceil(L / 16) * r.
+* ``abc_compress`` (forward, the saved activation): x (L, I) -> levels, nearest rounding,
+  one per-tensor scale, written K-major as (I, L'_pad) (the g_W GEMM's layout);
+  L' = ceil(L / 16) * r.
 * the g side of ``hla_grad_weight`` (backward): g (L, O) -> levels with stochastic
-  rounding (Philox map of ``reference.uniform16`` over the (L', O) tensor), written
-  transposed as (O, L') so the g_W GEMM reads both operands along its reduction axis.
+  rounding, written transposed as (O, L') so the g_W GEMM reads both operands along its
+  reduction axis. Uniforms: ``reference.uniform16`` over the (L', O) tensor for int8
+  levels, ``reference.hla_uniforms`` (channel-major) for scaled e4m3.
 
 Both write int8 levels, or (``E4M3``, the cuBLAS FP8 g_W path) scaled e4m3 with the same
 scale rule at Q = 448: ``hadamard.to_e4m3``, stochastic onto the e4m3 grid for g.
