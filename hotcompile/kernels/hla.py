@@ -304,13 +304,13 @@ def _tile_shape(C: int, interp: bool, rp: int = 16,
     HOT_HLA_TILE="BT,BC,WARPS" overrides the row-map tile (tuning).
     """
     bt_min = max(1, 8 // rp) if channel_major else 1
-    if interp:
-        return bt_min, 32, 4, 8
+    bt = int(os.environ.get("HOT_HLA_BT", max(bt_min, min(4, 32 // rp)))) if channel_major else 1
+    if bt % bt_min:
+        raise ValueError(f"HOT_HLA_BT={bt}: must be a multiple of {bt_min} at this rank")
+    if interp:      # the GPU's token blocks per tile, so CPU tests cover multi-block tiles
+        return bt, 32, 4, 8
     if channel_major:
         cpt = int(os.environ.get("HOT_HLA_CPT", "2"))
-        bt = int(os.environ.get("HOT_HLA_BT", max(bt_min, min(4, 32 // rp))))
-        if bt % bt_min:
-            raise ValueError(f"HOT_HLA_BT={bt}: must be a multiple of {bt_min} at this rank")
         warps = 4
         return bt, 32 * cpt * warps, warps, cpt
     if "HOT_HLA_TILE" in os.environ:
@@ -318,6 +318,14 @@ def _tile_shape(C: int, interp: bool, rp: int = 16,
         return bt, bc, warps, 8
     warps = min((4, 2, 1), key=lambda w: (-(-C // (256 * w)) * 256 * w, -w))
     return 1, 256 * warps, warps, 8
+
+
+def _blocks_are_row_runs(S: int, stride_b: int, stride_s: int) -> bool:
+    """Whether block b's tokens are rows 16 b .. 16 b + 15 (``_load_project``'s ``FLAT``),
+    for a ``token_layout``: one token axis (stride_b 0), or sequences whose positions are
+    consecutive rows (stride_s 1: batch-first, or a single sequence-first one) and whose
+    length is a multiple of 16, so no block is padded."""
+    return stride_b == 0 or (stride_s == 1 and S % 16 == 0)
 
 
 def token_layout(L: int, seq_len: int = 0, seq_first: bool = False):
@@ -375,7 +383,7 @@ def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic:
     meta = dict(BT=bt, BC=bc, RP=rp, RANK=rank, KEPT=_packed_rows(rank, select),
                 Q=448 if e4m3 else 2 ** (bits - 1) - 1, STOCHASTIC=stochastic,
                 TRANSPOSED=transposed, INTERPRET=interpreting(), E4M3=e4m3, CPT=cpt,
-                FLAT=stride_s == 1 and S % 16 == 0 or stride_b == 0, EVEN_C=C % bc == 0,
+                FLAT=_blocks_are_row_runs(S, stride_b, stride_s), EVEN_C=C % bc == 0,
                 num_warps=warps)
     groups = -(-n_blk * rp // 8) if channel_major else -(-C // 8)   # Philox counters per row
     seed_t = seed_pointer(seed, dev) if stochastic else amax    # amax: an unread placeholder
