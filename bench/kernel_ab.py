@@ -152,49 +152,6 @@ def bench_hla_g(old, new, rows):
         print(json.dumps(rows[-1]), flush=True)
 
 
-def bench_g_pair(old, new, rows):
-    """Both of g's operands as a site writes them (per-token HQ levels in e4m3; HLA
-    stochastic e4m3, K-major): old = the HQ kernel then HLA's two phases, new = HQ with
-    HLA's amax riding on it (``grad_out.hq_token_hla_amax``) then HLA's phase 2 alone, at
-    each rider tile (``HOT_RIDER_TILE`` = token blocks per program, HLA channels per
-    thread)."""
-    seed = torch.tensor([7], device="cuda", dtype=torch.int64)
-    hla_kw = dict(stochastic=True, seed=seed, seed_add=1, transposed=True, pad_to=16, e4m3=True,
-                  scale_mul=1 / 16)
-
-    def run_old(mod):
-        def f(g):
-            qg, sg = mod.hadamard.hq_act_quant(g, 4, True, seed, fp8=True)
-            return (qg, sg, *mod.hla.hla_quant(g, 16, "1d", 8, **hla_kw))
-        return f
-
-    def run_new(mod):
-        def f(g):
-            amax = torch.zeros((1,), dtype=torch.int32, device=g.device)
-            qg, sg = mod.grad_out.hq_token_hla_amax(g, 4, seed, 16, "1d", amax, True)
-            return (qg, sg, *mod.hla.hla_quant(g, 16, "1d", 8, amax=amax, amax_ready=True,
-                                               **hla_kw))
-        return f
-    for label, L, C in G_SHAPES:
-        xs = inputs_of((L, C))
-        nbytes = 2 * L * C + L * C + 2 * L * C + L * C     # HQ: g in, levels out; HLA: same
-        ok = mismatch(run_old(old)(xs[0]), run_new(new)(xs[0]))
-        res = {"old": time_ms(run_old(old), xs), "new": time_ms(run_new(new), xs),
-               "old HQ alone": time_ms(lambda g: old.hadamard.hq_act_quant(g, 4, True, seed,
-                                                                           fp8=True), xs)}
-        for tile in ("1,4", "1,8", "2,2", "2,4"):
-            with env(HOT_RIDER_TILE=tile):
-                try:
-                    res[f"new rider={tile}"] = time_ms(run_new(new), xs)
-                except Exception as e:  # noqa: BLE001  (a tile that does not compile)
-                    res[f"new rider={tile}"] = f"failed: {type(e).__name__}: {str(e)[:120]}"
-        res["old (again)"] = time_ms(run_old(old), xs)
-        res["new (again)"] = time_ms(run_new(new), xs)
-        rows.append(dict(kernel="g_pair", shape=label, L=L, C=C, mismatch_vs_old=ok,
-                         copy_ms=copy_ms(nbytes), **res))
-        print(json.dumps(rows[-1]), flush=True)
-
-
 def bench_abc(old, new, rows):
     def run(mod, transposed=False):
         return lambda x: mod.hla.hla_quant(x, 16, "1d", 8, stochastic=False, e4m3=True,
@@ -271,12 +228,11 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     old, new = load_rev(a.rev), importlib.import_module("hotcompile.kernels")
     for pkg in ("hot_rev_kernels", "hotcompile.kernels"):     # the submodules used below
-        for mod in ("fused", "hla", "hadamard", "grad_out"):
+        for mod in ("fused", "hla", "hadamard"):
             importlib.import_module(f"{pkg}.{mod}")
     rows: list = []
     for k in a.kernels.split(","):
-        {"hla_g": bench_hla_g, "abc_x": bench_abc, "hq_w": bench_hq_w,
-         "g_pair": bench_g_pair}[k](old, new, rows)
+        {"hla_g": bench_hla_g, "abc_x": bench_abc, "hq_w": bench_hq_w}[k](old, new, rows)
     git = git_commit() or os.environ.get("HOT_GIT", "?")
     meta = dict(device=device_name(torch.device("cuda")), when=stamp(), torch=torch.__version__,
                 git=git, rev=a.rev)

@@ -89,17 +89,12 @@ def kernels_for(L: int, I: int, O: int, rank: int):
     from hotcompile.kernels import gemm, grad_out, hadamard as H, hla
     o_pad = -(-O // 16) * 16
     rows = []
-    bc, one, br, warps = H.token_tile(o_pad, False)
+    bc, one = H.column_tile(o_pad, max_tile=4096)
+    br = max(1, min(8, 2048 // bc))
     rows.append(("hq g per token", H._hq_token_kernel,
                  {"g_ptr": "*bf16", "q_ptr": "*i8", "s_ptr": "*fp32", "seed_ptr": "*i64"},
-                 dict(BR=br, BC=bc, ONE_TILE=one, Q=7, FP8=False, INTERPRET=False), warps))
-    blk, bc, one, br, warps, hbc, hcpt = grad_out.rider_tile(o_pad, False)
-    rows.append(("hq g per token + hla amax", grad_out._hq_token_hla_amax_kernel,
-                 {"g_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "seed_ptr": "*i64",
-                  "amax_ptr": "*i32"},
-                 dict(BLK=blk, BR=br, BC=bc, ONE_TILE=one, Q=7, FP8=True, INTERPRET=False,
-                      HBC=hbc, HCPT=hcpt, RP=hla._pow2_at_least(rank), RANK=rank,
-                      KEPT=hla._packed_rows(rank, "1d"), EVEN_H=O % hbc == 0), warps))
+                 dict(BR=br, BC=bc, ONE_TILE=one, Q=7, FP8=False, INTERPRET=False),
+                 8 if bc * br >= 4096 else 4))
     bc, _ = H.column_tile(o_pad, max_tile=512)
     wbi, wbo, wwarps = H.weight_tile(o_pad, False)
     for phase in (1, 2):

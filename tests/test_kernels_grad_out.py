@@ -1,7 +1,5 @@
 """grad_out.grad_out_quant (one kernel pair for both operands of g_y) against the two
-separate launchers it replaces, hadamard.hq_act_quant and hla.hla_quant; and
-grad_out.hq_token_hla_amax (per-token HQ with HLA's amax riding on it) against the
-per-token HQ kernel, with HLA's second phase on its amax against both HLA phases.
+separate launchers it replaces, hadamard.hq_act_quant and hla.hla_quant.
 
 What must hold, bit for bit, on fresh random inputs (never zeros) with every output
 allocation poisoned first: the HQ levels and scale, the HLA levels (the L' defined columns
@@ -208,85 +206,6 @@ def test_argument_checks():
         GO.grad_out_quant(g, 4, True, 0, 8, "3d", 8, 0)
 
 
-# ======================================================== the HLA amax rider (CPU)
-
-
-def _check_rider(g, bits, seed, rank, select, fp8=False, seq_len=0, seq_first=False,
-                 hla_fmts=(False, True)):
-    """hq_token_hla_amax against hq_act_quant, and HLA's phase 2 on the rider's amax
-    (``amax_ready``) against both HLA phases, in each HLA format: bit for bit."""
-    lay = dict(seq_len=seq_len, seq_first=seq_first)
-    amax = torch.zeros((1,), dtype=torch.int32, device=g.device)
-    q, s = GO.hq_token_hla_amax(g, bits, seed, rank, select, amax, fp8, **lay)
-    q0, s0 = H.hq_act_quant(g, bits, True, seed, fp8)
-    _assert_same(q, q0, "hq levels")
-    _assert_same(s, s0, "hq scale")
-    rows = HL.token_layout(g.shape[0], seq_len, seq_first)[4] * rank
-    for e4m3 in hla_fmts:
-        kw = dict(stochastic=True, seed=seed, seed_add=1, transposed=True, pad_to=16,
-                  e4m3=e4m3, **lay)
-        a, sa = HL.hla_quant(g, rank, select, 8, amax=amax.clone(), amax_ready=True, **kw)
-        b, sb = HL.hla_quant(g, rank, select, 8, **kw)
-        _assert_same(a[:, :rows], b[:, :rows], f"hla levels (e4m3={e4m3})")
-        _assert_same(sa, sb, f"hla scale (e4m3={e4m3})")
-    return q, s, amax
-
-
-RIDER_CASES = [  # L, O, rank, bits, fp8, dtype, seq_len: flat and batch-first layouts
-    (37, 40, 8, 4, False, torch.bfloat16, 0),
-    (64, 48, 16, 4, True, torch.bfloat16, 0),
-    (96, 100, 16, 8, True, torch.float32, 32),
-    (50, 64, 3, 4, False, torch.float32, 0),
-    (80, 24, 16, 4, True, torch.bfloat16, 16),
-]
-
-
-@cpu
-@pytest.mark.parametrize("L,O,rank,bits,fp8,dtype,seq_len", RIDER_CASES)
-def test_rider_bit_identical_to_separate_kernels(poison, L, O, rank, bits, fp8, dtype, seq_len):
-    torch.manual_seed(L * O + rank)
-    q, _, amax = _check_rider(_randn(L, O, dtype=dtype), bits, torch.tensor(1234), rank, "1d",
-                              fp8, seq_len)
-    assert int(amax) > 0 and bool((q.float() != 0).any())
-
-
-@cpu
-def test_rider_2d_selection_and_other_tiles(poison, monkeypatch):
-    """A 2-D kept-row selection, and tiles of 1 block / 4 channels per thread (the tile
-    must not change a bit)."""
-    torch.manual_seed(6)
-    g = _randn(70, 56, dtype=torch.bfloat16)
-    _check_rider(g, 4, 3, 10, "2d", hla_fmts=(True,))
-    monkeypatch.setattr(GO, "rider_tile", lambda O_pad, interp: (1, 64, False, 4, 1, 64, 2))
-    _check_rider(g, 4, 3, 10, "2d", hla_fmts=(True,))
-
-
-@cpu
-@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
-def test_rider_nonfinite_inputs_propagate_like_separate_kernels(poison, bad):
-    torch.manual_seed(3)
-    g = _randn(37, 40, dtype=torch.bfloat16)
-    g[3, 5] = bad
-    _, s, amax = _check_rider(g, 4, 9, 8, "1d", hla_fmts=(True,))
-    assert not torch.isfinite(amax.view(torch.float32)).all()   # HLA's amax covers token 3
-    assert torch.isfinite(s[torch.arange(37) != 3]).all() and not torch.isfinite(s[3])
-
-
-@cpu
-def test_rider_applies_only_to_row_run_blocks():
-    """Per-token HQ scales and blocks of 16 consecutive rows (flat, or batch-first with a
-    length that is a multiple of 16); other layouts are refused, and left to HLA's own
-    first phase by the fused backward."""
-    assert GO.rides(True, 37) and GO.rides(True, 64, seq_len=32)
-    assert not GO.rides(False, 64)                           # per-tensor HQ
-    assert not GO.rides(True, 60, seq_len=20)                # a block straddles sequences
-    assert not GO.rides(True, 64, seq_len=32, seq_first=True)
-    assert not GO.rides(True, 0)
-    with pytest.raises(ValueError, match="runs of 16 rows"):
-        GO.hq_token_hla_amax(_randn(60, 16), 4, 0, 8, "1d", torch.zeros(1, dtype=torch.int32),
-                             seq_len=20)
-
-
 # =============================================================================== GPU
 
 
@@ -300,23 +219,6 @@ def test_gpu_vit_shapes_bit_identical(O, per_token, fp8):
     g = _randn(12608, O, dtype=torch.bfloat16, device="cuda")
     _check(g, 4, per_token, torch.tensor(77, device="cuda"), 8, "1d", 8,
            torch.tensor(78, device="cuda"), fp8=fp8)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("L,O,seq_len", [(8192, 4096, 2048), (8192, 11008, 2048),
-                                         (4000, 520, 0), (1000, 3072, 0)])
-@pytest.mark.parametrize("tile", [None, "1,4", "2,2"])
-def test_gpu_rider_bit_identical(monkeypatch, L, O, seq_len, tile):
-    """Llama's g shapes and odd ones, at the default rider tile and others."""
-    if tile:
-        monkeypatch.setenv("HOT_RIDER_TILE", tile)
-    torch.manual_seed(2)
-    g = _randn(L, O, dtype=torch.bfloat16, device="cuda")
-    g[7, 3] = 1e4                       # an outlier: the scales come from it
-    _check_rider(g, 4, torch.tensor(77, device="cuda"), 16, "1d", fp8=True, seq_len=seq_len)
-    _check_rider(g, 4, torch.tensor(78, device="cuda"), 8, "1d", seq_len=seq_len,
-                 hla_fmts=(False,))
 
 
 @pytest.mark.gpu

@@ -119,7 +119,7 @@ def _k_major(q: torch.Tensor) -> torch.Tensor:
 
 
 def _gw(g, xt, x_scale, rank: int, select: str, bits: int, seed, lay, qg=None,
-        seed_add: int = 0, amax=None, amax_ready: bool = False) -> torch.Tensor:
+        seed_add: int = 0, amax=None) -> torch.Tensor:
     """The fused g_W GEMM: g's projected levels (given as ``qg`` = transposed levels and
     scale, or computed with Philox key seed + ``seed_add``, written transposed by the HLA
     kernel: as fast as row-major plus a transpose, one launch fewer, layers_2026-11-24T030739)
@@ -134,8 +134,7 @@ def _gw(g, xt, x_scale, rank: int, select: str, bits: int, seed, lay, qg=None,
     fp8 = xt.dtype == torch.float8_e4m3fn
     qg = qg or hla.hla_quant(g, rank, select, bits, stochastic=True, seed=seed,
                              seed_add=seed_add, transposed=True, pad_to=16, e4m3=fp8,
-                             scale_mul=1.0 / _FUSED_BLOCK if fp8 else 1.0, amax=amax,
-                             amax_ready=amax_ready, **lay)
+                             scale_mul=1.0 / _FUSED_BLOCK if fp8 else 1.0, amax=amax, **lay)
     if fp8:
         # bf16 and fp32 outputs are what the H100 runs measured; fp16 goes through fp32
         out = gemm.cublas_fp8_mm(qg[0], _k_major(xt), qg[1], xs,
@@ -163,12 +162,9 @@ def linear_backward(g: torch.Tensor, w: torch.Tensor, xt: torch.Tensor, x_scale:
                     one_pass: bool = True, warm_other_scale: bool = False):
     """One linear layer's whole HOT backward: (g_x, g_W), bit-equal to ``hq_grad_input(g, w,
     gx_bits, per_token, seed)`` and ``hla_grad_weight(g, xt, x_scale, rank, "1d", gw_bits,
-    seed + 1)``. One seed for the site (the HLA side adds 1 on the device). With per-token
-    HQ scales and token blocks that are runs of rows (``grad_out.rides``) the HQ kernel also
-    takes HLA's amax, and HLA reads g once (two reads of g per site, two launches).
-    Otherwise ``one_pass``: g is read by one kernel pair for both operands (``grad_out``;
-    int8 saved activations only), else by the two separate kernels (faster at rank 16:
-    ``ops.ONE_PASS_MAX_RANK``)."""
+    seed + 1)``. One seed for the site (the HLA side adds 1 on the device). ``one_pass``:
+    g is read by one kernel pair for both operands (``grad_out``; int8 saved activations
+    only), else by the two separate kernels (faster at rank 16: ``ops.ONE_PASS_MAX_RANK``)."""
     lay = dict(seq_len=seq_len, seq_first=seq_first)
     if (block != _FUSED_BLOCK or not all(_fused_bits(b) for b in (gx_bits, w_bits, gw_bits))
             or xt.dtype not in (torch.int8, torch.float8_e4m3fn)
@@ -177,30 +173,25 @@ def linear_backward(g: torch.Tensor, w: torch.Tensor, xt: torch.Tensor, x_scale:
                 hla_grad_weight(g, xt, x_scale, rank, "1d", gw_bits, seed + 1, block, **lay))
     path = gx_path(g, w, gx_bits, w_bits, per_token)
     fp8 = path[0] != "int8"
-    # the W kernel's and (split path) the HLA kernel's amax words: zeroed by one launch
-    # (traced for Inductor, W's kernel zeroes its own: a shared buffer written through
-    # two views would be functionalised into scatters)
-    I = w.shape[1]
-    traced = recording_launches()
-    ws = None if traced else torch.zeros((I + 1,), dtype=torch.int32, device=g.device)
-    hla_amax = torch.zeros((1,), dtype=torch.int32, device=g.device) if traced else \
-        ws.narrow(0, I, 1)
     qg_t = None
-    rider = grad_out.rides(per_token, g.shape[0], **lay)
-    if rider:           # HQ's read of g also gives HLA's amax: HLA reads g once
-        qg, sg = grad_out.hq_token_hla_amax(g, gx_bits, seed, rank, "1d", hla_amax, fp8, **lay)
-    elif one_pass and xt.dtype == torch.int8:
+    if one_pass and xt.dtype == torch.int8:
         qg, sg, *qg_t = grad_out.grad_out_quant(g, gx_bits, per_token, seed, rank, "1d",
                                                 gw_bits, seed, fp8, hla_seed_add=1, **lay)
     else:
         qg, sg = hadamard.hq_act_quant(g, gx_bits, per_token, seed, fp8=fp8)
     if warm_other_scale:
         hq_grad_input(g, w, gx_bits, not per_token, seed, block, False, w_bits)
+    # the W kernel's and (split path) the HLA kernel's amax words: zeroed by one launch
+    # (traced for Inductor, each kernel zeroes its own: a shared buffer written through
+    # two views would be functionalised into scatters)
+    I = w.shape[1]
+    ws = None if recording_launches() else \
+        torch.zeros((I + (qg_t is None),), dtype=torch.int32, device=g.device)
     gx = _gx(g, w, gx_bits, w_bits, per_token, seed, gq=(qg, sg), path=path,
              w_amax=None if ws is None else ws.narrow(0, 0, I))
     if qg_t is None:    # g's HLA operand from its own kernel: Philox key seed + 1
-        gw = _gw(g, xt, x_scale, rank, "1d", gw_bits, seed, lay, seed_add=1, amax=hla_amax,
-                 amax_ready=rider)
+        gw = _gw(g, xt, x_scale, rank, "1d", gw_bits, seed, lay, seed_add=1,
+                 amax=None if ws is None else ws.narrow(0, I, 1))
     else:
         gw = _gw(g, xt, x_scale, rank, "1d", gw_bits, seed, lay, qg=tuple(qg_t))
     return gx, gw

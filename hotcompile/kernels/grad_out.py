@@ -60,10 +60,9 @@ import triton.language as tl
 
 from .launch import launch
 from . import hadamard, hla
-from .hadamard import (_load_fwht_rows, _quantize_store_rows, abs_bits, hq_token_rows,
-                       interpreting, qmax, reciprocal_is_finite, scale_from_amax_bits,
-                       seed_pointer)
-from .hla import _load_project, _packed_rows, _quantize_store_tile, _tile_origin, kept_amax_bits
+from .hadamard import (_load_fwht_rows, _quantize_store_rows, abs_bits, interpreting, qmax,
+                       reciprocal_is_finite, scale_from_amax_bits, seed_pointer)
+from .hla import _load_project, _packed_rows, _quantize_store_tile, _tile_origin
 
 # =========================================================================== HLA half
 
@@ -273,90 +272,3 @@ def grad_out_quant(g: torch.Tensor, hq_bits: int, per_token: bool, hq_seed, rank
     launch(_grad_out_kernel, grid, *args, PHASE=1, **meta)
     launch(_grad_out_kernel, grid, *args, PHASE=2, **meta)
     return hq_q, hq_s, hla_q, hla_s
-
-
-# =========================================================================== the HLA amax rider
-
-
-@triton.jit
-def _hq_token_hla_amax_kernel(g_ptr, q_ptr, s_ptr, seed_ptr, amax_ptr, L, O, O_pad, stride_g,
-                              ldq, groups_per_row, S, n_sblk, stride_b, stride_s, n_blk,
-                              BLK: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
-                              ONE_TILE: tl.constexpr, Q: tl.constexpr, FP8: tl.constexpr,
-                              INTERPRET: tl.constexpr, HBC: tl.constexpr, HCPT: tl.constexpr,
-                              RP: tl.constexpr, RANK: tl.constexpr, KEPT: tl.constexpr,
-                              EVEN_H: tl.constexpr):
-    """BLK blocks of 16 token rows per program: their per-token HQ operand
-    (``hadamard.hq_token_rows``, BR rows at a time), then, re-reading the same rows while
-    they are in L1/L2, the amax of their HLA coefficients (``hla._load_project`` on HBC
-    channels at a time, HCPT per thread), maxed into ``amax_ptr`` once per program."""
-    blk0 = tl.program_id(0) * BLK
-    seed = tl.load(seed_ptr)
-    for r in range(0, 16 * BLK, BR):
-        rows = blk0 * 16 + r + tl.arange(0, BR)
-        hq_token_rows(g_ptr, q_ptr, s_ptr, seed, rows, L, O, O_pad, stride_g, ldq,
-                      groups_per_row, BC, ONE_TILE, Q, FP8, INTERPRET)
-    m = tl.zeros((), dtype=tl.int32)
-    for col0 in range(0, O, HBC):
-        v = _load_project(g_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, O, stride_g,
-                          BLK, HBC, RP, RANK, KEPT, HCPT, True, EVEN_H)
-        m = tl.maximum(m, kept_amax_bits(v, RANK))
-    tl.atomic_max(amax_ptr, m)
-
-
-def rides(per_token: bool, L: int, seq_len: int = 0, seq_first: bool = False) -> bool:
-    """Whether ``hq_token_hla_amax`` applies: per-token HQ scales (a program owns whole
-    rows) and token blocks that are runs of 16 rows (``hla._blocks_are_row_runs``)."""
-    S, _, stride_b, stride_s, _ = hla.token_layout(L, seq_len, seq_first)
-    return bool(per_token) and L > 0 and hla._blocks_are_row_runs(S, stride_b, stride_s)
-
-
-def rider_tile(O_pad: int, interp: bool) -> tuple[int, int, bool, int, int, int, int]:
-    """(BLK, BC, ONE_TILE, BR, warps, HBC, HCPT) of ``_hq_token_hla_amax_kernel``.
-
-    The HQ part keeps ``hadamard.token_tile``'s columns, rows and warps (its numerics do
-    not depend on them, its speed was tuned there); the HLA part reads HBC = 32 * HCPT *
-    warps channels of the program's 16 * BLK rows at a time, each thread HCPT channels of
-    every token (the channel-major layout of ``hla._tile_shape``). HOT_RIDER_TILE="BLK,HCPT"
-    overrides (tuning)."""
-    bc, one, br, warps = hadamard.token_tile(O_pad, interp)
-    if interp:
-        blk, hcpt = 2, 8
-        return blk, bc, one, min(br, 16), 1, 32, hcpt
-    blk, hcpt = (int(v) for v in os.environ.get("HOT_RIDER_TILE", "1,2").split(","))
-    return blk, bc, one, min(br, 16 * blk), warps, 32 * hcpt * warps, hcpt
-
-
-def hq_token_hla_amax(g: torch.Tensor, bits: int, seed, rank: int, select: str, amax: torch.Tensor,
-                      fp8: bool = False, *, seq_len: int = 0, seq_first: bool = False):
-    """``hadamard.hq_act_quant(g, bits, True, seed, fp8)``, bit for bit, in one launch that
-    also maxes the amax of g's HLA coefficients (those ``hla.hla_quant(g, rank, select, ...,
-    seq_len, seq_first)`` quantizes) into ``amax`` (a zeroed (1,) int32 workspace, float
-    bits): the HLA launch that follows skips its first read of g (``amax_ready``).
-
-    Why: HLA's per-tensor scale needs a pass over g before its first level is known, and
-    per-token HQ reads all of g anyway. A program owns whole token blocks, so the HLA
-    coefficients of its rows come from the rows it has just read (L1/L2), not from DRAM:
-    g is read from memory twice per linear layer instead of three times, and one launch
-    goes. The values are ``hla._load_project``'s, so the amax, hence the scale and every
-    HLA level, equal the separate kernel's. Needs ``rides``."""
-    if not rides(True, g.shape[0], seq_len, seq_first):
-        raise ValueError("hq_token_hla_amax: token blocks must be runs of 16 rows (rides())")
-    if g.stride(-1) != 1:
-        g = g.contiguous()
-    L, O = g.shape
-    O_pad = -(-O // 16) * 16
-    dev = g.device
-    q = torch.empty((L, O_pad), dtype=hadamard.level_dtype(fp8), device=dev)
-    s = torch.empty((L,), dtype=torch.float32, device=dev)
-    S, n_sblk, stride_b, stride_s, n_blk = hla.token_layout(L, seq_len, seq_first)
-    interp = interpreting()
-    blk, bc, one, br, warps, hbc, hcpt = rider_tile(O_pad, interp)
-    rp = hla._pow2_at_least(rank)
-    launch(_hq_token_hla_amax_kernel, (triton.cdiv(n_blk, blk),),
-           g, q, s, seed_pointer(seed, dev), amax, L, O, O_pad, g.stride(0), O_pad, O_pad // 8,
-           S, n_sblk, stride_b, stride_s, n_blk,
-           BLK=blk, BR=br, BC=bc, ONE_TILE=one, Q=qmax(bits), FP8=bool(fp8), INTERPRET=interp,
-           HBC=hbc, HCPT=hcpt, RP=rp, RANK=rank, KEPT=_packed_rows(rank, select),
-           EVEN_H=O % hbc == 0, num_warps=warps)
-    return q, s

@@ -253,16 +253,18 @@ def _quantize_row_chunks(g_ptr, q_ptr, s, inv_s, seed, rows, L, O, O_pad, stride
 
 
 @triton.jit
-def hq_token_rows(g_ptr, q_ptr, s_ptr, seed, rows, L, O, O_pad, stride_g, ldq, groups_per_row,
-                  BC: tl.constexpr, ONE_TILE: tl.constexpr, Q: tl.constexpr, FP8: tl.constexpr,
-                  INTERPRET: tl.constexpr):
-    """Per-token (per-row) scales for a set of whole rows: the levels and the scales.
+def _hq_token_kernel(g_ptr, q_ptr, s_ptr, seed_ptr, L, O, O_pad, stride_g, ldq, groups_per_row,
+                     BR: tl.constexpr, BC: tl.constexpr, ONE_TILE: tl.constexpr, Q: tl.constexpr,
+                     FP8: tl.constexpr, INTERPRET: tl.constexpr):
+    """Per-token (per-row) scales: one program owns BR whole rows.
 
     If a row fits one tile (ONE_TILE) it is loaded and transformed once and quantized from
     registers: one read, one write. Otherwise a first sweep over the row's column chunks
     keeps an elementwise running max (reduced across lanes once, at the end) and a second
     sweep, which re-reads the chunks while they are still in L1/L2, quantizes them.
     """
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    seed = tl.load(seed_ptr)
     if ONE_TILE:
         v = _load_fwht_rows(g_ptr, rows, 0, L, O, stride_g, BC)
         s = scale_from_amax_bits(tl.max(abs_bits(v), axis=1), Q)
@@ -274,7 +276,6 @@ def hq_token_rows(g_ptr, q_ptr, s_ptr, seed, rows, L, O, O_pad, stride_g, ldq, g
             _quantize_store_rows(q_ptr, v, s[:, None], inv_s[:, None], seed, rows, 0, L, O_pad,
                                  ldq, groups_per_row, BC, Q, True, FP8, INTERPRET, True)
     else:
-        BR: tl.constexpr = rows.shape[0]
         amax = tl.zeros((BR, BC), dtype=tl.int32)
         for col0 in range(0, O_pad, BC):
             amax = tl.maximum(amax, abs_bits(_load_fwht_rows(g_ptr, rows, col0, L, O, stride_g, BC)))
@@ -287,16 +288,6 @@ def hq_token_rows(g_ptr, q_ptr, s_ptr, seed, rows, L, O, O_pad, stride_g, ldq, g
             _quantize_row_chunks(g_ptr, q_ptr, s[:, None], inv_s[:, None], seed, rows, L, O, O_pad,
                                  stride_g, ldq, groups_per_row, BC, Q, FP8, INTERPRET, True)
     tl.store(s_ptr + rows, s, mask=rows < L)
-
-
-@triton.jit
-def _hq_token_kernel(g_ptr, q_ptr, s_ptr, seed_ptr, L, O, O_pad, stride_g, ldq, groups_per_row,
-                     BR: tl.constexpr, BC: tl.constexpr, ONE_TILE: tl.constexpr, Q: tl.constexpr,
-                     FP8: tl.constexpr, INTERPRET: tl.constexpr):
-    """Per-token (per-row) scales: one program owns BR whole rows (``hq_token_rows``)."""
-    rows = tl.program_id(0) * BR + tl.arange(0, BR)
-    hq_token_rows(g_ptr, q_ptr, s_ptr, tl.load(seed_ptr), rows, L, O, O_pad, stride_g, ldq,
-                  groups_per_row, BC, ONE_TILE, Q, FP8, INTERPRET)
 
 
 @triton.jit
@@ -502,15 +493,6 @@ def scalar_buffer(device) -> torch.Tensor:
     return torch.empty((1,), dtype=torch.float32, device=device).view(())
 
 
-def token_tile(O_pad: int, interp: bool) -> tuple[int, bool, int, int]:
-    """(BC, ONE_TILE, BR rows, warps) of the per-token kernel on rows of ``O_pad``
-    (``column_tile``; ``HOT_HQ_TOKEN_TILE`` caps BC: tuning)."""
-    max_tile = int(os.environ.get("HOT_HQ_TOKEN_TILE", "4096")) if not interp else 1024
-    bc, one = column_tile(O_pad, max_tile=max_tile)
-    br = max(1, min(8, 2048 // bc)) if not interp else max(1, min(8, 256 // bc))
-    return bc, one, br, 8 if bc * br >= 4096 else 4
-
-
 def hq_act_quant(g: torch.Tensor, bits: int, per_token: bool, seed, fp8: bool = False):
     """Transform g (L, O) along O (zero-padded to O_pad), quantize with stochastic rounding.
 
@@ -528,7 +510,10 @@ def hq_act_quant(g: torch.Tensor, bits: int, per_token: bool, seed, fp8: bool = 
     groups = O_pad // 8
     if per_token:
         s = torch.empty((L,), dtype=torch.float32, device=dev)
-        bc, one, br, warps = token_tile(O_pad, interp)
+        max_tile = int(os.environ.get("HOT_HQ_TOKEN_TILE", "4096")) if not interp else 1024
+        bc, one = column_tile(O_pad, max_tile=max_tile)
+        br = max(1, min(8, 2048 // bc)) if not interp else max(1, min(8, 256 // bc))
+        warps = 8 if bc * br >= 4096 else 4
         launch(_hq_token_kernel, (triton.cdiv(L, br),),
             g, q, s, seed_t, L, O, O_pad, g.stride(0), O_pad, groups,
             BR=br, BC=bc, ONE_TILE=one, Q=Q, FP8=fp8, INTERPRET=interp, num_warps=warps)

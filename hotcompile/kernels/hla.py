@@ -155,14 +155,6 @@ def _load_project(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C, st
 
 
 @triton.jit
-def kept_amax_bits(v, RANK: tl.constexpr):
-    """The amax (``abs_bits``) of a (BT, BC, RP) projected tile's kept coefficients."""
-    RP: tl.constexpr = v.shape[2]
-    keep = (tl.arange(0, RP) < RANK)[None, None, :]
-    return tl.max(tl.where(keep, abs_bits(v), 0))
-
-
-@triton.jit
 def _quantize_store_tile(q_ptr, v, s, inv_s, seed, blk0, col0, n_blk, C, ldq, groups_per_row,
                          BT: tl.constexpr, BC: tl.constexpr, RP: tl.constexpr, RANK: tl.constexpr,
                          Q: tl.constexpr, STOCHASTIC: tl.constexpr, TRANSPOSED: tl.constexpr,
@@ -230,7 +222,8 @@ def _hla_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, seed_ptr, seed_add, scale_mul, S,
         blk0, col0 = _tile_origin(pid, n_ct, BT, BC)
         v = _load_project(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C,
                           stride_x, BT, BC, RP, RANK, KEPT, CPT, FLAT, EVEN_C)
-        tl.atomic_max(amax_ptr, kept_amax_bits(v, RANK))
+        keep = (tl.arange(0, RP) < RANK)[None, None, :]
+        tl.atomic_max(amax_ptr, tl.max(tl.where(keep, abs_bits(v), 0)))
     else:
         if STOCHASTIC:
             seed = tl.load(seed_ptr) + seed_add
@@ -350,8 +343,7 @@ def token_layout(L: int, seq_len: int = 0, seq_first: bool = False):
 def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic: bool, seed=0,
               transposed: bool = False, pad_to: int = 1, seq_len: int = 0,
               seq_first: bool = False, seed_add: int = 0, e4m3: bool = False,
-              scale_mul: float = 1.0, amax: torch.Tensor | None = None,
-              amax_ready: bool = False):
+              scale_mul: float = 1.0, amax: torch.Tensor | None = None):
     """Project x (L, C) along its tokens onto ``rank`` kept rows per block of 16
     neighbouring tokens of one sequence (``reference.sequence_blocks``) and quantize.
 
@@ -363,12 +355,8 @@ def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic:
     (L'_pad = L' rounded up to ``pad_to``) holding the transpose; its columns past L'
     are left unwritten (consumers must mask them), except in e4m3, where they are zeroed:
     the cuBLAS GEMM reads all L'_pad columns. ``amax``: a zeroed (1,) int32 workspace the
-    caller made with others in one launch (default: its own). ``amax_ready``: ``amax``
-    already holds the kept coefficients' amax (``grad_out.hq_token_hla_amax`` wrote it
-    while reading x for another operand): phase 1 is skipped, one read of x fewer.
+    caller made with others in one launch (default: its own).
     """
-    if amax_ready and amax is None:
-        raise ValueError("hla_quant: amax_ready needs the amax workspace")
     if x.stride(-1) != 1:
         x = x.contiguous()
     L, C = x.shape
@@ -401,7 +389,6 @@ def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic:
     seed_t = seed_pointer(seed, dev) if stochastic else amax    # amax: an unread placeholder
     args = (x, q, s, amax, seed_t, int(seed_add), float(scale_mul), S, n_sblk, stride_b,
             stride_s, C, x.stride(0), ldq, n_blk, groups)
-    if not amax_ready:
-        launch(_hla_kernel, grid, *args, PHASE=1, **meta)
+    launch(_hla_kernel, grid, *args, PHASE=1, **meta)
     launch(_hla_kernel, grid, *args, PHASE=2, **meta)
     return q, s
