@@ -35,7 +35,7 @@ from ..kernels.ops import ONE_PASS_MAX_RANK
 
 # one entry per kernel of a HOT site, plus the two bf16 GEMMs of the exact backward
 KERNELS = ("grad_out", "hq_g_token", "hq_w", "hq_w_fp32", "hq_cublas", "hq_int8", "hla_g",
-           "transpose_xq", "hla_int8", "hla_cublas", "abc_x", "gx_bf16", "gw_bf16",
+           "hla_int8", "hla_cublas", "abc_x", "gx_bf16", "gw_bf16",
            "fwd_cast_x", "fwd_cast_w", "fwd_fp8", "fwd_bf16")
 
 
@@ -48,8 +48,9 @@ SAME_LINE = {"rebuild_x": "fwd_cast_x"}
 
 def site_kernels(gx: bool, gw: bool, rank: int = 16, gx_gemm: str = "hq_cublas",
                  gw_gemm: str = "hla_int8", w_fp32: bool = False, rebuild_x: bool = False) -> tuple:
-    """The kernels of a site's HOT backward (``abc_x``: its share of the forward's ABC;
-    ``hla_g``: g's HLA operand made K-major; ``transpose_xq``: the saved x made K-major).
+    """The kernels of a site's HOT backward (``abc_x``: its share of the forward's ABC,
+    which writes the saved x K-major, as the g_W GEMM reads it; ``hla_g``: g's HLA operand,
+    written K-major).
     Both gradients: one ``hot::linear_backward``, whose g_y operands come from one kernel
     pair up to ``ONE_PASS_MAX_RANK`` (int8 saved activations only); one of them:
     ``hq_grad_input`` or ``hla_grad_weight`` alone. ``gx_gemm`` / ``gw_gemm``: the GEMMs'
@@ -58,9 +59,9 @@ def site_kernels(gx: bool, gw: bool, rank: int = 16, gx_gemm: str = "hq_cublas",
     hq_w = "hq_w_fp32" if w_fp32 else "hq_w"
     extra = ("rebuild_x",) if rebuild_x and gw else ()
     if gx and gw and rank <= ONE_PASS_MAX_RANK and gw_gemm == "hla_int8":
-        return ("grad_out", hq_w, gx_gemm, "transpose_xq", "hla_int8", "abc_x") + extra
+        return ("grad_out", hq_w, gx_gemm, "hla_int8", "abc_x") + extra
     return ((("hq_g_token", hq_w, gx_gemm) if gx else ())
-            + (("hla_g", "transpose_xq", gw_gemm, "abc_x") if gw else ()) + extra)
+            + (("hla_g", gw_gemm, "abc_x") if gw else ()) + extra)
 
 
 def gx_gemm_kernel(config, g: torch.Tensor, n: int) -> str:
@@ -99,7 +100,6 @@ def work(kernel: str, L: int, I: int, O: int, rank: int, block: int) -> float:
         "hq_cublas": 2 * L * I * o_pad,
         "hq_int8": 2 * L * I * o_pad,
         "hla_g": 2 * L * O + lr * O,
-        "transpose_xq": 2 * lr * I,
         "hla_int8": 2 * O * I * lr,
         "hla_cublas": 2 * O * I * -(-lr // 16) * 16,
         "abc_x": 2 * L * I + lr * I,                 # forward: x in, compressed x out
@@ -182,7 +182,6 @@ H100 = CostModel(
         "hq_cublas": (0.0308, 6.7540e-13),
         "hq_int8": (0.0453, 8.1998e-13),
         "hla_g": (0.0232, 1.2559e-09),
-        "transpose_xq": (0.0029, 4.0908e-10),
         "hla_int8": (0.0429, 8.6548e-13),
         "hla_cublas": (0.0067, 7.6944e-13),
         "abc_x": (0.0148, 6.3958e-10),
