@@ -10,7 +10,7 @@ from hotcompile import HOTConfig
 from hotcompile.passes import cost
 
 RESULT = os.path.join(os.path.dirname(__file__), "..", "bench", "results",
-                      "layers_2026-11-24T030739_h100-80gb-hbm3.json")
+                      "layers_2026-11-24T200300_h100-80gb-hbm3.json")
 
 
 def test_h100_model_tracks_the_measured_layers():
@@ -208,7 +208,10 @@ def test_recompute_operands_is_priced_in_the_gate(monkeypatch):
     assert calls == [(False, False)] * 2 + [(True, True)] * 2, calls
     for (e0, h0), (e1, h1) in zip(preds[False], preds[True]):
         assert e1 == e0 and h1 > h0              # exact the same; HOT does more work
-    # the fp32 W kernel's own line (fitted on two layers of one H100 run) reproduces them
-    for (L, I, O), ms in (((12608, 768, 3072), 0.0199), ((16384, 4096, 16384), 0.2353)):
-        assert cost.H100.kernel_ms("hq_w_fp32", L, I, O, 16, 16) == pytest.approx(ms, rel=0.01)
+    # the fp32 W kernel's own line (least squares over the 11 layers of one H100 run,
+    # layers_2026-11-24T200300) tracks the measured times: within 10% at the big layers
+    for (L, I, O), ms in (((12608, 768, 3072), 0.0230), ((16384, 4096, 16384), 0.2538),
+                          ((8192, 4096, 11008), 0.1693), ((8192, 11008, 4096), 0.1829)):
+        assert cost.H100.kernel_ms("hq_w_fp32", L, I, O, 16, 16) == pytest.approx(
+            ms, rel=0.10 if ms > 0.1 else 0.15)
     assert "hq_w_fp32" not in cost.SAME_LINE and "hq_w_fp32" in cost.KERNELS

@@ -9,11 +9,12 @@ slow a model down, so a site is rewritten only when the model predicts
 
 The model: every kernel of a site is ``t = fixed + work / rate`` with ``work`` the bytes a
 transform kernel moves or the FLOPs of a GEMM, one (fixed, slope) pair per kernel, fitted
-by ``bench/fit_cost.py`` on the per-kernel timings of a ``bench/layers.py`` run (5 shapes
-of ViT-B and GPT d4096 layers). Against the run's CUDA-graph replays of whole backwards it
-over-estimates HOT by 4-7% at GPT d4096, and it never under-estimates HOT by more than 10%
-(the fit raises the fixed costs until it does not: the gate errs towards exact; at ViT-B
-sizes, where HOT measured 2.2-2.4x slower, it is off by -10..+12%). In default compile mode each HOT site also costs host
+by ``bench/fit_cost.py`` on the per-kernel timings of a ``bench/layers.py`` run (11 shapes
+of ViT-B, GPT d4096 and Llama d4096 layers). Against the run's CUDA-graph replays of whole
+backwards it over-estimates HOT by 5-8% at GPT and Llama d4096, and it never
+under-estimates HOT by more than 10% (the fit raises the fixed costs until it does not:
+the gate errs towards exact; at ViT-B sizes, where HOT measured 1.4-2.2x slower, it is
+off by -10..+5%). In default compile mode each HOT site also costs host
 time (Python dispatch of its ops, Triton's launcher for ~12 kernels) that the GPU cannot
 hide when the site's GPU work is shorter: there the prediction is
 ``max(gpu, host)``; under CUDA graphs (``reduce-overhead``) only the GPU time counts.
@@ -156,37 +157,32 @@ class CostModel:
         return exact, hot
 
 
-# Fitted by bench/fit_cost.py on bench/results/layers_2026-11-24T030739_h100-80gb-hbm3.json
-# (defaults: g_y 4-bit per token, W 8-bit, HLA rank 16; g_x on cuBLAS FP8 with W as scaled
-# e4m3; g_W on cuBLAS FP8 with e4m3 operands, x saved row-major and made K-major by the
-# transpose kernel; site backward = hot::linear_backward; the INT8 GEMM lines from the same
-# run's GEMM timings). Host times from the 2026-11-23T201819 run: the eager HOT backward of
-# the smallest layer (ViT-B proj, GPU 0.14 ms) took 0.275 ms, the exact one is GPU-bound.
-# Not refitted since ABC writes x K-major (no transpose in backward) and the HLA tile
-# changed (eighth stop): the table still charges ``transpose_xq`` and the slower HLA / ABC
-# lines, so it over-prices a HOT site by ~5-20% at Llama shapes against
-# layers_2026-11-24T175841 (the gate errs towards exact). A refit on that run raised the
-# fixed costs 4.7x to cover ViT-B's ABC column, which layers.py times eagerly (host
-# included: 0.15-0.18 ms for a 0.025 ms kernel), and then over-priced GPT d2048 fc2 by
-# 20%: time ABC from graph replays in layers.py before refitting.
+# Fitted by bench/fit_cost.py on bench/results/layers_2026-11-24T200300_h100-80gb-hbm3.json
+# (ninth stop; defaults: g_y 4-bit per token, W 8-bit as scaled e4m3, HLA rank 16; g_x on
+# cuBLAS FP8; g_W on cuBLAS FP8 with e4m3 operands, x saved K-major by ABC, so no
+# transpose; the channel-major HLA tile; ABC timed from CUDA-graph replays). 11 layers:
+# ViT-B, GPT d4096 and Llama d4096's own (8192 tokens); against the whole-backward
+# replays the HOT side is within -10..+8% (Llama +5..+6%), the exact side within -5..+9%.
+# The fixed costs were scaled by 0.929 (fit_cost.py). The eighth stop's table (fitted
+# before ABC wrote K-major) over-priced a Llama d4096 attention site 0.830 vs 0.799 ms and
+# left two of them exact; measured, HOT runs it 0.64 vs 0.80 ms. Host times from the
+# 2026-11-23T201819 run: the eager HOT backward of the smallest layer (ViT-B proj, GPU
+# 0.14 ms) took 0.275 ms, the exact one is GPU-bound.
 H100 = CostModel(
-    name="H100 (layers_2026-11-24T030739)",
+    name="H100 (layers_2026-11-24T200300)",
     kernels={
-        "grad_out": (0.0746, 1.4523e-09),
-        "hq_g_token": (0.0133, 6.6051e-10),
-        "hq_w": (0.0092, 9.4608e-10),
-        # the W kernel reading the fp32 parameter (recompute_operands), the two layers of
-        # layers_2026-11-24T095108 (ViT-B fc1 0.0199 ms, GPT d4096 fc1 0.2353 ms): cheaper
-        # per byte than the bf16 read (the borrowed hq_w line over-priced GPT fc1 by 39%)
-        "hq_w_fp32": (0.0121, 6.6540e-10),
-        "hq_cublas": (0.0308, 6.7540e-13),
-        "hq_int8": (0.0453, 8.1998e-13),
-        "hla_g": (0.0232, 1.2559e-09),
-        "hla_int8": (0.0429, 8.6548e-13),
-        "hla_cublas": (0.0067, 7.6944e-13),
-        "abc_x": (0.0148, 6.3958e-10),
-        "gx_bf16": (0.0000, 1.4792e-12),
-        "gw_bf16": (0.0069, 1.4026e-12),
+        "grad_out": (0.0483, 1.4305e-09),
+        "hq_g_token": (0.0013, 6.6961e-10),
+        "hq_w": (0.0086, 8.4563e-10),
+        "hq_w_fp32": (0.0124, 7.1387e-10),
+        "hq_cublas": (0.0013, 6.9840e-13),
+        "hq_int8": (0.0214, 8.4067e-13),
+        "hla_g": (0.0152, 7.4639e-10),
+        "hla_int8": (0.0446, 8.5529e-13),
+        "hla_cublas": (0.0079, 7.3551e-13),
+        "abc_x": (0.0080, 5.6919e-10),
+        "gx_bf16": (0.0000, 1.4368e-12),
+        "gw_bf16": (0.0000, 1.4302e-12),
         # forward lines, GPU time of Inductor-compiled casts and GEMMs (CUDA-graph replays),
         # forward_layers_2026-11-24T052226 (ViT-B, GPT d4096 fc1, Llama d4096 layers): the
         # least-squares fit, the FP8 GEMM's fixed cost raised to 0.010 ms so that the ViT-B
