@@ -152,6 +152,78 @@ def bench_hla_g(old, new, rows):
         print(json.dumps(rows[-1]), flush=True)
 
 
+HQ_TILES = {   # HOT_HQ_TOKEN_FORCE variants per width: BC, BR, warps[, stages]
+    4096: ("4096,1,8", "4096,2,8", "4096,2,16", "4096,1,4", "1024,4,4", "1024,4,8", "2048,2,8",
+           "1024,4,4,1", "1024,4,4,3"),
+    11008: ("256,8,4,1", "256,8,4,3", "512,4,4", "512,8,8", "1024,2,4", "1024,4,8", "2048,2,8",
+            "16384,1,8", "16384,1,16", "1024,4,8,1", "1024,4,8,3"),
+    3072: ("1024,2,4", "1024,4,8", "4096,1,8", "512,4,4", "1024,2,4,1", "1024,2,4,3"),
+}
+
+
+def bench_hq_g(old, new, rows):
+    """g's per-token HQ operand (4-bit levels in e4m3), old against new, and the new
+    kernel at forced tiles (``HOT_HQ_TOKEN_FORCE``): columns per chunk, rows per program,
+    warps, software-pipelining stages of the column loop."""
+    seed = torch.tensor([7], device="cuda", dtype=torch.int64)
+
+    def run(mod):
+        return lambda g: mod.hadamard.hq_act_quant(g, 4, True, seed, fp8=True)
+    for label, L, C in G_SHAPES:
+        xs = inputs_of((L, C))
+        nbytes = 2 * L * C + L * C
+        ref = run(old)(xs[0])
+        res = {"old": time_ms(run(old), xs), "new": time_ms(run(new), xs)}
+        for tile in HQ_TILES.get(C, ()):
+            with env(HOT_HQ_TOKEN_FORCE=tile):
+                try:
+                    out = run(new)(xs[0])
+                    res[f"new tile={tile}"] = time_ms(run(new), xs)
+                    res[f"new tile={tile} mismatch"] = mismatch(out, ref)
+                except Exception as e:  # noqa: BLE001  (a tile that does not compile)
+                    res[f"new tile={tile}"] = f"failed: {type(e).__name__}: {str(e)[:120]}"
+        res["old (again)"] = time_ms(run(old), xs)
+        rows.append(dict(kernel="hq_g", shape=label, L=L, C=C,
+                         mismatch_vs_old=mismatch(run(new)(xs[0]), ref),
+                         copy_ms=copy_ms(nbytes), **res))
+        print(json.dumps(rows[-1]), flush=True)
+
+
+SWEEP_WIDTHS = (768, 2304, 3072, 4096, 11008, 12288, 16384)
+SWEEP_TILES = ("256,8,4", "512,4,4", "512,8,8", "1024,2,4", "1024,4,8", "2048,1,4", "2048,2,8",
+               "2048,1,8", "4096,1,4", "4096,1,8", "1024,1,4", "1024,2,2")
+
+
+def bench_hq_g_sweep(old, new, rows):
+    """The per-token HQ kernel at each row width of the models (8192 tokens) and each
+    forced tile (``HOT_HQ_TOKEN_FORCE``) that covers it sensibly: which rule to keep."""
+    seed = torch.tensor([7], device="cuda", dtype=torch.int64)
+
+    def run(mod):
+        return lambda g: mod.hadamard.hq_act_quant(g, 4, True, seed, fp8=True)
+    for C in SWEEP_WIDTHS:
+        L = 8192
+        xs = inputs_of((L, C))
+        ref = run(old)(xs[0])
+        res = {"old": time_ms(run(old), xs), "new": time_ms(run(new), xs)}
+        for tile in SWEEP_TILES:
+            bc = int(tile.split(",")[0])
+            if bc > 2 * max(C, 1024) or (bc < C and C <= 1024):
+                continue
+            with env(HOT_HQ_TOKEN_FORCE=tile):
+                try:
+                    out = run(new)(xs[0])
+                    res[f"new tile={tile}"] = time_ms(run(new), xs)
+                    res[f"new tile={tile} mismatch"] = mismatch(out, ref)
+                except Exception as e:  # noqa: BLE001  (a tile that does not compile)
+                    res[f"new tile={tile}"] = f"failed: {type(e).__name__}: {str(e)[:120]}"
+        res["old (again)"] = time_ms(run(old), xs)
+        rows.append(dict(kernel="hq_g_sweep", shape=f"8192 x {C}", L=L, C=C,
+                         mismatch_vs_old=mismatch(run(new)(xs[0]), ref),
+                         copy_ms=copy_ms(3 * L * C), **res))
+        print(json.dumps(rows[-1]), flush=True)
+
+
 def bench_abc(old, new, rows):
     def run(mod, transposed=False):
         return lambda x: mod.hla.hla_quant(x, 16, "1d", 8, stochastic=False, e4m3=True,
@@ -232,7 +304,8 @@ def main(argv=None) -> int:
             importlib.import_module(f"{pkg}.{mod}")
     rows: list = []
     for k in a.kernels.split(","):
-        {"hla_g": bench_hla_g, "abc_x": bench_abc, "hq_w": bench_hq_w}[k](old, new, rows)
+        {"hla_g": bench_hla_g, "abc_x": bench_abc, "hq_w": bench_hq_w,
+         "hq_g": bench_hq_g, "hq_g_sweep": bench_hq_g_sweep}[k](old, new, rows)
     git = git_commit() or os.environ.get("HOT_GIT", "?")
     meta = dict(device=device_name(torch.device("cuda")), when=stamp(), torch=torch.__version__,
                 git=git, rev=a.rev)

@@ -89,12 +89,10 @@ def kernels_for(L: int, I: int, O: int, rank: int):
     from hotcompile.kernels import gemm, grad_out, hadamard as H, hla
     o_pad = -(-O // 16) * 16
     rows = []
-    bc, one = H.column_tile(o_pad, max_tile=4096)
-    br = max(1, min(8, 2048 // bc))
+    bc, one, br, warps, _ = H.token_tile(o_pad, False)
     rows.append(("hq g per token", H._hq_token_kernel,
                  {"g_ptr": "*bf16", "q_ptr": "*i8", "s_ptr": "*fp32", "seed_ptr": "*i64"},
-                 dict(BR=br, BC=bc, ONE_TILE=one, Q=7, FP8=False, INTERPRET=False),
-                 8 if bc * br >= 4096 else 4))
+                 dict(BR=br, BC=bc, ONE_TILE=one, Q=7, FP8=False, INTERPRET=False), warps))
     bc, _ = H.column_tile(o_pad, max_tile=512)
     wbi, wbo, wwarps = H.weight_tile(o_pad, False)
     for phase in (1, 2):

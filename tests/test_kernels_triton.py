@@ -444,6 +444,23 @@ def test_gpu_hq_full_shape_bit_exact(monkeypatch, I, O, per_token, fmt):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("O", [2304, 4096, 11008, 12288])
+def test_gpu_hq_token_tiles_bit_exact(O):
+    """The per-token tile rule's picks (one 4096 tile; 512-, 4096-wide chunks with
+    padding) against the reference, 8192 tokens, an outlier row."""
+    torch.manual_seed(O)
+    g = _randn(8192, O, dtype=torch.bfloat16, device="cuda")
+    g[5] *= 1e4
+    seed = torch.tensor(91, device="cuda")
+    q, s = H.hq_act_quant(g, 4, True, seed, fp8=True)
+    gh = R.block_fwht(R.pad_cols(g.float(), 16))
+    assert torch.equal(s, _ieee_scale(gh, 4, True))
+    qr, _ = R.quantize(gh, 4, per_row=True, stochastic=True, seed=seed, scale=s)
+    assert torch.equal(q.float(), qr.float())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("L,C,rank,seq_len", [(12608, 3072, 16, 197), (8192, 4104, 16, 0),
                                               (2048, 1000, 8, 0), (1000, 776, 3, 125)])
 def test_gpu_hla_e4m3_channel_major_bit_exact(monkeypatch, L, C, rank, seq_len):

@@ -454,23 +454,32 @@ def _pow2_at_least(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-def column_tile(width: int, max_tile: int = 4096) -> tuple[int, bool]:
-    """(BC, ONE_TILE) for the per-token kernel on rows of ``width`` (a multiple of 16).
+def column_tile(width: int, max_tile: int = 4096,
+                max_waste: float | None = None) -> tuple[int, bool]:
+    """(BC, ONE_TILE) for rows of ``width`` (a multiple of 16).
 
     A whole row in one power-of-two tile saves the second read and transform, but lanes
-    past ``width`` idle (their Philox words too). Measured on H100: one tile wins when
-    nothing is wasted (width a power of two, up to 4096) and for short rows (<= 1024) with
-    up to a third wasted; otherwise two sweeps over the widest power-of-two chunk that
-    pads the row least (3072 -> 3 x 1024: 0.066 ms vs 0.073 ms as one 4096 tile).
+    past ``width`` idle (their Philox words too): one tile when nothing is wasted (width a
+    power of two, up to ``max_tile``) and for short rows (<= 1024) with up to a third
+    wasted. Otherwise two sweeps over power-of-two chunks: the widest chunk (up to
+    ``max_tile``) whose padding is at most ``max_waste`` of the row, or with ``max_waste``
+    None the one that pads the row least (the widest among equals). The per-token kernel
+    passes 1/8 (``token_tile``: H100 measurements there); the per-tensor kernel the least
+    padding (3072 -> 3 x 1024: 0.066 ms vs 0.073 ms as one 4096 tile).
     """
     full = _pow2_at_least(width)
     if (full == width and full <= max_tile) or (full <= min(1024, max_tile) and 3 * full <= 4 * width):
         return full, True
+    padded = lambda bc: -(-width // bc) * bc         # noqa: E731
+    if max_waste is not None:
+        bc = _pow2_at_least(max_tile)
+        while bc > 16 and padded(bc) - width > max_waste * width:
+            bc //= 2
+        return bc, False
     best = None
     bc = 16
     while bc <= max_tile:
-        padded = -(-width // bc) * bc
-        key = (padded, -bc)
+        key = (padded(bc), -bc)
         if best is None or key < best[0]:
             best = (key, bc)
         bc *= 2
@@ -493,6 +502,28 @@ def scalar_buffer(device) -> torch.Tensor:
     return torch.empty((1,), dtype=torch.float32, device=device).view(())
 
 
+def token_tile(O_pad: int, interp: bool):
+    """(BC, ONE_TILE, BR rows, warps, stages or None) of the per-token kernel on rows of
+    ``O_pad``: ``column_tile`` with at most 1/8 of a row padded (``HOT_HQ_TOKEN_TILE``
+    caps BC), BR = 2048 / BC rows (1 to 8), 4 warps.
+
+    H100, 8192 tokens, 12 tiles at 7 widths (kernel_ab_2026-11-24T203445_h100_hq_sweep):
+    4 warps were never slower than 8 (a 4096-wide row: 0.053 vs 0.058 ms; 2048-wide chunks
+    1.6x faster), and wide chunks beat the least-padded narrow ones even with some padding
+    (11008 as 3 x 4096: 0.175 vs 0.194 ms as 43 x 256; 2304 as 5 x 512: 0.044 vs 0.047).
+    The rule's pick is within 2.5% of the fastest tile at every width measured (768, 2304,
+    3072, 4096, 11008, 12288, 16384). ``HOT_HQ_TOKEN_FORCE="BC,BR,WARPS[,STAGES]"`` sets
+    the tile (tuning; ONE_TILE when BC >= O_pad; pipelining stages measured no change)."""
+    force = os.environ.get("HOT_HQ_TOKEN_FORCE")
+    if force and not interp:
+        v = [int(t) for t in force.split(",")]
+        return v[0], v[0] >= O_pad, v[1], v[2], v[3] if len(v) > 3 else None
+    max_tile = int(os.environ.get("HOT_HQ_TOKEN_TILE", "4096")) if not interp else 1024
+    bc, one = column_tile(O_pad, max_tile=max_tile, max_waste=None if interp else 0.125)
+    br = max(1, min(8, 2048 // bc)) if not interp else max(1, min(8, 256 // bc))
+    return bc, one, br, 4, None
+
+
 def hq_act_quant(g: torch.Tensor, bits: int, per_token: bool, seed, fp8: bool = False):
     """Transform g (L, O) along O (zero-padded to O_pad), quantize with stochastic rounding.
 
@@ -510,13 +541,11 @@ def hq_act_quant(g: torch.Tensor, bits: int, per_token: bool, seed, fp8: bool = 
     groups = O_pad // 8
     if per_token:
         s = torch.empty((L,), dtype=torch.float32, device=dev)
-        max_tile = int(os.environ.get("HOT_HQ_TOKEN_TILE", "4096")) if not interp else 1024
-        bc, one = column_tile(O_pad, max_tile=max_tile)
-        br = max(1, min(8, 2048 // bc)) if not interp else max(1, min(8, 256 // bc))
-        warps = 8 if bc * br >= 4096 else 4
+        bc, one, br, warps, stages = token_tile(O_pad, interp)
         launch(_hq_token_kernel, (triton.cdiv(L, br),),
             g, q, s, seed_t, L, O, O_pad, g.stride(0), O_pad, groups,
-            BR=br, BC=bc, ONE_TILE=one, Q=Q, FP8=fp8, INTERPRET=interp, num_warps=warps)
+            BR=br, BC=bc, ONE_TILE=one, Q=Q, FP8=fp8, INTERPRET=interp, num_warps=warps,
+            **({} if stages is None else dict(num_stages=stages)))
         return q, s
     s = scalar_buffer(dev)
     amax = torch.zeros((1,), dtype=torch.int32, device=dev)
