@@ -13,7 +13,9 @@ issue's 80% target is against).
 Kernels (the defaults of a site's backward on an H100): ``hla_g`` (g's HLA operand:
 stochastic e4m3, transposed, 2 launches), ``abc_x`` (the forward's compressed input: e4m3
 row-major, 2 launches; also written K-major directly, against row-major +
-``transpose_padded``), ``hq_w`` (W's HQ operand: e4m3, 2 launches).
+``transpose_padded``), ``hq_w`` (W's HQ operand: e4m3, 2 launches), ``hq_g`` / ``hq_g_sweep``
+(g's per-token HQ operand at forced tiles: Llama's and ViT's widths, or every width the
+models have).
 """
 from __future__ import annotations
 
@@ -161,20 +163,19 @@ HQ_TILES = {   # HOT_HQ_TOKEN_FORCE variants per width: BC, BR, warps[, stages]
 }
 
 
-def bench_hq_g(old, new, rows):
+def _hq_g_rows(old, new, rows, kernel, shapes, tiles):
     """g's per-token HQ operand (4-bit levels in e4m3), old against new, and the new
-    kernel at forced tiles (``HOT_HQ_TOKEN_FORCE``): columns per chunk, rows per program,
-    warps, software-pipelining stages of the column loop."""
+    kernel at forced tiles (``HOT_HQ_TOKEN_FORCE``: columns per chunk, rows per program,
+    warps, software-pipelining stages of the column loop); ``tiles(C)`` lists them."""
     seed = torch.tensor([7], device="cuda", dtype=torch.int64)
 
     def run(mod):
         return lambda g: mod.hadamard.hq_act_quant(g, 4, True, seed, fp8=True)
-    for label, L, C in G_SHAPES:
+    for label, L, C in shapes:
         xs = inputs_of((L, C))
-        nbytes = 2 * L * C + L * C
         ref = run(old)(xs[0])
         res = {"old": time_ms(run(old), xs), "new": time_ms(run(new), xs)}
-        for tile in HQ_TILES.get(C, ()):
+        for tile in tiles(C):
             with env(HOT_HQ_TOKEN_FORCE=tile):
                 try:
                     out = run(new)(xs[0])
@@ -183,10 +184,15 @@ def bench_hq_g(old, new, rows):
                 except Exception as e:  # noqa: BLE001  (a tile that does not compile)
                     res[f"new tile={tile}"] = f"failed: {type(e).__name__}: {str(e)[:120]}"
         res["old (again)"] = time_ms(run(old), xs)
-        rows.append(dict(kernel="hq_g", shape=label, L=L, C=C,
+        rows.append(dict(kernel=kernel, shape=label, L=L, C=C,
                          mismatch_vs_old=mismatch(run(new)(xs[0]), ref),
-                         copy_ms=copy_ms(nbytes), **res))
+                         copy_ms=copy_ms(3 * L * C), **res))
         print(json.dumps(rows[-1]), flush=True)
+
+
+def bench_hq_g(old, new, rows):
+    """At the G_SHAPES, with a few tiles per width."""
+    _hq_g_rows(old, new, rows, "hq_g", G_SHAPES, lambda C: HQ_TILES.get(C, ()))
 
 
 SWEEP_WIDTHS = (768, 2304, 3072, 4096, 11008, 12288, 16384)
@@ -195,33 +201,13 @@ SWEEP_TILES = ("256,8,4", "512,4,4", "512,8,8", "1024,2,4", "1024,4,8", "2048,1,
 
 
 def bench_hq_g_sweep(old, new, rows):
-    """The per-token HQ kernel at each row width of the models (8192 tokens) and each
-    forced tile (``HOT_HQ_TOKEN_FORCE``) that covers it sensibly: which rule to keep."""
-    seed = torch.tensor([7], device="cuda", dtype=torch.int64)
-
-    def run(mod):
-        return lambda g: mod.hadamard.hq_act_quant(g, 4, True, seed, fp8=True)
-    for C in SWEEP_WIDTHS:
-        L = 8192
-        xs = inputs_of((L, C))
-        ref = run(old)(xs[0])
-        res = {"old": time_ms(run(old), xs), "new": time_ms(run(new), xs)}
-        for tile in SWEEP_TILES:
-            bc = int(tile.split(",")[0])
-            if bc > 2 * max(C, 1024) or (bc < C and C <= 1024):
-                continue
-            with env(HOT_HQ_TOKEN_FORCE=tile):
-                try:
-                    out = run(new)(xs[0])
-                    res[f"new tile={tile}"] = time_ms(run(new), xs)
-                    res[f"new tile={tile} mismatch"] = mismatch(out, ref)
-                except Exception as e:  # noqa: BLE001  (a tile that does not compile)
-                    res[f"new tile={tile}"] = f"failed: {type(e).__name__}: {str(e)[:120]}"
-        res["old (again)"] = time_ms(run(old), xs)
-        rows.append(dict(kernel="hq_g_sweep", shape=f"8192 x {C}", L=L, C=C,
-                         mismatch_vs_old=mismatch(run(new)(xs[0]), ref),
-                         copy_ms=copy_ms(3 * L * C), **res))
-        print(json.dumps(rows[-1]), flush=True)
+    """Every row width of the models (8192 tokens) at each tile that covers it sensibly:
+    which rule to keep (``hadamard.token_tile``)."""
+    def tiles(C):
+        return [t for t in SWEEP_TILES if not (int(t.split(",")[0]) > 2 * max(C, 1024)
+                                               or (int(t.split(",")[0]) < C <= 1024))]
+    _hq_g_rows(old, new, rows, "hq_g_sweep", [(f"8192 x {C}", 8192, C) for C in SWEEP_WIDTHS],
+               tiles)
 
 
 def bench_abc(old, new, rows):
