@@ -38,7 +38,9 @@ def _abc_ms(t: dict) -> float:
     return t.get("abc_graph", t["abc"])
 
 
-def main(path: str) -> None:
+def fit_table(path: str):
+    """(per-kernel table, fixed-cost factor, the run's layer rows, g_W GEMM key) fitted on
+    the bench/layers.py result at ``path``: what cost.py's table must equal."""
     res = json.load(open(path))
     rows = res["layers"]
     table = {}
@@ -71,9 +73,14 @@ def main(path: str) -> None:
     # ... but never so small that a layer's HOT time is under-estimated by more than 10%:
     # the gate must err towards exact (a wrongly rewritten site makes the model slower)
     lam = max([lam] + [(0.9 * m - v) / f + 1e-3 for f, v, m in layers])
+    table = {k: ((c * lam, s) if k in hot_k else (c, s)) for k, (c, s) in table.items()}
+    return table, lam, rows, gw_gemm
+
+
+def main(path: str) -> None:
+    table, lam, rows, gw_gemm = fit_table(path)
     print(f"fixed costs scaled by {lam:.3f} (fitted on whole-backward replays, raised until "
           f"no layer's HOT time is under-estimated by more than 10%)")
-    table = {k: ((c * lam, s) if k in hot_k else (c, s)) for k, (c, s) in table.items()}
     model = CostModel(name=os.path.basename(path), kernels=table,
                       host_hot_ms=H100.host_hot_ms, host_exact_ms=H100.host_exact_ms)
     print("kernels = {")

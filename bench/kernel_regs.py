@@ -89,7 +89,7 @@ def kernels_for(L: int, I: int, O: int, rank: int):
     from hotcompile.kernels import gemm, grad_out, hadamard as H, hla
     o_pad = -(-O // 16) * 16
     rows = []
-    bc, one, br, warps, _ = H.token_tile(o_pad, False)
+    bc, one, br, warps = H.token_tile(o_pad, False)
     rows.append(("hq g per token", H._hq_token_kernel,
                  {"g_ptr": "*bf16", "q_ptr": "*i8", "s_ptr": "*fp32", "seed_ptr": "*i64"},
                  dict(BR=br, BC=bc, ONE_TILE=one, Q=7, FP8=False, INTERPRET=False), warps))

@@ -502,26 +502,29 @@ def scalar_buffer(device) -> torch.Tensor:
     return torch.empty((1,), dtype=torch.float32, device=device).view(())
 
 
-def token_tile(O_pad: int, interp: bool):
-    """(BC, ONE_TILE, BR rows, warps, stages or None) of the per-token kernel on rows of
-    ``O_pad``: ``column_tile`` with at most 1/8 of a row padded (``HOT_HQ_TOKEN_TILE``
-    caps BC), BR = 2048 / BC rows (1 to 8), 4 warps.
+def token_tile(O_pad: int, interp: bool) -> tuple[int, bool, int, int]:
+    """(BC, ONE_TILE, BR rows, warps) of the per-token kernel on rows of ``O_pad``:
+    ``column_tile`` with at most 1/8 of a row padded (``HOT_HQ_TOKEN_TILE`` caps BC),
+    BR = 2048 / BC rows (1 to 8), 4 warps. The interpreter keeps small tiles (at most 1024
+    columns, 256 elements per row set, least padding): its cost is per operation, and the
+    levels do not depend on the tile (Philox counters follow the element).
 
     H100, 8192 tokens, 12 tiles at 7 widths (kernel_ab_2026-11-24T203445_h100_hq_sweep):
     4 warps were never slower than 8 (a 4096-wide row: 0.053 vs 0.058 ms; 2048-wide chunks
     1.6x faster), and wide chunks beat the least-padded narrow ones even with some padding
     (11008 as 3 x 4096: 0.175 vs 0.194 ms as 43 x 256; 2304 as 5 x 512: 0.044 vs 0.047).
     The rule's pick is within 2.5% of the fastest tile at every width measured (768, 2304,
-    3072, 4096, 11008, 12288, 16384). ``HOT_HQ_TOKEN_FORCE="BC,BR,WARPS[,STAGES]"`` sets
-    the tile (tuning; ONE_TILE when BC >= O_pad; pipelining stages measured no change)."""
+    3072, 4096, 11008, 12288, 16384); software pipelining of the chunk loop (1 or 3
+    stages) changed nothing. ``HOT_HQ_TOKEN_FORCE="BC,BR,WARPS"`` sets the tile (tuning;
+    ONE_TILE when BC >= O_pad)."""
     force = os.environ.get("HOT_HQ_TOKEN_FORCE")
     if force and not interp:
-        v = [int(t) for t in force.split(",")]
-        return v[0], v[0] >= O_pad, v[1], v[2], v[3] if len(v) > 3 else None
+        bc, br, warps = (int(t) for t in force.split(","))
+        return bc, bc >= O_pad, br, warps
     max_tile = int(os.environ.get("HOT_HQ_TOKEN_TILE", "4096")) if not interp else 1024
     bc, one = column_tile(O_pad, max_tile=max_tile, max_waste=None if interp else 0.125)
     br = max(1, min(8, 2048 // bc)) if not interp else max(1, min(8, 256 // bc))
-    return bc, one, br, 4, None
+    return bc, one, br, 4
 
 
 def hq_act_quant(g: torch.Tensor, bits: int, per_token: bool, seed, fp8: bool = False):
@@ -541,11 +544,10 @@ def hq_act_quant(g: torch.Tensor, bits: int, per_token: bool, seed, fp8: bool = 
     groups = O_pad // 8
     if per_token:
         s = torch.empty((L,), dtype=torch.float32, device=dev)
-        bc, one, br, warps, stages = token_tile(O_pad, interp)
+        bc, one, br, warps = token_tile(O_pad, interp)
         launch(_hq_token_kernel, (triton.cdiv(L, br),),
             g, q, s, seed_t, L, O, O_pad, g.stride(0), O_pad, groups,
-            BR=br, BC=bc, ONE_TILE=one, Q=Q, FP8=fp8, INTERPRET=interp, num_warps=warps,
-            **({} if stages is None else dict(num_stages=stages)))
+            BR=br, BC=bc, ONE_TILE=one, Q=Q, FP8=fp8, INTERPRET=interp, num_warps=warps)
         return q, s
     s = scalar_buffer(dev)
     amax = torch.zeros((1,), dtype=torch.int32, device=dev)
