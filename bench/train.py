@@ -435,6 +435,7 @@ def _write_profile(prof, path: str) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         f.write(buf.getvalue())
+    prof.dump_stats(os.path.splitext(path)[0] + ".prof")    # callers: pstats.Stats(path)
 
 
 def host_ms_per_step(run: Run, n: int) -> float:

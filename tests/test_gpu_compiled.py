@@ -251,6 +251,22 @@ def _launches(code: str) -> dict:
     return out
 
 
+def _repeated_definitions(code: str) -> list:
+    """HOT kernels that Inductor's output code defines more than once with the same source
+    (the generated name aside): each copy is loaded and given a launcher at process start."""
+    import re
+    quotes = "'" * 3
+    seen, repeats = set(), []
+    for name, src in re.findall(r"^\w+ = async_compile\.triton\('(\w+)', " + quotes + "(.*?)"
+                                + quotes, code, re.M | re.S):
+        if name in _HOT_KERNELS:
+            key = (name, re.sub(r"'kernel_name': '\w+'", "", src))
+            if key in seen:
+                repeats.append(name)
+            seen.add(key)
+    return repeats
+
+
 def test_spliced_sites_launch_from_inductor_and_match_the_ops_bit_for_bit():
     """``splice=True`` (the default): no hot:: op is left in Inductor's output code but the
     graph's one seed draw, each HOT kernel is launched from the generated wrapper, and the
@@ -279,6 +295,7 @@ def test_spliced_sites_launch_from_inductor_and_match_the_ops_bit_for_bit():
     # per site: ABC 2 (forward, writing the K-major buffer the g_W GEMM reads), HQ g 1,
     # W 2, HLA g 2 (backward); 4 sites
     assert sum(counts["hot"].values()) == 4 * 7, counts
+    assert not _repeated_definitions("\n".join(codes))
     assert "kernels launched by Inductor at 4/4" in str(be.report)
 
 

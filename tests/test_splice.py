@@ -114,6 +114,20 @@ def test_a_site_splices_into_kernel_nodes_with_the_ops_outputs(hopper):
 
 
 @compiled
+def test_launches_at_triton_defaults_record_bare_kernels(hopper):
+    """A launch at Triton's default warps and stages is recorded as the bare JITFunction. A
+    one-config autotuner (what naming ``num_warps`` makes of it) would have Inductor key the
+    kernel's definition on the launch's scalars: one copy of it per layer shape."""
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+    gm, mode = _site_graph()
+    SP.splice_ops(gm.graph, _nodes(gm, SP.BODIES), mode)
+    kernels = [kernel_side_table.get_kernel(n.kwargs["kernel_idx"])
+               for n in _nodes(gm, {WRAPPER})]
+    assert len(kernels) == 7
+    assert all(isinstance(k, triton.runtime.jit.JITFunction) for k in kernels), kernels
+
+
+@compiled
 def test_the_forward_abc_keeps_its_save_policy(hopper):
     gm, mode = _site_graph()
     comp = _nodes(gm, {hot.abc_compress.default})[0]

@@ -39,10 +39,23 @@ def recording():
         _STATE.on = before
 
 
+# Triton's launch defaults (``triton.Config``'s), which Inductor also applies to a user kernel
+# recorded without a config
+_DEFAULT_CONFIG = {"num_warps": 4, "num_stages": 3}
+
+
 def launch(kernel, grid, *args, **meta) -> None:
-    """``kernel[grid](*args, **meta)``, or its ``wrap_triton`` record inside ``recording()``."""
+    """``kernel[grid](*args, **meta)``, or its ``wrap_triton`` record inside ``recording()``.
+
+    Recording leaves out ``num_warps`` / ``num_stages`` where they equal Triton's defaults.
+    Why: a recorded launch that names them becomes a one-config autotuner, and Inductor then
+    keys the kernel's definition on every scalar argument (its shapes), so each layer shape
+    got its own copy of the same kernel in the output code; each copy is loaded, hashed and
+    given a launcher when a process starts (~90 ms each on the H100, 24 copies for Llama
+    d4096). Without them, kernels that differ only in their runtime scalars share one."""
     if recording_launches():
         import torch
+        meta = {k: v for k, v in meta.items() if _DEFAULT_CONFIG.get(k, object()) != v}
         torch.library.wrap_triton(kernel)[grid](*args, **meta)
     else:
         kernel[grid](*args, **meta)

@@ -38,6 +38,7 @@ HQ_OP = torch.ops.hot.hq_grad_input.default
 HLA_OP = torch.ops.hot.hla_grad_weight.default
 UNIT_OP = torch.ops.hot.linear_backward.default
 SEEDS_OP = torch.ops.hot.draw_seeds.default
+SEED_SPACING = 2        # int64 seeds per op: 16-byte-aligned elements (``_share_seeds``)
 ABC_OP = torch.ops.hot.abc_compress.default
 aten = torch.ops.aten
 
@@ -253,7 +254,12 @@ def _splice(graph: Graph, sites: List[LinearSite], buffers, config, fake_mode) -
 def _share_seeds(graph: Graph, sites: List[LinearSite], fake_mode) -> None:
     """One ``hot::draw_seeds`` before the graph's first HOT backward op, each op reading its
     own element (``seeds``, ``seed_index``): one launch for the graph's random bits instead
-    of a ``randint`` per op."""
+    of a ``randint`` per op.
+
+    Each op's element sits 16 bytes from the next (index ``SEED_SPACING * i``): a kernel
+    given an 8-byte-aligned seed pointer compiles as a variant of one given a 16-byte-aligned
+    one (Triton's divisibility hint), so with odd indices every other site would carry its own
+    copy of each kernel, each loaded and given a launcher when a process starts."""
     ops: List[Node] = []
     for s in sites:
         for n in (s.rewritten_gx, s.rewritten_gw):
@@ -263,10 +269,10 @@ def _share_seeds(graph: Graph, sites: List[LinearSite], fake_mode) -> None:
         return
     order = {n: i for i, n in enumerate(graph.nodes)}
     ops.sort(key=order.__getitem__)
-    seeds = add_node(graph, SEEDS_OP, (ops[0].args[0], len(ops)), before=ops[0],
+    seeds = add_node(graph, SEEDS_OP, (ops[0].args[0], SEED_SPACING * len(ops)), before=ops[0],
                      tag="is_backward", like=ops[0], fake_mode=fake_mode)
     for i, n in enumerate(ops):
-        n.args = tuple(n.args) + (seeds, i)
+        n.args = tuple(n.args) + (seeds, SEED_SPACING * i)
 
 
 def _weight(graph: Graph, s: LinearSite, before: Node, fake_mode) -> Node:
