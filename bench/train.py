@@ -357,6 +357,8 @@ def run_one(model: str, mode: str, opts: dict) -> dict:
     loss = step(0)
     C.sync(device)
     rec["first_step_s"] = time.perf_counter() - t0
+    if compiled_flag:
+        rec["first_step_phases"] = _compile_phases()
     if prof is not None:
         prof.disable()
         _write_profile(prof, f"{opts['profile_first']}_{model}_{mode}.txt")
@@ -422,6 +424,26 @@ def run_one(model: str, mode: str, opts: dict) -> dict:
             step_fn, module, opt, wl, device, amp, opts)
     rec["run_s"] = time.perf_counter() - t_start
     return rec
+
+
+# Dynamo's timed phases that tell a warm first step from a cold one, and where it goes
+_PHASES = ("_compile.compile_inner", "OutputGraph.call_user_compiler",
+           "AOTAutogradCache.inductor_load", "PyCodeCache.load_by_key_path",
+           "async_compile.precompile", "async_compile.wait", "compile_fx_inner", "build_guards")
+
+
+def _compile_phases() -> dict:
+    """Seconds in a few of Dynamo's timed compile phases so far, and the cache counters
+    (AOTAutograd's and Inductor's FX graph cache: hits and misses) of this process."""
+    from torch._dynamo import utils as du
+    try:
+        names, values = du.compile_times(repr="csv", aggregate=True)
+        times = {n: round(float(v), 3) for n, v in zip(names, values) if n in _PHASES}
+    except Exception:  # noqa: BLE001 - a diagnostic only: an older layout gives none
+        times = {}
+    for group in ("aot_autograd", "inductor"):
+        times.update({k: v for k, v in du.counters.get(group, {}).items() if "cache" in k})
+    return times
 
 
 def _write_profile(prof, path: str) -> None:
