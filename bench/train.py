@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import dataclasses
 import gc
 import json
@@ -40,6 +41,7 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 import common as C  # noqa: E402
+from sampler import StackSampler  # noqa: E402
 
 ALL_MODES = list(C.MODE_INFO)
 PROFILE_STEPS = 3      # extra steps after the timed ones: host time, then launch counts
@@ -348,20 +350,16 @@ def run_one(model: str, mode: str, opts: dict) -> dict:
 
     # first step: compile (for compiled modes) + first run
     C.sync(device)
-    prof = None
-    if opts.get("profile_first"):      # where a first step's (compile's) time goes
-        import cProfile
-        prof = cProfile.Profile()
-        prof.enable()
+    sampler = StackSampler() if opts.get("profile_first") else contextlib.nullcontext()
     t0 = time.perf_counter()
-    loss = step(0)
-    C.sync(device)
+    with sampler:                       # where a first step's (compile's) time goes
+        loss = step(0)
+        C.sync(device)
     rec["first_step_s"] = time.perf_counter() - t0
     if compiled_flag:
         rec["first_step_phases"] = _compile_phases()
-    if prof is not None:
-        prof.disable()
-        _write_profile(prof, f"{opts['profile_first']}_{model}_{mode}.txt")
+    if opts.get("profile_first"):
+        C.write_text(f"{opts['profile_first']}_{model}_{mode}.txt", sampler.report())
     rec["loss_first"] = float(loss.detach())
     for i in range(opts.get("warmup", 5)):
         step(i + 1)
@@ -444,20 +442,6 @@ def _compile_phases() -> dict:
     for group in ("aot_autograd", "inductor"):
         times.update({k: v for k, v in du.counters.get(group, {}).items() if "cache" in k})
     return times
-
-
-def _write_profile(prof, path: str) -> None:
-    """cProfile of one first step: the top of cumulative and of internal time."""
-    import io
-    import pstats
-    buf = io.StringIO()
-    st = pstats.Stats(prof, stream=buf)
-    st.sort_stats("cumulative").print_stats(80)
-    st.sort_stats("tottime").print_stats(40)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        f.write(buf.getvalue())
-    prof.dump_stats(os.path.splitext(path)[0] + ".prof")    # callers: pstats.Stats(path)
 
 
 def host_ms_per_step(run: Run, n: int) -> float:
@@ -1020,7 +1004,8 @@ def parse_args(argv=None):
                    help="run model by model instead of the full suite's priority tiers")
     p.add_argument("--cache-dir", help="Inductor/Triton cache folder (e.g. .carry/inductor)")
     p.add_argument("--profile-first", metavar="PREFIX",
-                   help="cProfile each run's first step (compile included) into PREFIX_<model>_<mode>.txt")
+                   help="sample each run's first step's stacks (compile included; bench/sampler.py) "
+                        "into PREFIX_<model>_<mode>.txt")
     p.add_argument("--update-docs", nargs="?", const=C.DOCS_FILE, default=None,
                    metavar="PATH", help="rewrite the train section of docs/BENCHMARKS.md")
     p.add_argument("--docs-only", nargs="+", metavar="JSON_OR_DIR",
