@@ -21,11 +21,9 @@ without grad (an eval forward) has no backward: its layers are listed apart, not
 With ``rank="auto"`` a graph is compiled to calibrate (full rank, measuring), and once its
 window is measured, compiled once more with the chosen ranks (``_AutoRankGraph``).
 
-Start-up: Inductor's module is imported with this one, as ``torch.compile`` imports it for
-its own backend when it is called (1.3 s on the H100 machine, which would otherwise land
-in the first step); and the kernels Inductor launches for HOT use its static CUDA launcher
-(``STATIC_LAUNCH``) like Inductor's own, not Triton's, whose per-signature C launcher a new
-cache compiles with gcc (2.9 s in a warm process's first step for Llama d4096's kernels).
+Start-up: Inductor's ``compile_fx`` is imported with this module, as ``torch.compile``
+imports it for Inductor's own backend when it is called (1.3 s on the H100 machine, which
+would otherwise land in the first step).
 """
 from __future__ import annotations
 
@@ -39,7 +37,6 @@ from typing import List, Optional, Set
 
 import torch
 
-from torch._inductor import config as inductor_config
 from torch._inductor.compile_fx import compile_fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
@@ -57,8 +54,6 @@ from .runtime import rank as RANK
 log = logging.getLogger("hotcompile")
 _GRAPH_IDS = itertools.count()
 _BACKEND_IDS = itertools.count()
-# Inductor's switch for launching user-defined Triton kernels statically (torch >= 2.7)
-STATIC_LAUNCH = "static_launch_user_defined_triton_kernels"
 
 
 def _is_parameter(value, node: Optional[torch.fx.Node]) -> bool:
@@ -296,8 +291,6 @@ class HotBackend:
         joint = JointPass(self.config, self.report, graph_index, positions, plan, naming=naming)
         joint.store_key = compile_cache.graph_key(gm, example_inputs, joint.uuid())
         patches = {"joint_custom_pre_pass": joint}
-        if hasattr(inductor_config, STATIC_LAUNCH):
-            patches[STATIC_LAUNCH] = True
         mode, options = kwargs.get("mode"), kwargs.get("options")
         if mode and mode != "default":
             patches.update(torch._inductor.list_mode_options(mode, kwargs.get("dynamic")))
