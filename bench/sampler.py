@@ -8,7 +8,9 @@ without instrumenting a single call.
 
 ``StackSampler`` is a context manager; ``report()`` gives the functions seen on the most
 samples (inclusive: counted once per sample wherever they are on the stack) and the most
-frequent innermost frames, each as seconds of wall time.
+frequent innermost frames, each as seconds of wall time. While the main thread waits in
+the autograd engine, the busy threads are sampled with it: a compiled backward compiles
+on the first call, on the engine's device thread.
 """
 from __future__ import annotations
 
@@ -43,18 +45,30 @@ class StackSampler:
         return False
 
     def _run(self) -> None:
+        me = threading.get_ident()
         while not self._stop.wait(self.interval_s):
-            frame = sys._current_frames().get(self._target)
-            if frame is None:
+            frames = sys._current_frames()
+            main = frames.get(self._target)
+            if main is None:
                 continue
-            names, f = [], frame
-            while f is not None and len(names) < self.depth:
-                code = f.f_code
-                names.append(f"{_short(code.co_filename)}:{code.co_firstlineno}({code.co_name})")
-                f = f.f_back
+            stacks = [self._names(main)]
+            # the main thread blocked in the autograd engine: a compiled backward's first
+            # call (its compile) runs on the engine's device thread; sample that thread too
+            if stacks[0][0].endswith("(_engine_run_backward)"):
+                stacks += [self._names(f) for t, f in frames.items()
+                           if t not in (me, self._target) and not _idle(f)]
             self.samples += 1
-            self.leaf[names[0]] += 1
-            self.inclusive.update(set(names))
+            for names in stacks:
+                self.leaf[names[0]] += 1
+            self.inclusive.update({n for names in stacks for n in names})
+
+    def _names(self, f) -> list:
+        names = []
+        while f is not None and len(names) < self.depth:
+            code = f.f_code
+            names.append(f"{_short(code.co_filename)}:{code.co_firstlineno}({code.co_name})")
+            f = f.f_back
+        return names
 
     def report(self, top: int = 150) -> str:
         wall = self._t1 - self._t0
@@ -65,6 +79,13 @@ class StackSampler:
         lines += ["", "innermost (s)  function"]
         lines += [f"{n * per:12.3f}  {name}" for name, n in self.leaf.most_common(top // 2)]
         return "\n".join(lines) + "\n"
+
+
+def _idle(frame) -> bool:
+    """A thread parked in a lock or queue wait (thread pools between tasks)."""
+    name = frame.f_code.co_name
+    return frame.f_code.co_filename.endswith(("threading.py", "queue.py")) or name in (
+        "wait", "get", "_wait_for_tstate_lock", "select", "poll")
 
 
 def _short(path: str) -> str:
