@@ -311,3 +311,26 @@ def test_weight_stored_in_by_out_is_rewritten():
     m(x).float().square().mean().backward()
     assert rel(gx, x.grad) < 0.03
     assert all(rel(a, p.grad) < 0.05 for a, p in zip(grads, m.parameters()) if p.dim() == 2)
+
+
+def test_the_lazy_backward_compiles_inside_the_launch_analysis_memo(monkeypatch):
+    """AOTAutograd compiles the backward on its first call, after the backend returned: its
+    Inductor compile must still run inside the memo of Triton's mutation analysis
+    (``passes/kernel_access``), which the spliced launches of a backward lean on."""
+    from hotcompile import entry as E
+    from hotcompile.passes import kernel_access as KA
+    depths = []
+    real = E.compile_fx_inner
+
+    def spy(*a, **k):
+        depths.append(KA._DEPTH)
+        return real(*a, **k)
+
+    monkeypatch.setattr(E, "compile_fx_inner", spy)
+    torch._dynamo.reset()
+    with torch._functorch.config.patch(enable_autograd_cache=False), \
+            torch._inductor.config.patch(fx_graph_cache=False):
+        report, fw, bw = run_step(MLP(), torch.randn(64, 64))
+    assert len(report.rewritten) == 2
+    assert len(depths) == 2 and all(d >= 1 for d in depths), depths     # forward, backward
+    assert KA._DEPTH == 0
