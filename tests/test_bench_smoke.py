@@ -436,3 +436,30 @@ def test_kernel_ab_loads_old_kernels_and_counts_differing_bytes(tmp_path):
     q2[3, 5] += 1
     assert KA.mismatch((q, s), (q2, s)) == 1 / (q.numel() + 4)
     assert KA.mismatch((q, s), (q.t(), s)) == 1.0
+
+
+def test_stack_sampler_finds_where_the_time_goes():
+    """bench/sampler.py: a function the main thread spends its time in dominates the report,
+    innermost and (with its caller) inclusive; one innermost frame per sample."""
+    import time
+    StackSampler = _load("sampler").StackSampler
+
+    def busy_leaf(until):
+        x = 0
+        while time.perf_counter() < until:
+            x += 1
+        return x
+
+    def caller():
+        return busy_leaf(time.perf_counter() + 0.3)
+
+    with StackSampler(interval_s=0.002) as s:
+        time.sleep(0.05)
+        caller()
+    text = s.report()
+    assert s.samples > 20, text
+    leaf_name = max(s.leaf, key=s.leaf.get)
+    assert leaf_name.endswith("(busy_leaf)"), text
+    caller_name = next(n for n in s.inclusive if n.endswith("(caller)"))
+    assert s.inclusive[caller_name] >= s.leaf[leaf_name] >= 0.6 * s.samples, text
+    assert sum(s.leaf.values()) == s.samples, text
