@@ -261,6 +261,60 @@ def test_repeated_launches_are_analysed_once_per_compile(hopper):
     assert shape(gm) == shape(gm2)
 
 
+@compiled
+def test_widths_that_specialise_alike_share_one_analysis(hopper):
+    """Two sites whose widths Triton specialises alike (16 divides both) share most of their
+    launches' analyses, and the spliced graph is the one the unmemoized analysis gives."""
+    from hotcompile.passes import kernel_access as KA
+
+    def sites():
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        ins = _fakes(mode, (256, 512), (256, 384), (512, 384), (256, 1024), (256, 768),
+                     (1024, 768))
+
+        def f(*a):
+            seeds = hot.draw_seeds(a[0], 4)
+            outs = []
+            for i in range(2):
+                g, x, w = a[3 * i:3 * i + 3]
+                xq, xs = hot.abc_compress(x, 16, 8, 16, 0, False, "auto", "e4m3")
+                outs += hot.linear_backward(g, xq, xs, 16, 8, 16, 0, False, "", "auto", w, 4, 8,
+                                            "token", "k", seeds, 2 * i)
+            return outs
+
+        with mode:
+            gm = make_fx(f, tracing_mode="fake")(*ins)
+        return gm, mode
+
+    gm, mode = sites()
+    before = dict(KA.STATS)
+    SP.splice_ops(gm.graph, _nodes(gm, SP.BODIES), mode)
+    misses = KA.STATS["misses"] - before["misses"]
+    assert misses < 14, misses                      # 7 launches per site
+    gm2, mode2 = sites()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(KA, "memoized_kernel_access", __import__("contextlib").nullcontext)
+        mp.setattr(SP, "memoized_kernel_access", __import__("contextlib").nullcontext)
+        SP.splice_ops(gm2.graph, _nodes(gm2, SP.BODIES), mode2)
+    shape = lambda g: [(n.op, str(n.target), sorted(n.kwargs.get("kwargs", {}))   # noqa: E731
+                        if n.target is WRAPPER else None) for n in g.graph.nodes]
+    assert shape(gm) == shape(gm2)
+
+
+def test_runtime_integers_are_keyed_by_their_specialisation():
+    """A runtime integer is keyed by what Triton keeps of it (type by range, == 1, divisible
+    by 16), a constexpr by its value; a kernel without known parameters keys every value."""
+    from hotcompile.kernels import hla
+    from hotcompile.passes import kernel_access as KA
+    k = hla._hla_kernel
+    base = {"x_ptr": torch.empty(2, dtype=torch.bfloat16), "C": 4096, "BC": 256}
+    key = lambda **kw: KA._key(k, {**base, **kw}, None)        # noqa: E731
+    assert key(C=11008) == key() != key(C=4104)                 # 16 divides 4096 and 11008
+    assert key(C=1) != key(C=17) and key(C=2 ** 31) != key(C=2 ** 31 - 16)
+    assert key(BC=512) != key()                                 # a constexpr: by value
+    assert KA._key(len, {"C": 4096}, None) != KA._key(len, {"C": 11008}, None)
+
+
 def test_unkeyable_launches_go_to_the_original_analysis():
     """A symbolic size (or any argument the memo cannot describe) is never keyed."""
     from hotcompile.passes import kernel_access as KA

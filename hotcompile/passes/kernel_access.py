@@ -9,9 +9,11 @@ ViT-B compile spent minutes regenerating identical TTIR (2-core CPU: ~0.1 s per 
 ~90% of the splicing pass).
 
 The analysis is a pure function of the kernel and what its TTIR depends on: the value of
-every non-tensor argument (constexprs, and the integers Triton specialises) and each tensor
-argument's dtype (tracing replaces fake tensors and Inductor buffers by stand-ins of that
-dtype). ``memoized_kernel_access()`` installs a memo keyed on exactly that for the duration
+each constexpr, what Triton's specialisation keeps of each other integer (its type by range,
+whether it is 1, whether 16 divides it: torch builds the TTIR from exactly that), the value
+of other non-tensor arguments, and each tensor argument's dtype (tracing replaces fake
+tensors and Inductor buffers by stand-ins of that dtype). Keying integers by their
+specialisation lets layers of different widths share one analysis (Llama's 4096 and 11008). ``memoized_kernel_access()`` installs a memo keyed on exactly that for the duration
 of a compile (the outermost block: the memo is dropped when it ends, so nothing outlives the
 compile that analysed it) and restores the original function afterwards; a launch whose
 arguments it cannot key (symbolic sizes, unknown objects) goes to the original, uncached.
@@ -36,10 +38,20 @@ _MEMO: "dict[tuple, Any]" = {}
 STATS = {"hits": 0, "misses": 0, "unkeyed": 0}
 
 
-def _describe(value) -> Optional[tuple]:
+def _int_class(v: int) -> tuple:
+    """What Triton's specialisation keeps of a runtime (non-constexpr) integer argument: its
+    type (i32, i64 or u64 by range), whether it is 1 (made a constant) and whether 16
+    divides it (the divisibility hint)."""
+    kind = "i32" if -2 ** 31 <= v < 2 ** 31 else ("u64" if v >= 2 ** 63 else "i64")
+    return ("int", kind, v == 1, v % 16 == 0)
+
+
+def _describe(value, constexpr: bool = True) -> Optional[tuple]:
     """What of an argument the TTIR depends on, or None when it cannot be said."""
     if isinstance(value, torch.Tensor):
         return ("tensor", value.dtype)
+    if isinstance(value, int) and not isinstance(value, bool) and not constexpr:
+        return _int_class(value)
     if value is None or isinstance(value, (bool, int, float, str)):
         return (type(value).__name__, value)
     get_dtype = getattr(value, "get_dtype", None)          # an Inductor buffer (TensorBox)
@@ -65,10 +77,22 @@ def _kernel_key(kernel):
     return (_kernel_key(fn), tuple(repr(sorted(c.all_kwargs().items())) for c in configs))
 
 
+def _runtime_params(kernel) -> frozenset:
+    """Names of the kernel's non-constexpr parameters (none known: every value is keyed)."""
+    fn = kernel
+    while getattr(fn, "fn", None) is not None and not hasattr(fn, "params"):
+        fn = fn.fn                                   # an autotuner (or a chain of them)
+    try:
+        return frozenset(p.name for p in fn.params if not p.is_constexpr)
+    except (AttributeError, TypeError):
+        return frozenset()
+
+
 def _key(kernel, kwargs: dict, tma) -> Optional[tuple]:
     parts = []
+    runtime = _runtime_params(kernel)
     for name in sorted(kwargs):
-        d = _describe(kwargs[name])
+        d = _describe(kwargs[name], constexpr=name not in runtime)
         if d is None:
             return None
         parts.append((name,) + d)
