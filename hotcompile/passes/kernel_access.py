@@ -13,8 +13,9 @@ each constexpr, what Triton's specialisation keeps of each other integer (its ty
 whether it is 1, whether 16 divides it: torch builds the TTIR from exactly that), the value
 of other non-tensor arguments, and each tensor argument's dtype (tracing replaces fake
 tensors and Inductor buffers by stand-ins of that dtype). Keying integers by their
-specialisation lets layers of different widths share one analysis (Llama's 4096 and 11008). ``memoized_kernel_access()`` installs a memo keyed on exactly that for the duration
-of a compile (the outermost block: the memo is dropped when it ends, so nothing outlives the
+specialisation lets layers of different widths share one analysis (Llama's 4096 and 11008).
+``memoized_kernel_access()`` installs a memo keyed on exactly that for the duration of a
+compile (the outermost block: the memo is dropped when it ends, so nothing outlives the
 compile that analysed it) and restores the original function afterwards; a launch whose
 arguments it cannot key (symbolic sizes, unknown objects) goes to the original, uncached.
 Each caller gets its own copy of the result.
