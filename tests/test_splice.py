@@ -216,6 +216,41 @@ def test_a_body_without_fused_kernels_stays_an_op(hopper, monkeypatch):
     assert _nodes(gm, {hot.linear_backward.default}) == [unit]
 
 
+def _sites(*site_shapes):
+    """A graph of several sites' ops as the rewrite inserts them ((g, x, w) shapes each)."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    ins = _fakes(mode, *[shape for shapes in site_shapes for shape in shapes])
+    n = len(site_shapes)
+
+    def f(*a):
+        seeds = hot.draw_seeds(a[0], 2 * n)
+        outs = []
+        for i in range(n):
+            g, x, w = a[3 * i:3 * i + 3]
+            xq, xs = hot.abc_compress(x, 16, 8, 16, 0, False, "auto", "e4m3")
+            outs += hot.linear_backward(g, xq, xs, 16, 8, 16, 0, False, "", "auto", w, 4, 8,
+                                        "token", "k", seeds, 2 * i)
+        return outs
+
+    with mode:
+        gm = make_fx(f, tracing_mode="fake")(*ins)
+    return gm, mode
+
+
+def _spliced_as_unmemoized(gm, site_shapes) -> bool:
+    """Whether ``gm`` (spliced with the memo) is the graph the same sites splice into with
+    every launch analysed anew."""
+    from hotcompile.passes import kernel_access as KA
+    gm2, mode2 = _sites(*site_shapes)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(KA, "memoized_kernel_access", __import__("contextlib").nullcontext)
+        mp.setattr(SP, "memoized_kernel_access", __import__("contextlib").nullcontext)
+        SP.splice_ops(gm2.graph, _nodes(gm2, SP.BODIES), mode2)
+    shape = lambda g: [(n.op, str(n.target), sorted(n.kwargs.get("kwargs", {}))   # noqa: E731
+                        if n.target is WRAPPER else None) for n in g.graph.nodes]
+    return shape(gm) == shape(gm2)
+
+
 @compiled
 def test_repeated_launches_are_analysed_once_per_compile(hopper):
     """Sites repeat the same launches: Triton's mutation analysis (a TTIR generation each)
@@ -223,42 +258,16 @@ def test_repeated_launches_are_analysed_once_per_compile(hopper):
     one the unmemoized analysis gives. Outside a compile torch's own function is back."""
     from torch._higher_order_ops import triton_kernel_wrap as twrap
     from hotcompile.passes import kernel_access as KA
-
-    def two_sites():
-        mode = FakeTensorMode(allow_non_fake_inputs=True)
-        ins = _fakes(mode, *[(256, 512), (256, 384), (512, 384)] * 2)
-
-        def f(*a):
-            seeds = hot.draw_seeds(a[0], 2)
-            outs = []
-            for i in range(2):
-                g, x, w = a[3 * i:3 * i + 3]
-                xq, xs = hot.abc_compress(x, 16, 8, 16, 0, False, "auto", "e4m3")
-                outs += hot.linear_backward(g, xq, xs, 16, 8, 16, 0, False, "", "auto", w, 4, 8,
-                                            "token", "k", seeds, i)
-            return outs
-
-        with mode:
-            gm = make_fx(f, tracing_mode="fake")(*ins)
-        return gm, mode
-
+    like = ((256, 512), (256, 384), (512, 384))
     original = twrap.identify_accessed_tensors
-    gm, mode = two_sites()
+    gm, mode = _sites(like, like)
     before = dict(KA.STATS)
     SP.splice_ops(gm.graph, _nodes(gm, SP.BODIES), mode)
     assert twrap.identify_accessed_tensors is original and not KA._MEMO
     misses = KA.STATS["misses"] - before["misses"]
     hits = KA.STATS["hits"] - before["hits"]
     assert (misses, hits) == (7, 7), (misses, hits)     # 7 launches per site, 2 like sites
-
-    gm2, mode2 = two_sites()
-    with pytest.MonkeyPatch.context() as mp:            # no memo: every launch analysed
-        mp.setattr(KA, "memoized_kernel_access", __import__("contextlib").nullcontext)
-        mp.setattr(SP, "memoized_kernel_access", __import__("contextlib").nullcontext)
-        SP.splice_ops(gm2.graph, _nodes(gm2, SP.BODIES), mode2)
-    shape = lambda g: [(n.op, str(n.target), sorted(n.kwargs.get("kwargs", {}))   # noqa: E731
-                        if n.target is WRAPPER else None) for n in g.graph.nodes]
-    assert shape(gm) == shape(gm2)
+    assert _spliced_as_unmemoized(gm, (like, like))
 
 
 @compiled
@@ -266,39 +275,13 @@ def test_widths_that_specialise_alike_share_one_analysis(hopper):
     """Two sites whose widths Triton specialises alike (16 divides both) share most of their
     launches' analyses, and the spliced graph is the one the unmemoized analysis gives."""
     from hotcompile.passes import kernel_access as KA
-
-    def sites():
-        mode = FakeTensorMode(allow_non_fake_inputs=True)
-        ins = _fakes(mode, (256, 512), (256, 384), (512, 384), (256, 1024), (256, 768),
-                     (1024, 768))
-
-        def f(*a):
-            seeds = hot.draw_seeds(a[0], 4)
-            outs = []
-            for i in range(2):
-                g, x, w = a[3 * i:3 * i + 3]
-                xq, xs = hot.abc_compress(x, 16, 8, 16, 0, False, "auto", "e4m3")
-                outs += hot.linear_backward(g, xq, xs, 16, 8, 16, 0, False, "", "auto", w, 4, 8,
-                                            "token", "k", seeds, 2 * i)
-            return outs
-
-        with mode:
-            gm = make_fx(f, tracing_mode="fake")(*ins)
-        return gm, mode
-
-    gm, mode = sites()
+    sites = (((256, 512), (256, 384), (512, 384)), ((256, 1024), (256, 768), (1024, 768)))
+    gm, mode = _sites(*sites)
     before = dict(KA.STATS)
     SP.splice_ops(gm.graph, _nodes(gm, SP.BODIES), mode)
     misses = KA.STATS["misses"] - before["misses"]
     assert misses < 14, misses                      # 7 launches per site
-    gm2, mode2 = sites()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(KA, "memoized_kernel_access", __import__("contextlib").nullcontext)
-        mp.setattr(SP, "memoized_kernel_access", __import__("contextlib").nullcontext)
-        SP.splice_ops(gm2.graph, _nodes(gm2, SP.BODIES), mode2)
-    shape = lambda g: [(n.op, str(n.target), sorted(n.kwargs.get("kwargs", {}))   # noqa: E731
-                        if n.target is WRAPPER else None) for n in g.graph.nodes]
-    assert shape(gm) == shape(gm2)
+    assert _spliced_as_unmemoized(gm, sites)
 
 
 def test_runtime_integers_are_keyed_by_their_specialisation():
