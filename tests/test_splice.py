@@ -284,6 +284,7 @@ def test_widths_that_specialise_alike_share_one_analysis(hopper):
     assert _spliced_as_unmemoized(gm, sites)
 
 
+@compiled
 def test_runtime_integers_are_keyed_by_their_specialisation():
     """A runtime integer is keyed by what Triton keeps of it (type by range, == 1, divisible
     by 16), a constexpr by its value; a kernel without known parameters keys every value."""
