@@ -270,8 +270,8 @@ def _repeated_definitions(code: str) -> list:
 def test_spliced_sites_launch_from_inductor_and_match_the_ops_bit_for_bit():
     """``splice=True`` (the default): no hot:: op is left in Inductor's output code but the
     graph's one seed draw, each HOT kernel is launched from the generated wrapper (defined
-    once per distinct source), and the gradients are
-    bit-identical to the same kernels behind hot:: ops."""
+    once per distinct source), and the gradients are bit-identical to the same kernels
+    behind hot:: ops."""
     from torch._inductor.utils import run_and_get_code
 
     def run(splice):
@@ -296,7 +296,8 @@ def test_spliced_sites_launch_from_inductor_and_match_the_ops_bit_for_bit():
     # per site: ABC 2 (forward, writing the K-major buffer the g_W GEMM reads), HQ g 1,
     # W 2, HLA g 2 (backward); 4 sites
     assert sum(counts["hot"].values()) == 4 * 7, counts
-    assert not [_repeated_definitions(c) for c in codes if _repeated_definitions(c)]
+    repeats = [name for c in codes for name in _repeated_definitions(c)]
+    assert not repeats, repeats
     assert "kernels launched by Inductor at 4/4" in str(be.report)
 
 
