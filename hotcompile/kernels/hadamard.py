@@ -31,6 +31,8 @@ from triton.language.extra.cuda import libdevice
 
 from .launch import launch
 
+E4M3_BOUND_Q = 28      # reference.E4M3_BOUND_Q: 448 / 16
+
 # =========================================================================== building blocks
 
 
@@ -217,13 +219,18 @@ def store_levels(ptrs, q, mask, FP8: tl.constexpr):
 
 
 @triton.jit
-def _load_fwht_rows(g_ptr, rows, col0, L, O, stride_g, BC: tl.constexpr):
-    """Load g[rows, col0:col0+BC] (zeros outside L x O: the reference's zero padding of O)
-    as fp32 and transform each run of 16 columns."""
+def _load_rows(g_ptr, rows, col0, L, O, stride_g, BC: tl.constexpr):
+    """g[rows, col0:col0+BC] as fp32 (zeros outside L x O: the reference's zero padding of O)."""
     cols = col0 + tl.arange(0, BC)
     mask = (rows < L)[:, None] & (cols < O)[None, :]
     x = tl.load(g_ptr + rows.to(tl.int64)[:, None] * stride_g + cols[None, :], mask=mask, other=0.0)
-    return fwht16_lastdim(x.to(tl.float32))
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _load_fwht_rows(g_ptr, rows, col0, L, O, stride_g, BC: tl.constexpr):
+    """``_load_rows``, each run of 16 columns transformed."""
+    return fwht16_lastdim(_load_rows(g_ptr, rows, col0, L, O, stride_g, BC))
 
 
 @triton.jit
@@ -253,20 +260,28 @@ def _quantize_row_chunks(g_ptr, q_ptr, s, inv_s, seed, rows, L, O, O_pad, stride
 
 
 @triton.jit
-def _hq_token_kernel(g_ptr, q_ptr, s_ptr, seed_ptr, L, O, O_pad, stride_g, ldq, groups_per_row,
-                     BR: tl.constexpr, BC: tl.constexpr, ONE_TILE: tl.constexpr, Q: tl.constexpr,
-                     FP8: tl.constexpr, INTERPRET: tl.constexpr):
+def _hq_token_kernel(g_ptr, q_ptr, s_ptr, seed_ptr, gmax_ptr, L, O, O_pad, stride_g, ldq,
+                     groups_per_row, BR: tl.constexpr, BC: tl.constexpr, ONE_TILE: tl.constexpr,
+                     Q: tl.constexpr, FP8: tl.constexpr, INTERPRET: tl.constexpr,
+                     GMAX: tl.constexpr):
     """Per-token (per-row) scales: one program owns BR whole rows.
 
     If a row fits one tile (ONE_TILE) it is loaded and transformed once and quantized from
     registers: one read, one write. Otherwise a first sweep over the row's column chunks
     keeps an elementwise running max (reduced across lanes once, at the end) and a second
     sweep, which re-reads the chunks while they are still in L1/L2, quantizes them.
+
+    ``GMAX``: also max |g| itself (before the transform) into ``gmax_ptr`` (a zeroed int32
+    word, ``abs_bits`` order), one atomic per program: the input of the e4m3 scale of g's
+    HLA operand (``reference.e4m3_bound_scale``), which then needs no pass of its own.
     """
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     seed = tl.load(seed_ptr)
     if ONE_TILE:
-        v = _load_fwht_rows(g_ptr, rows, 0, L, O, stride_g, BC)
+        x = _load_rows(g_ptr, rows, 0, L, O, stride_g, BC)
+        if GMAX:
+            tl.atomic_max(gmax_ptr, tl.max(abs_bits(x)))
+        v = fwht16_lastdim(x)
         s = scale_from_amax_bits(tl.max(abs_bits(v), axis=1), Q)
         inv_s = tl.math.div_rn(1.0, s)
         if reciprocal_is_finite(inv_s):
@@ -277,8 +292,14 @@ def _hq_token_kernel(g_ptr, q_ptr, s_ptr, seed_ptr, L, O, O_pad, stride_g, ldq, 
                                  ldq, groups_per_row, BC, Q, True, FP8, INTERPRET, True)
     else:
         amax = tl.zeros((BR, BC), dtype=tl.int32)
+        gmax = tl.zeros((BR, BC), dtype=tl.int32)
         for col0 in range(0, O_pad, BC):
-            amax = tl.maximum(amax, abs_bits(_load_fwht_rows(g_ptr, rows, col0, L, O, stride_g, BC)))
+            x = _load_rows(g_ptr, rows, col0, L, O, stride_g, BC)
+            if GMAX:
+                gmax = tl.maximum(gmax, abs_bits(x))
+            amax = tl.maximum(amax, abs_bits(fwht16_lastdim(x)))
+        if GMAX:
+            tl.atomic_max(gmax_ptr, tl.max(gmax))
         s = scale_from_amax_bits(tl.max(amax, axis=1), Q)
         inv_s = tl.math.div_rn(1.0, s)
         if reciprocal_is_finite(inv_s):
@@ -373,9 +394,11 @@ def _hq_weight_kernel(w_ptr, q_ptr, s_ptr, amax_ptr, scale_mul, O, I, O_pad, str
     The stored scale is s_i * scale_mul (a power of two: exact).
 
     Output row i (in-feature i) needs the amax over all of O, and W is small next to g,
-    so this uses the two-phase scheme of ``_hq_tensor_kernel`` on a 2-D grid of
+    so levels use the two-phase scheme of ``_hq_tensor_kernel`` on a 2-D grid of
     (BI in-features, BO outputs) tiles: phase 1 atomically maxes each row's tile amax into
     ``amax_ptr[i]`` (zeroed), phase 2 quantizes (tiles in reverse order, W mostly from L2).
+    E4M3 runs phase 2 alone: ``amax_ptr[i]`` holds max |W[:, i]| (``input_amax_bits``) and
+    Q = 28 (``reference.e4m3_bound_scale``).
     """
     pid = tl.program_id(0)
     if PHASE == 2:
@@ -527,10 +550,27 @@ def token_tile(O_pad: int, interp: bool) -> tuple[int, bool, int, int]:
     return bc, one, br, 4
 
 
-def hq_act_quant(g: torch.Tensor, bits: int, per_token: bool, seed, fp8: bool = False):
+def input_amax_bits(x: torch.Tensor, dim=None, round_to: Optional[torch.dtype] = None):
+    """max |x| (of all of x, or along ``dim``) as the int32 bits of an fp32 value, the form
+    the kernels read (``abs_bits``): the input of ``reference.e4m3_bound_scale``. A plain
+    torch reduction: one kernel when a ``hot::`` op runs it, and when a site is spliced
+    (``kernels/launch.py``) a reduction Inductor compiles with the graph around it. NaN
+    propagates (torch's max does). ``round_to``: the max of ``x.to(round_to)`` (rounding is
+    monotone, so the max is rounded instead of x: no copy of x)."""
+    if round_to is not None and round_to != x.dtype:
+        m = torch.linalg.vector_norm(x, float("inf"), dim=dim).to(round_to).float()
+    else:       # the max of a bf16 / fp16 x is exact in fp32: one kernel, no conversion
+        m = torch.linalg.vector_norm(x, float("inf"), dim=dim, dtype=torch.float32)
+    return m.reshape(-1).view(torch.int32)
+
+
+def hq_act_quant(g: torch.Tensor, bits: int, per_token: bool, seed, fp8: bool = False,
+                 gmax: Optional[torch.Tensor] = None):
     """Transform g (L, O) along O (zero-padded to O_pad), quantize with stochastic rounding.
 
     Returns (levels (L, O_pad) int8 or e4m3, fp32 scale (L,) if per_token else ()).
+    ``gmax`` (per-token only): a zeroed (1,) int32 word the kernel maxes |g| into
+    (``input_amax_bits``'s form), for the e4m3 scale of g's HLA operand.
     """
     if g.stride(-1) != 1:
         g = g.contiguous()
@@ -546,9 +586,12 @@ def hq_act_quant(g: torch.Tensor, bits: int, per_token: bool, seed, fp8: bool = 
         s = torch.empty((L,), dtype=torch.float32, device=dev)
         bc, one, br, warps = token_tile(O_pad, interp)
         launch(_hq_token_kernel, (triton.cdiv(L, br),),
-            g, q, s, seed_t, L, O, O_pad, g.stride(0), O_pad, groups,
-            BR=br, BC=bc, ONE_TILE=one, Q=Q, FP8=fp8, INTERPRET=interp, num_warps=warps)
+            g, q, s, seed_t, seed_t if gmax is None else gmax, L, O, O_pad, g.stride(0), O_pad,
+            groups, BR=br, BC=bc, ONE_TILE=one, Q=Q, FP8=fp8, INTERPRET=interp,
+            GMAX=gmax is not None, num_warps=warps)
         return q, s
+    if gmax is not None:
+        raise ValueError("hq_act_quant: gmax is only computed with per-token scales")
     s = scalar_buffer(dev)
     amax = torch.zeros((1,), dtype=torch.int32, device=dev)
     bc, _ = column_tile(O_pad, max_tile=512 if not interp else 64)
@@ -590,21 +633,27 @@ def hq_weight_quant(w: torch.Tensor, bits: int, fp8: bool = False, e4m3: bool = 
     FP8 GEMM has no alpha, so the g_x GEMM's 1/16 rides on W's scale at no cost.
     ``round_to`` (bf16 / fp16): W is rounded to it as it is read, as if ``w.to(round_to)``
     had been passed: an fp32 parameter stands for autocast's copy of it, which then need
-    not be kept for backward (``HOTConfig.recompute_operands``). ``amax``: a zeroed (I,)
-    int32 workspace the caller made with others in one launch (default: its own)."""
+    not be kept for backward (``HOTConfig.recompute_operands``). ``amax`` (levels only): a
+    zeroed (I,) int32 workspace the caller made with others in one launch (default: its
+    own). In e4m3 the scale comes from W's column maxima (``reference.e4m3_bound_scale``,
+    a torch reduction) and the kernel runs once."""
     O, I = w.shape
     O_pad = -(-O // 16) * 16
     dev = w.device
     q = torch.empty((I, O_pad), dtype=level_dtype(fp8 or e4m3), device=dev)
     s = torch.empty((I,), dtype=torch.float32, device=dev)
-    amax = torch.zeros((I,), dtype=torch.int32, device=dev) if amax is None else amax
+    if e4m3:
+        amax = input_amax_bits(w, dim=0, round_to=round_to if w.dtype == torch.float32 else None)
+    elif amax is None:
+        amax = torch.zeros((I,), dtype=torch.int32, device=dev)
     interp = interpreting()
     bi, bo, warps = weight_tile(O_pad, interp)
     grid = (triton.cdiv(I, bi) * triton.cdiv(O_pad, bo),)
     args = (w, q, s, amax, float(scale_mul), O, I, O_pad, w.stride(0), w.stride(1), O_pad)
     rnd = _TL_DTYPES.get(round_to) if w.dtype == torch.float32 else None   # never an upcast
-    meta = dict(BI=bi, BO=bo, Q=448 if e4m3 else qmax(bits), FP8=fp8, E4M3=e4m3, INTERPRET=interp,
-                ROUND=rnd, num_warps=warps)
-    launch(_hq_weight_kernel, grid, *args, PHASE=1, **meta)
+    meta = dict(BI=bi, BO=bo, Q=E4M3_BOUND_Q if e4m3 else qmax(bits), FP8=fp8, E4M3=e4m3,
+                INTERPRET=interp, ROUND=rnd, num_warps=warps)
+    if not e4m3:
+        launch(_hq_weight_kernel, grid, *args, PHASE=1, **meta)
     launch(_hq_weight_kernel, grid, *args, PHASE=2, **meta)
     return q, s

@@ -21,6 +21,9 @@ implementation must meet:
   nearest rounding ``floor(v / s + 0.5)``; clamp to ``[-Q, Q]``. A non-finite
   amax makes the scale non-finite, so non-finite inputs give non-finite
   outputs (never a silently finite gradient).
+* Scaled e4m3 (the cuBLAS FP8 paths): the transformed value over its scale, rounded onto
+  the e4m3 grid (``quantize_e4m3``); a Hadamard-transformed operand's scale comes from its
+  input, ``s = max|input| / 28`` (``e4m3_bound_scale``), not from the transformed values.
 * Integer GEMMs accumulate exactly (int32 on CUDA via ``torch._int_mm``,
   float64 elsewhere) and are dequantized as ``acc * s_row * s_col / 16``.
 """
@@ -243,11 +246,30 @@ def quantize(v: torch.Tensor, bits: int, per_row: bool, stochastic: bool, seed=0
 
 
 E4M3_MAX = 448.0
+E4M3_BOUND_Q = E4M3_MAX / 16    # 28: a block-16 Hadamard sum is at most 16 max|input|
+
+
+def e4m3_bound_scale(x: torch.Tensor, per_row: bool) -> torch.Tensor:
+    """The scale of a Hadamard-transformed operand in scaled e4m3, from its *input*:
+    s = max|x| / 28 (per row or per tensor; 1 where the max is 0).
+
+    Why a bound and not the transformed values' own amax: every coefficient of a block-16
+    Sylvester transform (entries +-1) is a sum of 16 inputs, so |coefficient| <= 16 max|x|
+    = 448 s and nothing overflows e4m3. The input's max needs no transform, so it can come
+    from a pass that reads x anyway (the per-token HQ kernel for g), or from a plain
+    reduction Inductor compiles: the kernels then read their input once, in one launch,
+    instead of transforming it twice (amax, then quantize). e4m3 keeps the same relative
+    step in every normal binade, so a loose scale only shifts values down its range: on
+    Gaussian data the bound is ~4x the coefficients' amax, and values below ~amax / 2**12.8
+    (instead of 2**14.8) reach the subnormals. Integer levels have one absolute step per
+    scale, so they keep the exact amax (``absmax_scale``)."""
+    return absmax_scale(x.float(), 8, per_row, q=E4M3_BOUND_Q)
 
 
 def quantize_e4m3(v: torch.Tensor, per_row: bool, stochastic: bool = False, seed=0,
-                  u: torch.Tensor | None = None):
-    """Scaled FP8: (v / s rounded to an e4m3 value, fp32 scale s = amax / 448).
+                  u: torch.Tensor | None = None, scale: torch.Tensor | None = None):
+    """Scaled FP8: (v / s rounded to an e4m3 value, fp32 scale s = amax / 448, or the
+    given ``scale``, which must bound |v| / 448: ``e4m3_bound_scale``).
 
     The 8-bit operand format of cuBLAS's FP8 GEMM: 3 mantissa bits, so a relative step of
     2**-3..2**-4 instead of int8's absolute step amax / 127: on a Gaussian W about 3.5x
@@ -265,7 +287,7 @@ def quantize_e4m3(v: torch.Tensor, per_row: bool, stochastic: bool = False, seed
     (at most 448: |t| <= 448 = 14 * 2**5 is itself on the grid of its binade).
     """
     v = v.float()
-    s = absmax_scale(v, 8, per_row, q=E4M3_MAX)
+    s = absmax_scale(v, 8, per_row, q=E4M3_MAX) if scale is None else scale.float()
     t = (v / (s[:, None] if s.dim() == 1 else s)).clamp(-E4M3_MAX, E4M3_MAX)
     t = torch.nan_to_num(t, nan=0.0)
     if stochastic:
@@ -319,11 +341,13 @@ def hq_weight(w: torch.Tensor, bits: int, block: int = 16, e4m3: bool = False):
 
     Returns the transposed operand ``(I, O_pad)`` (int8 levels or e4m3) and its (I,)
     scale, so the GEMM reads both operands K-contiguous. Per-column absmax (a scale per
-    in-feature) fits the GEMM epilogue and is finer than the official per-tensor SAWB clip.
+    in-feature) fits the GEMM epilogue and is finer than the official per-tensor SAWB clip;
+    in e4m3 the column's max of W itself bounds it (``e4m3_bound_scale``).
     """
-    wh = block_fwht(pad_cols(w.float().t(), block), block)             # (I, O_pad)
+    wt = w.float().t()
+    wh = block_fwht(pad_cols(wt, block), block)                         # (I, O_pad)
     if e4m3:
-        return quantize_e4m3(wh, per_row=True)
+        return quantize_e4m3(wh, per_row=True, scale=e4m3_bound_scale(wt, per_row=True))
     return quantize(wh, bits, per_row=True, stochastic=False)
 
 
@@ -369,8 +393,8 @@ def abc_compress(x: torch.Tensor, rank: int, select: str = "1d", bits: int = 8,
     ``bits`` levels (``fmt="int8"``) or scaled e4m3 (``fmt="e4m3"``: the cuBLAS FP8 g_W
     GEMM's operand, ``formats.gw_rule``; ``bits`` unused)."""
     xt = hla_project(x, rank, select, block, seq_len=seq_len, seq_first=seq_first)
-    if fmt == "e4m3":
-        return quantize_e4m3(xt, per_row=False)
+    if fmt == "e4m3":      # the scale from x itself (``e4m3_bound_scale``)
+        return quantize_e4m3(xt, per_row=False, scale=e4m3_bound_scale(x, per_row=False))
     if fmt != "int8":
         raise ValueError(f"abc_compress: fmt must be 'int8' or 'e4m3', got {fmt!r}")
     return quantize(xt, bits, per_row=False, stochastic=False)
@@ -384,13 +408,15 @@ def hla_grad_weight(g: torch.Tensor, xt: torch.Tensor, x_scale: torch.Tensor, ra
     ``xt`` is the projected x: int8 levels (with ``x_scale``), floats (x_scale = 1), or
     scaled e4m3 (``abc_compress(fmt="e4m3")``), in which case g's coefficients become
     scaled e4m3 with stochastic rounding (``quantize_e4m3``, its uniforms drawn
-    channel-major: ``hla_uniforms``; ``bits`` unused): the operands of the cuBLAS FP8 GEMM.
+    channel-major: ``hla_uniforms``, its scale from max|g|: ``e4m3_bound_scale``; ``bits``
+    unused): the operands of the cuBLAS FP8 GEMM.
     bits=0 skips quantizing the gradient (with rank=block this is exact).
     """
     gt = hla_project(g, rank, select, block, seq_len=seq_len, seq_first=seq_first)  # (L', O)
     if xt.dtype == torch.float8_e4m3fn:
         u = hla_uniforms(seed, gt.shape[1], gt.shape[0] // rank, rank, device=g.device)
-        qg, sg = quantize_e4m3(gt, per_row=False, stochastic=True, seed=seed, u=u)
+        qg, sg = quantize_e4m3(gt, per_row=False, stochastic=True, seed=seed, u=u,
+                               scale=e4m3_bound_scale(g, per_row=False))
         # products of e4m3 values are exact in fp64; the sum nearly so (the GEMM's is not)
         acc = (qg.double().t() @ xt.double()).float()
     elif bits == 0:

@@ -4,7 +4,7 @@ Why: every ``triton_kernel_wrapper`` node costs a TTIR generation plus a walk of
 (``torch._higher_order_ops.triton_kernel_wrap.identify_accessed_tensors``) to learn which
 arguments the kernel writes: once when splicing traces a body under functionalisation, and
 again when Inductor lowers the node. Nothing caches it, and a model's sites repeat the same
-few launches (ViT-B: 48 sites, 7 launches each, 4 distinct shapes), so a fully rewritten
+few launches (ViT-B: 48 sites, 7 launches each then, 4 distinct shapes), so a fully rewritten
 ViT-B compile spent minutes regenerating identical TTIR (2-core CPU: ~0.1 s per launch,
 ~90% of the splicing pass).
 
