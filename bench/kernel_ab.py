@@ -211,6 +211,11 @@ def bench_hq_g_sweep(old, new, rows):
                tiles)
 
 
+def _with_env(fn, *args, **kv):
+    with env(**kv):
+        return fn(*args)
+
+
 def bench_g_pair(old, new, rows):
     """Both operands of g as a site's backward makes them (per-token HQ, then g's HLA operand
     in stochastic e4m3, K-major): old against new, where the new HQ kernel maxes |g| as it
@@ -239,6 +244,10 @@ def bench_g_pair(old, new, rows):
         word = new.hadamard.input_amax_bits(xs[0])
         res = {"old pair": time_ms(pair(old, False), xs), "new pair": time_ms(pair(new, True), xs),
                "old hq": time_ms(hq(old, False), xs), "new hq + max": time_ms(hq(new, True), xs),
+               "new pair, one reduction tree": _with_env(time_ms, pair(new, True), xs,
+                                                          HOT_HQ_GMAX="2"),
+               "new hq + max, one reduction tree": _with_env(time_ms, hq(new, True), xs,
+                                                             HOT_HQ_GMAX="2"),
                "new hla on a ready word": time_ms(
                    lambda g: new.hla.hla_quant(g, 16, "1d", 8, **hla_kw, x_amax=word), xs),
                "old pair (again)": time_ms(pair(old, False), xs),

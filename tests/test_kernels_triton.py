@@ -340,6 +340,22 @@ def test_hq_per_token_kernel_maxes_g_as_it_reads(poison, L, O, bf16):
 
 
 @cpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_e4m3_scale_rounds_its_max_to_the_input_type(poison, dtype):
+    """Inductor may fuse the max |x| reduction with x's producer and take it before x is
+    rounded to bf16 / fp16: the kernels round the word to x's type, so a max above x's own
+    by less than half its last place gives the same scale and levels."""
+    x = _randn(48, 40, dtype=dtype)
+    exact = H.input_amax_bits(x)
+    unrounded = (exact.view(torch.float32) * (1 + 2 ** -12)).view(torch.int32)
+    assert not torch.equal(unrounded, exact)
+    a = HL.hla_quant(x, 8, "1d", 8, stochastic=True, seed=5, e4m3=True, x_amax=exact)
+    b = HL.hla_quant(x, 8, "1d", 8, stochastic=True, seed=5, e4m3=True, x_amax=unrounded)
+    assert torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8)) and torch.equal(a[1], b[1])
+    assert float(a[1]) == float(R.e4m3_bound_scale(x, per_row=False))
+
+
+@cpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("L,O,I,seq_len,seq_first,per_token,one_pass,fmt", [
     (37, 40, 24, 0, False, True, True, "int8"), (64, 48, 32, 0, False, False, False, "int8"),

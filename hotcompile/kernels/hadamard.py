@@ -75,6 +75,23 @@ def abs_bits(x):
 
 
 @triton.jit
+def input_max_bits(amax_bits, DTYPE: tl.constexpr):
+    """A max |x| word (``input_amax_bits``) rounded to x's element type DTYPE: the max of the
+    values the kernel reads. Why: when Inductor fuses that reduction with x's producer, it
+    may take the max of the values before their rounding to bf16 / fp16 (it elides the
+    intermediate cast), and rounding is monotone, so rounding the max gives the max of the
+    rounded values either way (NaN and inf stay)."""
+    if DTYPE == tl.bfloat16:
+        m = round_to_bf16(amax_bits.to(tl.float32, bitcast=True))
+        return m.to(tl.int32, bitcast=True)
+    elif DTYPE == tl.float16:
+        m = amax_bits.to(tl.float32, bitcast=True).to(tl.float16).to(tl.float32)
+        return m.to(tl.int32, bitcast=True)
+    else:
+        return amax_bits
+
+
+@triton.jit
 def scale_from_amax_bits(amax_bits, Q: tl.constexpr):
     """s = amax / Q (IEEE division, like the reference), 1 where amax == 0; NaN/inf stay."""
     amax = amax_bits.to(tl.float32, bitcast=True)
@@ -279,9 +296,9 @@ def _hq_token_kernel(g_ptr, q_ptr, s_ptr, seed_ptr, gmax_ptr, L, O, O_pad, strid
     seed = tl.load(seed_ptr)
     if ONE_TILE:
         x = _load_rows(g_ptr, rows, 0, L, O, stride_g, BC)
-        if GMAX:
-            tl.atomic_max(gmax_ptr, tl.max(abs_bits(x)))
         v = fwht16_lastdim(x)
+        if GMAX:    # relaxed: only the value at the kernel's end is read (8% faster than acq_rel)
+            tl.atomic_max(gmax_ptr, tl.max(abs_bits(x)), sem="relaxed")
         s = scale_from_amax_bits(tl.max(abs_bits(v), axis=1), Q)
         inv_s = tl.math.div_rn(1.0, s)
         if reciprocal_is_finite(inv_s):
@@ -299,7 +316,7 @@ def _hq_token_kernel(g_ptr, q_ptr, s_ptr, seed_ptr, gmax_ptr, L, O, O_pad, strid
                 gmax = tl.maximum(gmax, abs_bits(x))
             amax = tl.maximum(amax, abs_bits(fwht16_lastdim(x)))
         if GMAX:
-            tl.atomic_max(gmax_ptr, tl.max(gmax))
+            tl.atomic_max(gmax_ptr, tl.max(gmax), sem="relaxed")
         s = scale_from_amax_bits(tl.max(amax, axis=1), Q)
         inv_s = tl.math.div_rn(1.0, s)
         if reciprocal_is_finite(inv_s):
@@ -410,7 +427,13 @@ def _hq_weight_kernel(w_ptr, q_ptr, s_ptr, amax_ptr, scale_mul, O, I, O_pad, str
     if PHASE == 1:
         tl.atomic_max(amax_ptr + ins, tl.max(abs_bits(v), axis=1), mask=ins < I)
     else:
-        s = scale_from_amax_bits(tl.load(amax_ptr + ins, mask=ins < I, other=0), Q)
+        amax = tl.load(amax_ptr + ins, mask=ins < I, other=0)
+        if E4M3:    # W's column max, in the type W is read as (ROUND, else W's own)
+            if ROUND is not None:
+                amax = input_max_bits(amax, ROUND)
+            else:
+                amax = input_max_bits(amax, w_ptr.dtype.element_ty)
+        s = scale_from_amax_bits(amax, Q)
         inv_s = tl.math.div_rn(1.0, s)
         if E4M3:
             cols = o0 + tl.arange(0, BO)
@@ -550,17 +573,14 @@ def token_tile(O_pad: int, interp: bool) -> tuple[int, bool, int, int]:
     return bc, one, br, 4
 
 
-def input_amax_bits(x: torch.Tensor, dim=None, round_to: Optional[torch.dtype] = None):
+def input_amax_bits(x: torch.Tensor, dim=None):
     """max |x| (of all of x, or along ``dim``) as the int32 bits of an fp32 value, the form
     the kernels read (``abs_bits``): the input of ``reference.e4m3_bound_scale``. A plain
     torch reduction: one kernel when a ``hot::`` op runs it, and when a site is spliced
-    (``kernels/launch.py``) a reduction Inductor compiles with the graph around it. NaN
-    propagates (torch's max does). ``round_to``: the max of ``x.to(round_to)`` (rounding is
-    monotone, so the max is rounded instead of x: no copy of x)."""
-    if round_to is not None and round_to != x.dtype:
-        m = torch.linalg.vector_norm(x, float("inf"), dim=dim).to(round_to).float()
-    else:       # the max of a bf16 / fp16 x is exact in fp32: one kernel, no conversion
-        m = torch.linalg.vector_norm(x, float("inf"), dim=dim, dtype=torch.float32)
+    (``kernels/launch.py``) a reduction Inductor compiles with the graph around it (fused
+    with x's producer where it can: Llama's down-projection input, H100). NaN propagates
+    (torch's max does). The kernels round the word to x's type (``input_max_bits``)."""
+    m = torch.linalg.vector_norm(x, float("inf"), dim=dim, dtype=torch.float32)
     return m.reshape(-1).view(torch.int32)
 
 
@@ -607,19 +627,21 @@ def hq_act_quant(g: torch.Tensor, bits: int, per_token: bool, seed, fp8: bool = 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
-def weight_tile(O_pad: int, interp: bool) -> tuple[int, int, int]:
+def weight_tile(O_pad: int, interp: bool, e4m3: bool = False) -> tuple[int, int, int]:
     """(BI in-features, BO outputs, warps) of a W kernel program.
 
-    64 in-features (128 contiguous bytes of each bf16 W row) by 128 outputs on 4 warps:
-    2-9% faster than 32 x 256 on 8 warps at Llama d4096's W shapes, bit-identical
+    Levels (two launches): 64 in-features (128 contiguous bytes of each bf16 W row) by 128
+    outputs on 4 warps: 2-9% faster than 32 x 256 on 8 warps at Llama d4096's W shapes
     (H100, bench/results/kernel_ab_2026-11-24T160024_h100.md; 64 x 256, 128 x 64 and
-    16 x 256 in between). HOT_HQ_W_TILE="BI,BO,WARPS" overrides (tuning)."""
+    16 x 256 in between). Scaled e4m3 (one launch): 128 x 64 on 4 warps, 2-5% faster than
+    64 x 128 at the same shapes (kernel_ab_2026-11-25T012614). The tile does not change a
+    bit. HOT_HQ_W_TILE="BI,BO,WARPS" overrides (tuning)."""
     if interp:
         bi, bo, warps = 8, 64, 4
     elif "HOT_HQ_W_TILE" in os.environ:
         bi, bo, warps = (int(v) for v in os.environ["HOT_HQ_W_TILE"].split(","))
     else:
-        bi, bo, warps = 64, 128, 4
+        bi, bo, warps = (128, 64, 4) if e4m3 else (64, 128, 4)
     return bi, min(bo, _pow2_at_least(O_pad)), warps
 
 
@@ -643,11 +665,11 @@ def hq_weight_quant(w: torch.Tensor, bits: int, fp8: bool = False, e4m3: bool = 
     q = torch.empty((I, O_pad), dtype=level_dtype(fp8 or e4m3), device=dev)
     s = torch.empty((I,), dtype=torch.float32, device=dev)
     if e4m3:
-        amax = input_amax_bits(w, dim=0, round_to=round_to if w.dtype == torch.float32 else None)
+        amax = input_amax_bits(w, dim=0)
     elif amax is None:
         amax = torch.zeros((I,), dtype=torch.int32, device=dev)
     interp = interpreting()
-    bi, bo, warps = weight_tile(O_pad, interp)
+    bi, bo, warps = weight_tile(O_pad, interp, e4m3)
     grid = (triton.cdiv(I, bi) * triton.cdiv(O_pad, bo),)
     args = (w, q, s, amax, float(scale_mul), O, I, O_pad, w.stride(0), w.stride(1), O_pad)
     rnd = _TL_DTYPES.get(round_to) if w.dtype == torch.float32 else None   # never an upcast

@@ -39,9 +39,9 @@ import triton.language as tl
 
 from .launch import launch
 from . import reference as ref
-from .hadamard import (E4M3_BOUND_Q, abs_bits, fwht16, input_amax_bits, interpreting,
-                       philox_uniform16, quantize, scalar_buffer, scale_from_amax_bits,
-                       seed_pointer, to_e4m3)
+from .hadamard import (E4M3_BOUND_Q, abs_bits, fwht16, input_amax_bits, input_max_bits,
+                       interpreting, philox_uniform16, quantize, scalar_buffer,
+                       scale_from_amax_bits, seed_pointer, to_e4m3)
 
 
 @triton.jit
@@ -234,7 +234,10 @@ def _hla_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, seed_ptr, seed_add, scale_mul, S,
             seed = tl.load(seed_ptr) + seed_add
         else:   # nearest rounding: no seed (callers pass any pointer)
             seed = 0
-        s = scale_from_amax_bits(tl.load(amax_ptr), Q)
+        amax = tl.load(amax_ptr)
+        if E4M3:            # max |x|, rounded to x's type
+            amax = input_max_bits(amax, x_ptr.dtype.element_ty)
+        s = scale_from_amax_bits(amax, Q)
         inv_s = tl.math.div_rn(1.0, s)
         if pid == 0:
             tl.store(s_ptr, s * scale_mul)
