@@ -11,12 +11,12 @@ issue's 80% target is against).
     python bench/kernel_ab.py --rev HEAD --out bench/results
 
 Kernels (the defaults of a site's backward on an H100): ``hla_g`` (g's HLA operand:
-stochastic e4m3, transposed), ``g_pair`` (g's HQ and HLA operands as a site makes them),
-``abc_x`` (the forward's compressed input: e4m3 row-major; also written K-major directly,
-against row-major + ``transpose_padded``), ``hq_w`` (W's HQ operand: e4m3), ``hq_g`` /
-``hq_g_sweep`` (g's per-token HQ operand at forced tiles: Llama's and ViT's widths, or every
-width the models have). Old and new need not be bit-identical (a numerics change): the
-mismatch column says how far apart they are.
+stochastic e4m3, transposed; ``g_pair``, g's HQ and HLA operands with a bound scale, is in
+git history: commit 6d1b2cf), ``abc_x`` (the forward's compressed input: e4m3 row-major;
+also written K-major directly, against row-major + ``transpose_padded``), ``hq_w`` (W's HQ
+operand: e4m3), ``hq_g`` / ``hq_g_sweep`` (g's per-token HQ operand at forced tiles:
+Llama's and ViT's widths, or every width the models have). Old and new need not be
+bit-identical (a numerics change): the mismatch column says how far apart they are.
 """
 from __future__ import annotations
 
@@ -211,54 +211,6 @@ def bench_hq_g_sweep(old, new, rows):
                tiles)
 
 
-def _with_env(fn, *args, **kv):
-    with env(**kv):
-        return fn(*args)
-
-
-def bench_g_pair(old, new, rows):
-    """Both operands of g as a site's backward makes them (per-token HQ, then g's HLA operand
-    in stochastic e4m3, K-major): old against new, where the new HQ kernel maxes |g| as it
-    reads it and the HLA kernel then runs once on that word (``fused.linear_backward``).
-    Also each HQ kernel alone (what the max costs it) and the new HLA kernel alone on a
-    ready word."""
-    seed = torch.tensor([7], device="cuda", dtype=torch.int64)
-    hla_kw = dict(stochastic=True, seed=seed, seed_add=1, transposed=True, pad_to=16, e4m3=True,
-                  scale_mul=1 / 16)
-
-    def pair(mod, rider):
-        def f(g):
-            word = torch.zeros((1,), dtype=torch.int32, device="cuda") if rider else None
-            hq = mod.hadamard.hq_act_quant(g, 4, True, seed, fp8=True,
-                                           **({"gmax": word} if rider else {}))
-            return (*hq, *mod.hla.hla_quant(g, 16, "1d", 8, **hla_kw,
-                                            **({"x_amax": word} if rider else {})))
-        return f
-
-    def hq(mod, rider):
-        return lambda g: mod.hadamard.hq_act_quant(
-            g, 4, True, seed, fp8=True,
-            **({"gmax": torch.zeros((1,), dtype=torch.int32, device="cuda")} if rider else {}))
-    for label, L, C in G_SHAPES:
-        xs = inputs_of((L, C))
-        word = new.hadamard.input_amax_bits(xs[0])
-        res = {"old pair": time_ms(pair(old, False), xs), "new pair": time_ms(pair(new, True), xs),
-               "old hq": time_ms(hq(old, False), xs), "new hq + max": time_ms(hq(new, True), xs),
-               "new pair, one reduction tree": _with_env(time_ms, pair(new, True), xs,
-                                                          HOT_HQ_GMAX="2"),
-               "new hq + max, one reduction tree": _with_env(time_ms, hq(new, True), xs,
-                                                             HOT_HQ_GMAX="2"),
-               "new hla on a ready word": time_ms(
-                   lambda g: new.hla.hla_quant(g, 16, "1d", 8, **hla_kw, x_amax=word), xs),
-               "old pair (again)": time_ms(pair(old, False), xs),
-               "new pair (again)": time_ms(pair(new, True), xs)}
-        rows.append(dict(kernel="g_pair", shape=label, L=L, C=C,
-                         mismatch_vs_old=mismatch(pair(old, False)(xs[0])[:2],
-                                                  pair(new, True)(xs[0])[:2]),
-                         copy_ms=copy_ms(2 * L * C + L * C + L * C), **res))
-        print(json.dumps(rows[-1]), flush=True)
-
-
 def bench_abc(old, new, rows):
     def run(mod, transposed=False):
         return lambda x: mod.hla.hla_quant(x, 16, "1d", 8, stochastic=False, e4m3=True,
@@ -339,7 +291,7 @@ def main(argv=None) -> int:
             importlib.import_module(f"{pkg}.{mod}")
     rows: list = []
     for k in a.kernels.split(","):
-        {"hla_g": bench_hla_g, "abc_x": bench_abc, "hq_w": bench_hq_w, "g_pair": bench_g_pair,
+        {"hla_g": bench_hla_g, "abc_x": bench_abc, "hq_w": bench_hq_w,
          "hq_g": bench_hq_g, "hq_g_sweep": bench_hq_g_sweep}[k](old, new, rows)
     git = git_commit() or os.environ.get("HOT_GIT", "?")
     meta = dict(device=device_name(torch.device("cuda")), when=stamp(), torch=torch.__version__,

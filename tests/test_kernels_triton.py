@@ -168,8 +168,7 @@ def test_hq_weight_rounds_an_fp32_parameter_as_it_reads(poison, e4m3, dtype):
 def test_hla_e4m3_bit_exact(poison, L, C, rank, stochastic):
     """The cuBLAS g_W path's operands: the HLA projection in scaled e4m3 (stochastic for g,
     nearest for the saved x), bit-equal to reference.quantize_e4m3 of the butterfly-summed
-    projection at the scale from max |x| (reference.e4m3_bound_scale), also written
-    transposed (zero pad: the GEMM reads it); the stored scale
+    projection, also written transposed (zero pad: the GEMM reads it); the stored scale
     times ``scale_mul``; the saved x's K-major copy (``fused._k_major``) zero-pads too; a
     NaN makes the scale NaN and every level 0."""
     x = _randn(L, C) * torch.exp(torch.randn(1, C))       # channels of unlike magnitude
@@ -180,8 +179,7 @@ def test_hla_e4m3_bit_exact(poison, L, C, rank, stochastic):
     assert q.dtype == torch.float8_e4m3fn and q.shape == (rows, C)
     proj = _hla_butterfly_reference(x, rank, "1d", 0, False, 0, project_only=True)
     u = R.hla_uniforms(101, C, -(-L // 16), rank) if stochastic else None
-    qr, sr = R.quantize_e4m3(proj, per_row=False, stochastic=stochastic, seed=101, u=u,
-                             scale=R.e4m3_bound_scale(x, per_row=False))
+    qr, sr = R.quantize_e4m3(proj, per_row=False, stochastic=stochastic, seed=101, u=u)
     assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
     assert float(s) * 16 == float(sr)
     qt, _ = HL.hla_quant(x, rank, "1d", 8, stochastic=stochastic, seed=99, seed_add=2,
@@ -319,56 +317,17 @@ def test_fused_ops_match_reference(poison, dtype, L, O, I):
 
 
 @cpu
-@pytest.mark.parametrize("L,O,bf16", [(37, 40, False), (5, 1040, True), (9, 2000, False)])
-def test_hq_per_token_kernel_maxes_g_as_it_reads(poison, L, O, bf16):
-    """``gmax``: the per-token HQ kernel maxes |g| (before its transform) into the given
-    zeroed word, in one tile or over column chunks: bit-equal to ``input_amax_bits``, the
-    levels and scales unchanged; a NaN anywhere makes the word NaN."""
-    g = _randn(L, O, dtype=torch.bfloat16 if bf16 else torch.float32)
-    g[L // 2, O - 1] = 40.0                          # the max in the last column chunk
-    word = torch.zeros((1,), dtype=torch.int32)
-    q, s = H.hq_act_quant(g, 4, True, seed=11, gmax=word)
-    q0, s0 = H.hq_act_quant(g, 4, True, seed=11)
-    assert torch.equal(q, q0) and torch.equal(s, s0)
-    assert torch.equal(word, H.input_amax_bits(g)) and word.view(torch.float32) == 40.0
-    g[1, 3] = float("nan")
-    word.zero_()
-    H.hq_act_quant(g, 4, True, seed=11, gmax=word)
-    assert torch.isnan(word.view(torch.float32)).all()
-    with pytest.raises(ValueError, match="per-token"):
-        H.hq_act_quant(g, 4, False, seed=11, gmax=word)
-
-
-@cpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_e4m3_scale_rounds_its_max_to_the_input_type(poison, dtype):
-    """Inductor may fuse the max |x| reduction with x's producer and take it before x is
-    rounded to bf16 / fp16: the kernels round the word to x's type, so a max above x's own
-    by less than half its last place gives the same scale and levels."""
-    x = _randn(48, 40, dtype=dtype)
-    exact = H.input_amax_bits(x)
-    unrounded = (exact.view(torch.float32) * (1 + 2 ** -12)).view(torch.int32)
-    assert not torch.equal(unrounded, exact)
-    a = HL.hla_quant(x, 8, "1d", 8, stochastic=True, seed=5, e4m3=True, x_amax=exact)
-    b = HL.hla_quant(x, 8, "1d", 8, stochastic=True, seed=5, e4m3=True, x_amax=unrounded)
-    assert torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8)) and torch.equal(a[1], b[1])
-    assert float(a[1]) == float(R.e4m3_bound_scale(x, per_row=False))
-
-
-@cpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("L,O,I,seq_len,seq_first,per_token,one_pass,fmt", [
     (37, 40, 24, 0, False, True, True, "int8"), (64, 48, 32, 0, False, False, False, "int8"),
     (39, 40, 24, 13, False, False, True, "int8"), (60, 24, 40, 20, True, True, False, "int8"),
-    (37, 1040, 24, 0, False, True, False, "e4m3"), (60, 24, 40, 20, True, True, False, "e4m3"),
-    (39, 40, 24, 13, False, False, False, "e4m3")])
+    (60, 24, 40, 20, True, True, False, "e4m3"), (39, 40, 24, 13, False, False, False, "e4m3")])
 def test_linear_backward_is_the_two_ops_in_one(poison, dtype, L, O, I, seq_len, seq_first,
                                                per_token, one_pass, fmt):
     """The site's one-op backward (g read by one kernel pair for both operands, or by the
-    two separate kernels; in e4m3 with max |g| from the per-token HQ kernel, or from a
-    reduction with per-tensor scales) gives bit for bit what the two separate fused ops
-    give with seeds s and s + 1, for flat, batch-first and sequence-first token blocks;
-    and it follows the reference twin."""
+    two separate kernels; int8 or e4m3 saved activations) gives bit for bit what the two
+    separate fused ops give with seeds s and s + 1, for flat, batch-first and
+    sequence-first token blocks; and it follows the reference twin."""
     g, w, x = _randn(L, O, dtype=dtype), _randn(O, I, dtype=dtype), _randn(L, I, dtype=dtype)
     lay = dict(seq_len=seq_len, seq_first=seq_first)
     xq, xs = R.abc_compress(x, 8, "1d", 8, **lay, fmt=fmt)
@@ -519,8 +478,7 @@ def test_gpu_hla_e4m3_channel_major_bit_exact(monkeypatch, L, C, rank, seq_len):
     xb = R.sequence_blocks(x.float(), 16, seq_len, False).reshape(n_blk * 16, C)
     proj = _hla_butterfly_reference(xb, rank, "1d", 0, False, 0, project_only=True)
     qr, sr = R.quantize_e4m3(proj, per_row=False, stochastic=True,
-                             u=R.hla_uniforms(43, C, n_blk, rank, device="cuda"),
-                             scale=R.e4m3_bound_scale(x, per_row=False))
+                             u=R.hla_uniforms(43, C, n_blk, rank, device="cuda"))
     for cpt in ("1", "2", "4"):
         monkeypatch.setenv("HOT_HLA_CPT", cpt)
         qt, s = HL.hla_quant(x, rank, "1d", 8, stochastic=True, seed=seed, seed_add=2,
@@ -719,10 +677,10 @@ class _Launches(torch.utils._python_dispatch.TorchDispatchMode):
 @cpu
 def test_site_backward_launch_budget(monkeypatch):
     """The launches of one site's backward on the H100's default path (per-token g_y, W as
-    scaled e4m3, e4m3 g_W, rank 16: the split path): 7, one kernel per operand (their e4m3
-    scales come from max |g|, maxed by the HQ kernel, and W's column maxima), none of them
-    a seed draw when the graph hands the seed over, and no transpose (ABC's buffer is
-    K-major already). A guard: a change that adds a launch must say so here."""
+    scaled e4m3, e4m3 g_W, rank 16: the split path): 8, W's in one kernel (its e4m3 scale
+    from a column-max reduction), none of them a seed draw when the graph hands the seed
+    over, and no transpose (ABC's buffer is K-major already). A guard: a change that adds
+    a launch must say so here."""
     from triton.runtime.interpreter import InterpretedFunction
     kernels = []
     real = InterpretedFunction.run
@@ -744,6 +702,7 @@ def test_site_backward_launch_budget(monkeypatch):
     kernels.clear()
     with mode:
         F.linear_backward(g, w, xq, xs, 16, 4, 8, 8, True, seed, one_pass=False)
-    assert kernels == ["_hq_token_kernel", "_hq_weight_kernel", "_hla_kernel"], kernels
-    # one zeroing (the word the HQ kernel maxes |g| into), W's column maxima, two GEMMs
+    assert kernels == ["_hq_token_kernel", "_hq_weight_kernel", "_hla_kernel",
+                       "_hla_kernel"], kernels
+    # one zeroing (HLA's amax word), W's column maxima (its e4m3 scale), two GEMMs
     assert mode.ops == ["zeros", "linalg_vector_norm", "_scaled_mm", "_scaled_mm"], mode.ops

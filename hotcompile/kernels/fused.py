@@ -119,13 +119,12 @@ def _k_major(q: torch.Tensor) -> torch.Tensor:
 
 
 def _gw(g, xt, x_scale, rank: int, select: str, bits: int, seed, lay, qg=None,
-        seed_add: int = 0, amax=None, g_amax=None) -> torch.Tensor:
+        seed_add: int = 0, amax=None) -> torch.Tensor:
     """The fused g_W GEMM: g's projected levels (given as ``qg`` = transposed levels and
     scale, or computed with Philox key seed + ``seed_add``, written transposed by the HLA
     kernel: as fast as row-major plus a transpose, one launch fewer, layers_2026-11-24T030739)
     against the saved activation; cuBLAS FP8 when that is e4m3 (``formats.gw_rule``), else the
-    INT8 kernel. ``amax``: the int8 HLA kernel's zeroed workspace; ``g_amax``: max |g| for
-    the e4m3 one (``hla.hla_quant``'s ``x_amax``)."""
+    INT8 kernel."""
     k = ref.hla_rows(g.shape[0], rank, _FUSED_BLOCK, lay["seq_len"])
     if xt.shape[0] != k:
         raise ValueError(f"g_W: the saved activation has {xt.shape[0]} rows, expected {k} "
@@ -135,8 +134,7 @@ def _gw(g, xt, x_scale, rank: int, select: str, bits: int, seed, lay, qg=None,
     fp8 = xt.dtype == torch.float8_e4m3fn
     qg = qg or hla.hla_quant(g, rank, select, bits, stochastic=True, seed=seed,
                              seed_add=seed_add, transposed=True, pad_to=16, e4m3=fp8,
-                             scale_mul=1.0 / _FUSED_BLOCK if fp8 else 1.0, amax=amax,
-                             x_amax=g_amax, **lay)
+                             scale_mul=1.0 / _FUSED_BLOCK if fp8 else 1.0, amax=amax, **lay)
     if fp8:
         # bf16 and fp32 outputs are what the H100 runs measured; fp16 goes through fp32
         out = gemm.cublas_fp8_mm(qg[0], _k_major(xt), qg[1], xs,
@@ -175,36 +173,26 @@ def linear_backward(g: torch.Tensor, w: torch.Tensor, xt: torch.Tensor, x_scale:
                 hla_grad_weight(g, xt, x_scale, rank, "1d", gw_bits, seed + 1, block, **lay))
     path = gx_path(g, w, gx_bits, w_bits, per_token)
     fp8 = path[0] != "int8"
-    gw_e4m3 = xt.dtype == torch.float8_e4m3fn
-    one_pass = one_pass and not gw_e4m3
-    # zeroed int32 words, by one launch: the W kernel's per-in-feature amax (levels only; an
-    # e4m3 W takes its column maxima from a reduction) and one for g: the split HLA kernel's
-    # amax (int8), or max |g| maxed by the per-token HQ kernel as it reads g, the e4m3 scale
-    # of g's HLA operand (else ``_gw`` reduces g itself). Traced for Inductor each kernel
-    # zeroes its own: a shared buffer written through two views would be functionalised
-    # into scatters.
-    n_w = 0 if path[1] else w.shape[1]
-    rider = gw_e4m3 and per_token
-    if recording_launches():
-        ws = None
-        g_word = torch.zeros((1,), dtype=torch.int32, device=g.device) if rider else None
-    else:
-        ws = torch.zeros((n_w + (not one_pass),), dtype=torch.int32, device=g.device)
-        g_word = ws.narrow(0, n_w, 1) if not one_pass else None
     qg_t = None
-    if one_pass:
+    if one_pass and xt.dtype == torch.int8:
         qg, sg, *qg_t = grad_out.grad_out_quant(g, gx_bits, per_token, seed, rank, "1d",
                                                 gw_bits, seed, fp8, hla_seed_add=1, **lay)
     else:
-        qg, sg = hadamard.hq_act_quant(g, gx_bits, per_token, seed, fp8=fp8,
-                                       gmax=g_word if rider else None)
+        qg, sg = hadamard.hq_act_quant(g, gx_bits, per_token, seed, fp8=fp8)
     if warm_other_scale:
         hq_grad_input(g, w, gx_bits, not per_token, seed, block, False, w_bits)
+    # the W kernel's (levels; an e4m3 W takes its column maxima from a reduction) and (split
+    # path) the HLA kernel's amax words: zeroed by one launch (traced for Inductor, each
+    # kernel zeroes its own: a shared buffer written through two views would be
+    # functionalised into scatters)
+    n_w = 0 if path[1] else w.shape[1]
+    ws = None if recording_launches() else \
+        torch.zeros((n_w + (qg_t is None),), dtype=torch.int32, device=g.device)
     gx = _gx(g, w, gx_bits, w_bits, per_token, seed, gq=(qg, sg), path=path,
              w_amax=ws.narrow(0, 0, n_w) if ws is not None and n_w else None)
     if qg_t is None:    # g's HLA operand from its own kernel: Philox key seed + 1
         gw = _gw(g, xt, x_scale, rank, "1d", gw_bits, seed, lay, seed_add=1,
-                 amax=None if gw_e4m3 else g_word, g_amax=g_word if rider else None)
+                 amax=None if ws is None else ws.narrow(0, n_w, 1))
     else:
         gw = _gw(g, xt, x_scale, rank, "1d", gw_bits, seed, lay, qg=tuple(qg_t))
     return gx, gw

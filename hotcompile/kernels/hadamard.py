@@ -76,11 +76,12 @@ def abs_bits(x):
 
 @triton.jit
 def input_max_bits(amax_bits, DTYPE: tl.constexpr):
-    """A max |x| word (``input_amax_bits``) rounded to x's element type DTYPE: the max of the
-    values the kernel reads. Why: when Inductor fuses that reduction with x's producer, it
-    may take the max of the values before their rounding to bf16 / fp16 (it elides the
-    intermediate cast), and rounding is monotone, so rounding the max gives the max of the
-    rounded values either way (NaN and inf stay)."""
+    """A max |x| word (``input_amax_bits``) rounded to the element type DTYPE the kernel
+    reads x as: the max of the values it reads. Why: when Inductor fuses that reduction
+    with x's producer (W's: autocast's cast of the fp32 parameter), it may take the max of
+    the values before their rounding to bf16 / fp16 (it elides the intermediate cast), and
+    rounding is monotone, so rounding the max gives the max of the rounded values either
+    way (NaN and inf stay)."""
     if DTYPE == tl.bfloat16:
         m = round_to_bf16(amax_bits.to(tl.float32, bitcast=True))
         return m.to(tl.int32, bitcast=True)
@@ -236,18 +237,13 @@ def store_levels(ptrs, q, mask, FP8: tl.constexpr):
 
 
 @triton.jit
-def _load_rows(g_ptr, rows, col0, L, O, stride_g, BC: tl.constexpr):
-    """g[rows, col0:col0+BC] as fp32 (zeros outside L x O: the reference's zero padding of O)."""
+def _load_fwht_rows(g_ptr, rows, col0, L, O, stride_g, BC: tl.constexpr):
+    """Load g[rows, col0:col0+BC] (zeros outside L x O: the reference's zero padding of O)
+    as fp32 and transform each run of 16 columns."""
     cols = col0 + tl.arange(0, BC)
     mask = (rows < L)[:, None] & (cols < O)[None, :]
     x = tl.load(g_ptr + rows.to(tl.int64)[:, None] * stride_g + cols[None, :], mask=mask, other=0.0)
-    return x.to(tl.float32)
-
-
-@triton.jit
-def _load_fwht_rows(g_ptr, rows, col0, L, O, stride_g, BC: tl.constexpr):
-    """``_load_rows``, each run of 16 columns transformed."""
-    return fwht16_lastdim(_load_rows(g_ptr, rows, col0, L, O, stride_g, BC))
+    return fwht16_lastdim(x.to(tl.float32))
 
 
 @triton.jit
@@ -277,28 +273,20 @@ def _quantize_row_chunks(g_ptr, q_ptr, s, inv_s, seed, rows, L, O, O_pad, stride
 
 
 @triton.jit
-def _hq_token_kernel(g_ptr, q_ptr, s_ptr, seed_ptr, gmax_ptr, L, O, O_pad, stride_g, ldq,
-                     groups_per_row, BR: tl.constexpr, BC: tl.constexpr, ONE_TILE: tl.constexpr,
-                     Q: tl.constexpr, FP8: tl.constexpr, INTERPRET: tl.constexpr,
-                     GMAX: tl.constexpr):
+def _hq_token_kernel(g_ptr, q_ptr, s_ptr, seed_ptr, L, O, O_pad, stride_g, ldq, groups_per_row,
+                     BR: tl.constexpr, BC: tl.constexpr, ONE_TILE: tl.constexpr, Q: tl.constexpr,
+                     FP8: tl.constexpr, INTERPRET: tl.constexpr):
     """Per-token (per-row) scales: one program owns BR whole rows.
 
     If a row fits one tile (ONE_TILE) it is loaded and transformed once and quantized from
     registers: one read, one write. Otherwise a first sweep over the row's column chunks
     keeps an elementwise running max (reduced across lanes once, at the end) and a second
     sweep, which re-reads the chunks while they are still in L1/L2, quantizes them.
-
-    ``GMAX``: also max |g| itself (before the transform) into ``gmax_ptr`` (a zeroed int32
-    word, ``abs_bits`` order), one atomic per program: the input of the e4m3 scale of g's
-    HLA operand (``reference.e4m3_bound_scale``), which then needs no pass of its own.
     """
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     seed = tl.load(seed_ptr)
     if ONE_TILE:
-        x = _load_rows(g_ptr, rows, 0, L, O, stride_g, BC)
-        v = fwht16_lastdim(x)
-        if GMAX:    # relaxed: only the value at the kernel's end is read (8% faster than acq_rel)
-            tl.atomic_max(gmax_ptr, tl.max(abs_bits(x)), sem="relaxed")
+        v = _load_fwht_rows(g_ptr, rows, 0, L, O, stride_g, BC)
         s = scale_from_amax_bits(tl.max(abs_bits(v), axis=1), Q)
         inv_s = tl.math.div_rn(1.0, s)
         if reciprocal_is_finite(inv_s):
@@ -309,14 +297,8 @@ def _hq_token_kernel(g_ptr, q_ptr, s_ptr, seed_ptr, gmax_ptr, L, O, O_pad, strid
                                  ldq, groups_per_row, BC, Q, True, FP8, INTERPRET, True)
     else:
         amax = tl.zeros((BR, BC), dtype=tl.int32)
-        gmax = tl.zeros((BR, BC), dtype=tl.int32)
         for col0 in range(0, O_pad, BC):
-            x = _load_rows(g_ptr, rows, col0, L, O, stride_g, BC)
-            if GMAX:
-                gmax = tl.maximum(gmax, abs_bits(x))
-            amax = tl.maximum(amax, abs_bits(fwht16_lastdim(x)))
-        if GMAX:
-            tl.atomic_max(gmax_ptr, tl.max(gmax), sem="relaxed")
+            amax = tl.maximum(amax, abs_bits(_load_fwht_rows(g_ptr, rows, col0, L, O, stride_g, BC)))
         s = scale_from_amax_bits(tl.max(amax, axis=1), Q)
         inv_s = tl.math.div_rn(1.0, s)
         if reciprocal_is_finite(inv_s):
@@ -577,20 +559,18 @@ def input_amax_bits(x: torch.Tensor, dim=None):
     """max |x| (of all of x, or along ``dim``) as the int32 bits of an fp32 value, the form
     the kernels read (``abs_bits``): the input of ``reference.e4m3_bound_scale``. A plain
     torch reduction: one kernel when a ``hot::`` op runs it, and when a site is spliced
-    (``kernels/launch.py``) a reduction Inductor compiles with the graph around it (fused
-    with x's producer where it can: Llama's down-projection input, H100). NaN propagates
-    (torch's max does). The kernels round the word to x's type (``input_max_bits``)."""
+    (``kernels/launch.py``) a reduction Inductor compiles with the graph around it (for W,
+    fused with autocast's cast of the parameter: H100 step profile 2026-11-25). NaN
+    propagates (torch's max does). The kernels round the word to the type they read x as
+    (``input_max_bits``)."""
     m = torch.linalg.vector_norm(x, float("inf"), dim=dim, dtype=torch.float32)
     return m.reshape(-1).view(torch.int32)
 
 
-def hq_act_quant(g: torch.Tensor, bits: int, per_token: bool, seed, fp8: bool = False,
-                 gmax: Optional[torch.Tensor] = None):
+def hq_act_quant(g: torch.Tensor, bits: int, per_token: bool, seed, fp8: bool = False):
     """Transform g (L, O) along O (zero-padded to O_pad), quantize with stochastic rounding.
 
     Returns (levels (L, O_pad) int8 or e4m3, fp32 scale (L,) if per_token else ()).
-    ``gmax`` (per-token only): a zeroed (1,) int32 word the kernel maxes |g| into
-    (``input_amax_bits``'s form), for the e4m3 scale of g's HLA operand.
     """
     if g.stride(-1) != 1:
         g = g.contiguous()
@@ -606,12 +586,9 @@ def hq_act_quant(g: torch.Tensor, bits: int, per_token: bool, seed, fp8: bool = 
         s = torch.empty((L,), dtype=torch.float32, device=dev)
         bc, one, br, warps = token_tile(O_pad, interp)
         launch(_hq_token_kernel, (triton.cdiv(L, br),),
-            g, q, s, seed_t, seed_t if gmax is None else gmax, L, O, O_pad, g.stride(0), O_pad,
-            groups, BR=br, BC=bc, ONE_TILE=one, Q=Q, FP8=fp8, INTERPRET=interp,
-            GMAX=gmax is not None, num_warps=warps)
+            g, q, s, seed_t, L, O, O_pad, g.stride(0), O_pad, groups,
+            BR=br, BC=bc, ONE_TILE=one, Q=Q, FP8=fp8, INTERPRET=interp, num_warps=warps)
         return q, s
-    if gmax is not None:
-        raise ValueError("hq_act_quant: gmax is only computed with per-token scales")
     s = scalar_buffer(dev)
     amax = torch.zeros((1,), dtype=torch.int32, device=dev)
     bc, _ = column_tile(O_pad, max_tile=512 if not interp else 64)

@@ -17,12 +17,9 @@ stored (``_tile_shape``: which thread owns what, and why). Used twice per linear
 Both write int8 levels, or (``E4M3``, the cuBLAS FP8 g_W path) scaled e4m3 with the same
 scale rule at Q = 448: ``hadamard.to_e4m3``, stochastic onto the e4m3 grid for g.
 
-Per-tensor scales need a global max first. Int8 levels take the kept coefficients' own
-amax: phase 1 projects every tile and atomically maxes its amax into one word, phase 2
-re-projects (tiles in reverse order, for L2 hits) and quantizes. Scaled e4m3 takes its
-scale from max |x| (``reference.e4m3_bound_scale``): a word the caller has (the per-token
-HQ kernel maxes |g| as it reads g) or a torch reduction, so the kernel runs once: one read
-of x, one launch. L is padded with zero tokens to a multiple of 16, like the reference.
+Per-tensor scales need the global amax first: phase 1 projects every tile and atomically
+maxes its amax into one word, phase 2 re-projects (tiles in reverse order, for L2 hits)
+and quantizes. L is padded with zero tokens to a multiple of 16, like the reference.
 
 Numerics: the reference projects with a dense fp32 ``einsum`` whose summation order is the
 BLAS library's; this kernel sums by the butterfly. Values can differ in the last bit, so
@@ -39,8 +36,7 @@ import triton.language as tl
 
 from .launch import launch
 from . import reference as ref
-from .hadamard import (E4M3_BOUND_Q, abs_bits, fwht16, input_amax_bits, input_max_bits,
-                       interpreting, philox_uniform16, quantize, scalar_buffer,
+from .hadamard import (abs_bits, fwht16, interpreting, philox_uniform16, quantize, scalar_buffer,
                        scale_from_amax_bits, seed_pointer, to_e4m3)
 
 
@@ -217,9 +213,8 @@ def _hla_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, seed_ptr, seed_add, scale_mul, S,
 
     Phase 1: project, atomically max the amax of the kept coefficients into ``amax_ptr``
     (zeroed). Phase 2: scale, re-project, quantize, store; tiles in reverse order so the
-    ones phase 1 read last (still in L2) come first. E4M3 runs phase 2 alone, with max |x|
-    in ``amax_ptr`` and Q = 28 (``reference.e4m3_bound_scale``). The stored scale is
-    s * scale_mul (a power of two: exact).
+    ones phase 1 read last (still in L2) come first. The stored scale is s * scale_mul
+    (a power of two: exact).
     """
     pid = tl.program_id(0)
     n_ct = tl.cdiv(C, BC)
@@ -234,10 +229,7 @@ def _hla_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, seed_ptr, seed_add, scale_mul, S,
             seed = tl.load(seed_ptr) + seed_add
         else:   # nearest rounding: no seed (callers pass any pointer)
             seed = 0
-        amax = tl.load(amax_ptr)
-        if E4M3:            # max |x|, rounded to x's type
-            amax = input_max_bits(amax, x_ptr.dtype.element_ty)
-        s = scale_from_amax_bits(amax, Q)
+        s = scale_from_amax_bits(tl.load(amax_ptr), Q)
         inv_s = tl.math.div_rn(1.0, s)
         if pid == 0:
             tl.store(s_ptr, s * scale_mul)
@@ -351,8 +343,7 @@ def token_layout(L: int, seq_len: int = 0, seq_first: bool = False):
 def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic: bool, seed=0,
               transposed: bool = False, pad_to: int = 1, seq_len: int = 0,
               seq_first: bool = False, seed_add: int = 0, e4m3: bool = False,
-              scale_mul: float = 1.0, amax: torch.Tensor | None = None,
-              x_amax: torch.Tensor | None = None):
+              scale_mul: float = 1.0, amax: torch.Tensor | None = None):
     """Project x (L, C) along its tokens onto ``rank`` kept rows per block of 16
     neighbouring tokens of one sequence (``reference.sequence_blocks``) and quantize.
 
@@ -363,10 +354,8 @@ def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic:
     Levels are (L', C) row-major, or with ``transposed`` a (C, L'_pad) buffer
     (L'_pad = L' rounded up to ``pad_to``) holding the transpose; its columns past L'
     are left unwritten (consumers must mask them), except in e4m3, where they are zeroed:
-    the cuBLAS GEMM reads all L'_pad columns. ``amax`` (int8): a zeroed (1,) int32 workspace
-    the caller made with others in one launch (default: its own). ``x_amax`` (e4m3): max |x|
-    as ``hadamard.input_amax_bits`` gives it, from a kernel that read x already (default:
-    that reduction).
+    the cuBLAS GEMM reads all L'_pad columns. ``amax``: a zeroed (1,) int32 workspace the
+    caller made with others in one launch (default: its own).
     """
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -384,10 +373,7 @@ def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic:
         ldq = C
         q = torch.empty((rows_out, C), dtype=dtype, device=dev)
     s = scalar_buffer(dev)
-    if e4m3:
-        amax = input_amax_bits(x) if x_amax is None else x_amax
-    elif amax is None:
-        amax = torch.zeros((1,), dtype=torch.int32, device=dev)
+    amax = torch.zeros((1,), dtype=torch.int32, device=dev) if amax is None else amax
     rp = _pow2_at_least(rank)
     # the channel-major tile for g's stochastic operand (its Philox map needs it) and for
     # every K-major store of nearest levels (ABC): runs of BT * RANK bytes per channel
@@ -395,7 +381,7 @@ def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic:
     bt, bc, warps, cpt = _tile_shape(C, interpreting(), rp, channel_major)
     grid = (triton.cdiv(n_blk, bt) * triton.cdiv(C, bc),)
     meta = dict(BT=bt, BC=bc, RP=rp, RANK=rank, KEPT=_packed_rows(rank, select),
-                Q=E4M3_BOUND_Q if e4m3 else 2 ** (bits - 1) - 1, STOCHASTIC=stochastic,
+                Q=448 if e4m3 else 2 ** (bits - 1) - 1, STOCHASTIC=stochastic,
                 TRANSPOSED=transposed, INTERPRET=interpreting(), E4M3=e4m3, CPT=cpt,
                 FLAT=_blocks_are_row_runs(S, stride_b, stride_s), EVEN_C=C % bc == 0,
                 num_warps=warps)
@@ -403,7 +389,6 @@ def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic:
     seed_t = seed_pointer(seed, dev) if stochastic else amax    # amax: an unread placeholder
     args = (x, q, s, amax, seed_t, int(seed_add), float(scale_mul), S, n_sblk, stride_b,
             stride_s, C, x.stride(0), ldq, n_blk, groups)
-    if not e4m3:
-        launch(_hla_kernel, grid, *args, PHASE=1, **meta)
+    launch(_hla_kernel, grid, *args, PHASE=1, **meta)
     launch(_hla_kernel, grid, *args, PHASE=2, **meta)
     return q, s

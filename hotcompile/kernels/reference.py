@@ -21,9 +21,9 @@ implementation must meet:
   nearest rounding ``floor(v / s + 0.5)``; clamp to ``[-Q, Q]``. A non-finite
   amax makes the scale non-finite, so non-finite inputs give non-finite
   outputs (never a silently finite gradient).
-* Scaled e4m3 (the cuBLAS FP8 paths): the transformed value over its scale, rounded onto
-  the e4m3 grid (``quantize_e4m3``); a Hadamard-transformed operand's scale comes from its
-  input, ``s = max|input| / 28`` (``e4m3_bound_scale``), not from the transformed values.
+* Scaled e4m3 (the cuBLAS FP8 paths): the value over its scale, rounded onto the e4m3
+  grid (``quantize_e4m3``), ``s = amax / 448``; HQ's W takes its per-column scale from W
+  itself, ``s = max|W column| / 28`` (``e4m3_bound_scale``), not from the transformed values.
 * Integer GEMMs accumulate exactly (int32 on CUDA via ``torch._int_mm``,
   float64 elsewhere) and are dequantized as ``acc * s_row * s_col / 16``.
 """
@@ -251,18 +251,21 @@ E4M3_BOUND_Q = E4M3_MAX / 16    # 28: a block-16 Hadamard sum is at most 16 max|
 
 def e4m3_bound_scale(x: torch.Tensor, per_row: bool) -> torch.Tensor:
     """The scale of a Hadamard-transformed operand in scaled e4m3, from its *input*:
-    s = max|x| / 28 (per row or per tensor; 1 where the max is 0).
+    s = max|x| / 28 (per row or per tensor; 1 where the max is 0). Used for HQ's W.
 
     Why a bound and not the transformed values' own amax: every coefficient of a block-16
     Sylvester transform (entries +-1) is a sum of 16 inputs, so |coefficient| <= 16 max|x|
-    = 448 s and nothing overflows e4m3. The input's max needs no transform, so it can come
-    from a pass that reads x anyway (the per-token HQ kernel for g), or from a plain
-    reduction Inductor compiles: the kernels then read their input once, in one launch,
-    instead of transforming it twice (amax, then quantize). e4m3 keeps the same relative
-    step in every normal binade, so a loose scale only shifts values down its range: on
-    Gaussian data the bound is ~4x the coefficients' amax, and values below ~amax / 2**12.8
-    (instead of 2**14.8) reach the subnormals. Integer levels have one absolute step per
-    scale, so they keep the exact amax (``absmax_scale``)."""
+    = 448 s and nothing overflows e4m3. The input's max needs no transform, so it comes
+    from a plain reduction Inductor compiles (fused with autocast's cast of the parameter)
+    and the W kernel reads W once, in one launch, instead of transforming it twice (amax,
+    then quantize). e4m3 keeps the same relative step in every normal binade, so a loose
+    scale only shifts values down its range: on Gaussian data the bound is ~4x the
+    coefficients' amax, and values below ~amax / 2**12.8 (instead of 2**14.8) reach the
+    subnormals. Not for g's HLA operand nor the saved x: with the bound there, the
+    byte-level GPT gate failed in every run (+1.21%, +1.64% (FP8 forward) in the fifth
+    stop, +1.20% on 2026-11-25 with x and W bounded too, against -0.09..-0.87% with exact
+    amaxes): their channels spread over orders of magnitude, and the small ones fall into
+    e4m3's subnormals. Integer levels keep the exact amax (``absmax_scale``)."""
     return absmax_scale(x.float(), 8, per_row, q=E4M3_BOUND_Q)
 
 
@@ -393,8 +396,8 @@ def abc_compress(x: torch.Tensor, rank: int, select: str = "1d", bits: int = 8,
     ``bits`` levels (``fmt="int8"``) or scaled e4m3 (``fmt="e4m3"``: the cuBLAS FP8 g_W
     GEMM's operand, ``formats.gw_rule``; ``bits`` unused)."""
     xt = hla_project(x, rank, select, block, seq_len=seq_len, seq_first=seq_first)
-    if fmt == "e4m3":      # the scale from x itself (``e4m3_bound_scale``)
-        return quantize_e4m3(xt, per_row=False, scale=e4m3_bound_scale(x, per_row=False))
+    if fmt == "e4m3":
+        return quantize_e4m3(xt, per_row=False)
     if fmt != "int8":
         raise ValueError(f"abc_compress: fmt must be 'int8' or 'e4m3', got {fmt!r}")
     return quantize(xt, bits, per_row=False, stochastic=False)
@@ -408,15 +411,13 @@ def hla_grad_weight(g: torch.Tensor, xt: torch.Tensor, x_scale: torch.Tensor, ra
     ``xt`` is the projected x: int8 levels (with ``x_scale``), floats (x_scale = 1), or
     scaled e4m3 (``abc_compress(fmt="e4m3")``), in which case g's coefficients become
     scaled e4m3 with stochastic rounding (``quantize_e4m3``, its uniforms drawn
-    channel-major: ``hla_uniforms``, its scale from max|g|: ``e4m3_bound_scale``; ``bits``
-    unused): the operands of the cuBLAS FP8 GEMM.
+    channel-major: ``hla_uniforms``; ``bits`` unused): the operands of the cuBLAS FP8 GEMM.
     bits=0 skips quantizing the gradient (with rank=block this is exact).
     """
     gt = hla_project(g, rank, select, block, seq_len=seq_len, seq_first=seq_first)  # (L', O)
     if xt.dtype == torch.float8_e4m3fn:
         u = hla_uniforms(seed, gt.shape[1], gt.shape[0] // rank, rank, device=g.device)
-        qg, sg = quantize_e4m3(gt, per_row=False, stochastic=True, seed=seed, u=u,
-                               scale=e4m3_bound_scale(g, per_row=False))
+        qg, sg = quantize_e4m3(gt, per_row=False, stochastic=True, seed=seed, u=u)
         # products of e4m3 values are exact in fp64; the sum nearly so (the GEMM's is not)
         acc = (qg.double().t() @ xt.double()).float()
     elif bits == 0:
