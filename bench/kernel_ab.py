@@ -228,8 +228,8 @@ def bench_abc(old, new, rows):
                "new": time_ms(run(new), xs),
                "new written K-major": time_ms(run(new, True), xs)}
         for bt in (1, 2, 4):      # token blocks per program of the channel-major tile
-            with env(HOT_HLA_KMAJOR_CM="1", HOT_HLA_BT=str(bt)):
-                res[f"new written K-major channel-major BT={bt}"] = time_ms(run(new, True), xs)
+            with env(HOT_HLA_BT=str(bt)):
+                res[f"new written K-major BT={bt}"] = time_ms(run(new, True), xs)
         res["old + transpose (again)"] = time_ms(lambda x: old.fused._k_major(run(old)(x)[0]), xs)
         rows.append(dict(kernel="abc_x", shape=label, L=L, C=C, mismatch_vs_old=ok,
                          kmajor_mismatch_vs_transpose=ok_t, copy_ms=copy_ms(nbytes), **res))

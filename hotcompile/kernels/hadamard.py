@@ -30,8 +30,7 @@ import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
 from .launch import launch
-
-E4M3_BOUND_Q = 28      # reference.E4M3_BOUND_Q: 448 / 16
+from .reference import E4M3_BOUND_Q
 
 # =========================================================================== building blocks
 
@@ -650,7 +649,7 @@ def hq_weight_quant(w: torch.Tensor, bits: int, fp8: bool = False, e4m3: bool = 
     grid = (triton.cdiv(I, bi) * triton.cdiv(O_pad, bo),)
     args = (w, q, s, amax, float(scale_mul), O, I, O_pad, w.stride(0), w.stride(1), O_pad)
     rnd = _TL_DTYPES.get(round_to) if w.dtype == torch.float32 else None   # never an upcast
-    meta = dict(BI=bi, BO=bo, Q=E4M3_BOUND_Q if e4m3 else qmax(bits), FP8=fp8, E4M3=e4m3,
+    meta = dict(BI=bi, BO=bo, Q=int(E4M3_BOUND_Q) if e4m3 else qmax(bits), FP8=fp8, E4M3=e4m3,
                 INTERPRET=interp, ROUND=rnd, num_warps=warps)
     if not e4m3:
         launch(_hq_weight_kernel, grid, *args, PHASE=1, **meta)
