@@ -250,8 +250,9 @@ def compile_model(module: nn.Module, mode: str, hot_kwargs: Optional[dict] = Non
     kw = {"mode": compile_mode} if compile_mode else {}
     if mode in ("hot", "hot_ref"):
         import hotcompile
-        cfg = hot_config("auto" if mode == "hot" else "reference", **(hot_kwargs or {}),
-                         **variant)
+        # the mode's own variant (``hot[exclude=]``) wins over the workload's and --hot's keys
+        cfg = hot_config("auto" if mode == "hot" else "reference",
+                         **{**(hot_kwargs or {}), **variant})
         be = hotcompile.backend(cfg)
         return torch.compile(module, backend=be, **kw), be
     return torch.compile(module, **kw), None

@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(REPO, "bench")
@@ -217,6 +218,11 @@ def test_accuracy_cli_helpers():
     assert C.split_mode("hot[exclude=head,lm_head]") == \
         ("hot", {"exclude": ("head", "lm_head")})
     assert C.split_mode("inductor") == ("inductor", {})
+    assert C.split_mode("hot[exclude=]") == ("hot", {"exclude": ()})
+    # the mode's variant wins over the workload's / --hot's keys (hot[exclude=] raised once)
+    _, be = C.compile_model(torch.nn.Linear(4, 4), "hot[exclude=,rank=8]",
+                            {"exclude": ("head", "lm_head"), "rank": 4})
+    assert be.config.exclude == () and be.config.rank == 8
     assert C.mode_list("inductor,hot[rank=8,gx_bits=8],fp32") == \
         ["inductor", "hot[rank=8,gx_bits=8]", "fp32"]
     assert A.expand_modes(["fp32", "hot"], ["hot", "hot[rank=16]"]) == \
