@@ -92,7 +92,10 @@ def abc_compress(x: torch.Tensor, rank: int, select: str = "1d", bits: int = 8,
     if block != _FUSED_BLOCK or not _fused_bits(bits) or x.numel() == 0:
         q, s = ref.abc_compress(x, rank, select, bits, block, **lay, fmt=fmt)
         return ref.k_major_saved(q), s
-    q, s = hla.hla_quant(x, rank, select, bits, stochastic=False, e4m3=fmt == "e4m3",
+    select = ref.hla_select(select, rank, block, fmt)
+    sr = select == ref.IDENTITY     # experiment: the saved x stochastically rounded
+    seed = torch.randint(0, 2 ** 62, (), device=x.device, dtype=torch.int64) if sr else 0
+    q, s = hla.hla_quant(x, rank, select, bits, stochastic=sr, seed=seed, e4m3=fmt == "e4m3",
                          transposed=True, pad_to=16, **lay)
     return q.narrow(1, 0, ref.hla_rows(x.shape[0], rank, block, seq_len)).t(), s
 
@@ -132,9 +135,11 @@ def _gw(g, xt, x_scale, rank: int, select: str, bits: int, seed, lay, qg=None,
     xs = x_scale if isinstance(x_scale, torch.Tensor) else torch.tensor(float(x_scale))
     xs = xs.to(device=g.device, dtype=torch.float32)
     fp8 = xt.dtype == torch.float8_e4m3fn
+    select = ref.hla_select(select, rank, _FUSED_BLOCK, "e4m3" if fp8 else "int8")
     qg = qg or hla.hla_quant(g, rank, select, bits, stochastic=True, seed=seed,
                              seed_add=seed_add, transposed=True, pad_to=16, e4m3=fp8,
-                             scale_mul=1.0 / _FUSED_BLOCK if fp8 else 1.0, amax=amax, **lay)
+                             scale_mul=1.0 / _FUSED_BLOCK if fp8 and select != ref.IDENTITY
+                             else 1.0, amax=amax, **lay)
     if fp8:
         # bf16 and fp32 outputs are what the H100 runs measured; fp16 goes through fp32
         out = gemm.cublas_fp8_mm(qg[0], _k_major(xt), qg[1], xs,
