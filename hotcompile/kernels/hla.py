@@ -36,8 +36,9 @@ import triton.language as tl
 
 from .launch import launch
 from . import reference as ref
-from .hadamard import (abs_bits, fwht16, interpreting, philox_uniform16, quantize, scalar_buffer,
-                       scale_from_amax_bits, seed_pointer, to_e4m3)
+from .hadamard import (abs_bits, fwht16, input_amax_bits, input_max_bits, interpreting,
+                       philox_uniform16, quantize, scalar_buffer, scale_from_amax_bits,
+                       seed_pointer, to_e4m3)
 
 
 @triton.jit
@@ -220,7 +221,8 @@ def _hla_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, seed_ptr, seed_add, scale_mul, S,
     Phase 1: project, atomically max the amax of the kept coefficients into ``amax_ptr``
     (zeroed). Phase 2: scale, re-project, quantize, store; tiles in reverse order so the
     ones phase 1 read last (still in L2) come first. The stored scale is s * scale_mul
-    (a power of two: exact).
+    (a power of two: exact). Without ``TRANSFORM`` (``reference.IDENTITY``) phase 2 runs
+    alone: ``amax_ptr`` holds max |x|, the exact amax of the untransformed values.
     """
     pid = tl.program_id(0)
     n_ct = tl.cdiv(C, BC)
@@ -235,7 +237,10 @@ def _hla_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, seed_ptr, seed_add, scale_mul, S,
             seed = tl.load(seed_ptr) + seed_add
         else:   # nearest rounding: no seed (callers pass any pointer)
             seed = 0
-        s = scale_from_amax_bits(tl.load(amax_ptr), Q)
+        amax = tl.load(amax_ptr)
+        if not TRANSFORM:     # max |x| given, in the type x is read as (input_max_bits)
+            amax = input_max_bits(amax, x_ptr.dtype.element_ty)
+        s = scale_from_amax_bits(amax, Q)
         inv_s = tl.math.div_rn(1.0, s)
         if pid == 0:
             tl.store(s_ptr, s * scale_mul)
@@ -350,7 +355,8 @@ def token_layout(L: int, seq_len: int = 0, seq_first: bool = False):
 def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic: bool, seed=0,
               transposed: bool = False, pad_to: int = 1, seq_len: int = 0,
               seq_first: bool = False, seed_add: int = 0, e4m3: bool = False,
-              scale_mul: float = 1.0, amax: torch.Tensor | None = None):
+              scale_mul: float = 1.0, amax: torch.Tensor | None = None,
+              x_amax: torch.Tensor | None = None):
     """Project x (L, C) along its tokens onto ``rank`` kept rows per block of 16
     neighbouring tokens of one sequence (``reference.sequence_blocks``) and quantize.
 
@@ -363,6 +369,10 @@ def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic:
     are left unwritten (consumers must mask them), except in e4m3, where they are zeroed:
     the cuBLAS GEMM reads all L'_pad columns. ``amax``: a zeroed (1,) int32 workspace the
     caller made with others in one launch (default: its own).
+
+    ``select="identity"`` (``reference.hla_select``: full rank, e4m3) projects nothing, so
+    the exact scale is max |x|: ``x_amax`` (``hadamard.input_amax_bits``'s form, from a
+    kernel that read x already) or that reduction, and the kernel runs once.
     """
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -380,7 +390,11 @@ def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic:
         ldq = C
         q = torch.empty((rows_out, C), dtype=dtype, device=dev)
     s = scalar_buffer(dev)
-    amax = torch.zeros((1,), dtype=torch.int32, device=dev) if amax is None else amax
+    one_phase = select == ref.IDENTITY
+    if one_phase:
+        amax = input_amax_bits(x) if x_amax is None else x_amax
+    elif amax is None:
+        amax = torch.zeros((1,), dtype=torch.int32, device=dev)
     rp = _pow2_at_least(rank)
     # the channel-major tile for g's stochastic operand (its Philox map needs it) and for
     # every K-major store of nearest levels (ABC): runs of BT * RANK bytes per channel
@@ -396,6 +410,7 @@ def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic:
     seed_t = seed_pointer(seed, dev) if stochastic else amax    # amax: an unread placeholder
     args = (x, q, s, amax, seed_t, int(seed_add), float(scale_mul), S, n_sblk, stride_b,
             stride_s, C, x.stride(0), ldq, n_blk, groups)
-    launch(_hla_kernel, grid, *args, PHASE=1, **meta)
+    if not one_phase:
+        launch(_hla_kernel, grid, *args, PHASE=1, **meta)
     launch(_hla_kernel, grid, *args, PHASE=2, **meta)
     return q, s

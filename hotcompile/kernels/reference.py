@@ -93,18 +93,20 @@ IDENTITY = "identity"
 
 def hla_select(select: str, rank: int, block: int, fmt: str) -> str:
     """The projection HLA applies to both g_W operands: ``select``'s low-pass Hadamard rows,
-    or none (``IDENTITY``: the tokens themselves) at full rank in scaled e4m3.
+    or none (``IDENTITY``: the tokens themselves) at full rank in scaled e4m3, where the
+    saved x is then *stochastically* rounded too (``abc_compress``).
 
     Why: at full rank the projection drops nothing; its only effect is on the 8-bit
-    operands' rounding error. Integer levels need it (one absolute step per tensor: the
-    Hadamard spreads a token's outliers over its block). e4m3 keeps a relative step per
-    value and loses precision where the transform raises the tensor's amax: on a byte-level
-    GPT's real (x, g_y) pairs (CPU, 2 layers, steps 0, 100 and 400; all 9 sites) the g_W
-    error with the transform was at or above the error without it at every site, e.g.
-    0.0309 vs 0.0295 (blocks.1.attn.proj, step 400), 0.0070 vs 0.0028 (blocks.1.attn.qkv,
-    step 0). Without it the exact per-tensor amax is max|x|, which a plain reduction
-    (fused with x's producer) or a kernel that already reads x can give: one kernel per
-    operand instead of an amax pass and a quantize pass. ``fmt``: "e4m3" or "int8"."""
+    operands' rounding. Integer levels need it (one absolute step per tensor: the Hadamard
+    spreads a token's outliers over its block). e4m3 keeps a relative step per value, and
+    without the transform each operand's exact per-tensor amax is max|x|, which a kernel
+    reading x anyway (g: the per-token HQ kernel) or a reduction Inductor fuses with x's
+    producer (the saved x) gives: one pass per operand instead of an amax pass and a
+    quantize pass, and no butterfly. The byte-level GPT gate (H100, 2026-11-25) failed it
+    with the saved x rounded to nearest (+2.05%: x's rounding error, a fixed function of
+    each value, no longer mixed over 16 tokens) and passed it with x stochastically
+    rounded like g (-0.49%, +0.60% at seeds 0 and 1; digits ViT +0.10 points at 8 seeds).
+    ``fmt``: "e4m3" or "int8"."""
     return IDENTITY if fmt == "e4m3" and rank == block else select
 
 
@@ -423,12 +425,17 @@ def k_major_saved(q: torch.Tensor, pad_to: int = 16) -> torch.Tensor:
 
 def abc_compress(x: torch.Tensor, rank: int, select: str = "1d", bits: int = 8,
                  block: int = 16, *, seq_len: int = 0, seq_first: bool = False,
-                 fmt: str = "int8"):
-    """The saved activation: HLA-projected x (L', I), quantized per tensor with RTN:
-    ``bits`` levels (``fmt="int8"``) or scaled e4m3 (``fmt="e4m3"``: the cuBLAS FP8 g_W
-    GEMM's operand, ``formats.gw_rule``; ``bits`` unused)."""
-    xt = hla_project(x, rank, hla_select(select, rank, block, fmt), block, seq_len=seq_len,
-                     seq_first=seq_first)
+                 fmt: str = "int8", seed=0):
+    """The saved activation: HLA-projected x (L', I), quantized per tensor: ``bits`` levels
+    (``fmt="int8"``) or scaled e4m3 (``fmt="e4m3"``: the cuBLAS FP8 g_W GEMM's operand,
+    ``formats.gw_rule``; ``bits`` unused), rounded to nearest, except at full rank in e4m3
+    (no projection, ``hla_select``), where it is rounded stochastically with the uniforms
+    of ``seed`` drawn channel-major like g's operand (``hla_uniforms``)."""
+    select = hla_select(select, rank, block, fmt)
+    xt = hla_project(x, rank, select, block, seq_len=seq_len, seq_first=seq_first)
+    if fmt == "e4m3" and select == IDENTITY:
+        u = hla_uniforms(seed, xt.shape[1], xt.shape[0] // rank, rank, device=x.device)
+        return quantize_e4m3(xt, per_row=False, stochastic=True, seed=seed, u=u)
     if fmt == "e4m3":
         return quantize_e4m3(xt, per_row=False)
     if fmt != "int8":
