@@ -266,8 +266,8 @@ def e4m3_bound_scale(x: torch.Tensor, per_row: bool) -> torch.Tensor:
     stop, +1.20% on 2026-11-25 with x and W bounded too, +1.10% with the saved x's bound
     alone (twelfth stop), against -0.09..-0.87% with exact amaxes). A likely reason (a CPU
     measurement of the fifth stop): where channel magnitudes spread over e**(+-3), the g_W
-    error was 17% larger, small channels' coefficients falling into e4m3's subnormals. Integer levels keep the exact amax
-    (``absmax_scale``)."""
+    error was 17% larger, small channels' coefficients falling into e4m3's subnormals.
+    Integer levels keep the exact amax (``absmax_scale``)."""
     return absmax_scale(x.float(), 8, per_row, q=E4M3_BOUND_Q)
 
 
