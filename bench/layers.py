@@ -496,7 +496,8 @@ def targets(data):
                         ("hq_g_tensor", "HT+quantize of g, per-tensor (two reads)"),
                         ("hla_g", "HLA project+quantize of g (two reads)"),
                         ("abc_x", "ABC project+quantize of x (two reads)"),
-                        ("hq_w", "HT+quantize of W (two reads)")):
+                        ("hq_w", "HT+quantize of W (e4m3: a column-max reduction, then one "
+                                 "kernel)")):
         pct = [r["kernels"][name]["pct_of_copy"] for r in data["layers"] if name in r["kernels"]]
         if pct:
             lines.append(f"{label}: {min(pct):.0f}-{max(pct):.0f}% of copy bandwidth for the "
