@@ -391,17 +391,25 @@ def gx_format(g: torch.Tensor, n: int, g_bits: int, w_bits: int, per_token: bool
 
 
 def cublas_fp8_mm(a: torch.Tensor, bt: torch.Tensor, row_scale: torch.Tensor,
-                  col_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+                  col_scale: torch.Tensor, out_dtype: torch.dtype, *,
+                  fast_accum: bool) -> torch.Tensor:
     """a (M, K) e4m3 @ bt (N, K) e4m3 ^T * row_scale * col_scale on cuBLAS: row-wise
     scales (vectors (M,) and (N,): the g_x GEMM) or tensor-wise (two 0-d: the g_W GEMM).
 
-    Fast accumulation: 5-15% faster than exact accumulation (layers_2026-11-23T235509).
-    The products (4-bit level x e4m3) are exact; with the tensor core's shorter
-    accumulator and the bf16 output, the fused g_x stays within 0.1-0.2% (relative norm)
-    of its exactly summed reference twin at every layer shape of
-    layers_2026-11-24T000659, against the ~20% error of the 4-bit g_y itself."""
+    ``fast_accum``: cuBLAS's fast FP8 accumulation, which keeps the whole sum in the tensor
+    core's short accumulator instead of promoting it to fp32 as it goes. The g_x GEMM takes
+    it: 5-15% faster (layers_2026-11-23T235509), its products (4-bit level x e4m3) are exact
+    and it stays within 0.1-0.2% (relative norm) of its exactly summed reference twin at
+    every layer shape of layers_2026-11-24T000659, against the ~20% error of the 4-bit g_y
+    itself. The g_W GEMM must not: its reduction runs over the tokens, where a gradient
+    component common to every token (a bias-like direction of g_y against x's mean) adds
+    up coherently, thousands of terms long, and the short accumulator's truncations add up
+    with it. H100, the GPU test's block at 2048 tokens: proj's g_W 0.027 from fp64 with fast
+    accumulation against 0.0036 for the exactly summed twin (bench/results/
+    diag_gw_accum_2026-11-25*); the Hadamard over tokens, before g_W went unprojected at
+    full rank, had hidden it by gathering such a component into 1 coefficient of 16."""
     if row_scale.dim() == 0 and col_scale.dim() == 0:
         return torch._scaled_mm(a, bt.t(), row_scale, col_scale, out_dtype=out_dtype,
-                                use_fast_accum=True)
+                                use_fast_accum=fast_accum)
     return torch._scaled_mm(a, bt.t(), row_scale.unsqueeze(1), col_scale.unsqueeze(0),
-                            out_dtype=out_dtype, use_fast_accum=True)
+                            out_dtype=out_dtype, use_fast_accum=fast_accum)
