@@ -86,16 +86,13 @@ def report(kernel, pointers: dict, constexprs: dict, warps: int, stages: int = 3
 def kernels_for(L: int, I: int, O: int, rank: int):
     """(name, kernel, pointer dtypes, constexprs, warps) of one linear site's kernels, with
     the tiles their launchers pick at this shape (bf16 activations, defaults)."""
-    from hotcompile.kernels import gemm, grad_out, hadamard as H, hla, reference as ref
+    from hotcompile.kernels import gemm, grad_out, hadamard as H, hla
     o_pad = -(-O // 16) * 16
     rows = []
     bc, one, br, warps = H.token_tile(o_pad, False)
-    for gmax in (False, True):     # True: also max |g| (g's unprojected e4m3 HLA operand)
-        rows.append((f"hq g per token{' +max' if gmax else ''}", H._hq_token_kernel,
-                     {"g_ptr": "*bf16", "q_ptr": "*i8", "s_ptr": "*fp32", "seed_ptr": "*i64",
-                      "gmax_ptr": "*i32"},
-                     dict(BR=br, BC=bc, ONE_TILE=one, Q=7, FP8=False, INTERPRET=False,
-                          GMAX=gmax), warps))
+    rows.append(("hq g per token", H._hq_token_kernel,
+                 {"g_ptr": "*bf16", "q_ptr": "*i8", "s_ptr": "*fp32", "seed_ptr": "*i64"},
+                 dict(BR=br, BC=bc, ONE_TILE=one, Q=7, FP8=False, INTERPRET=False), warps))
     bc, _ = H.column_tile(o_pad, max_tile=512)
     wbi, wbo, wwarps = H.weight_tile(o_pad, False)
     for phase in (1, 2):
@@ -117,22 +114,17 @@ def kernels_for(L: int, I: int, O: int, rank: int):
                               ROUND=H.tl.bfloat16 if param else None), wwarps))
     for what, C, stochastic in (("hla g", O, True), ("abc x", I, False)):
         for e4m3 in (False, True):     # int8 levels (INT8 GEMM) or scaled e4m3 (cuBLAS FP8)
-            # full rank in e4m3: unprojected, stochastic, one phase (reference.hla_select)
-            select = ref.hla_select("1d", rank, 16, "e4m3" if e4m3 else "int8")
-            ident = select == ref.IDENTITY
-            stoch = stochastic or ident
             bt, bcc, warps, cpt = hla._tile_shape(C, False, hla._pow2_at_least(rank),
-                                                  stoch and e4m3 or not stoch)
+                                                  stochastic and e4m3)
             ptrs = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv" if e4m3 else "*i8", "s_ptr": "*fp32",
                     "amax_ptr": "*i32", "seed_ptr": "*i64"}
-            for phase in ((2,) if ident else (1, 2)):
+            for phase in (1, 2):
                 rows.append((f"{what}{' e4m3' if e4m3 else ''} p{phase}", hla._hla_kernel, ptrs,
                              dict(PHASE=phase, BT=bt, BC=bcc, RP=hla._pow2_at_least(rank),
-                                  RANK=rank, KEPT=hla._packed_rows(rank, select),
-                                  Q=448 if e4m3 else 127, STOCHASTIC=stoch,
-                                  TRANSPOSED=True, INTERPRET=False, E4M3=e4m3,
-                                  CPT=cpt, FLAT=True, EVEN_C=C % bcc == 0,
-                                  TRANSFORM=not ident),
+                                  RANK=rank, KEPT=hla._packed_rows(rank, "1d"),
+                                  Q=448 if e4m3 else 127, STOCHASTIC=stochastic,
+                                  TRANSPOSED=stochastic or e4m3, INTERPRET=False, E4M3=e4m3,
+                                  CPT=cpt, FLAT=True, EVEN_C=C % bcc == 0),
                              warps))
     bt, bcc, warps, hr = grad_out.tile_shape(o_pad, False)
     for phase in (1, 2):

@@ -264,7 +264,6 @@ def run_layer(group, name, L, I, O, args, copies):
     # forward-side buffers for the g_W path (abc_compress output), per set
     gw_fmt = gw_format_for("auto", sets[0][0].device)      # the g_W path the default takes
     res["gemm_format_hla"] = gw_fmt
-    res["hla_select"] = R.hla_select("1d", RANK, 16, gw_fmt)
     abc_f = [F.abc_compress(x, RANK, "1d", GW_BITS, fmt=gw_fmt) for x, _, _ in sets]
     abc_r = ([R.abc_compress(x, RANK, "1d", GW_BITS, fmt=gw_fmt) for x, _, _ in sets]
              if args.reference else None)
@@ -325,27 +324,9 @@ def run_layer(group, name, L, I, O, args, copies):
     # each transform kernel alone, against a copy of the same bytes (bytes in + bytes out)
     kern = {}
     gsets = [(g,) for _, _, g in sets]
-    # full rank in e4m3: g's and x's operands unprojected (reference.hla_select), each one
-    # kernel given its max |.|; the per-token HQ kernel then maxes |g| as it reads g
-    select = R.hla_select("1d", RANK, 16, gw_fmt)
-    identity = select == R.IDENTITY
-    maxes = {}
-
-    def given_max(t):
-        if not identity:
-            return None
-        if t.data_ptr() not in maxes:
-            maxes[t.data_ptr()] = H.input_amax_bits(t)
-        return maxes[t.data_ptr()]
-
-    word = torch.zeros((1,), dtype=torch.int32, device="cuda")   # the site zeroes it with W's
-
-    def rider():
-        return word if identity else None
-
     specs = [
-        ("hq_g_token", lambda g: H.hq_act_quant(g, GX_BITS, True, seed, fp8=fmt != "int8",
-                                                gmax=rider()), gsets, 2 * L * O + L * o_pad),
+        ("hq_g_token", lambda g: H.hq_act_quant(g, GX_BITS, True, seed, fp8=fmt != "int8"), gsets,
+         2 * L * O + L * o_pad),
         ("hq_g_tensor", lambda g: H.hq_act_quant(g, GX_BITS, False, seed), gsets, 2 * L * O + L * o_pad),
         ("hq_w", lambda w: H.hq_weight_quant(w, GX_W_BITS, fp8=fmt != "int8", e4m3=w_e4m3),
          [(w,) for _, w, _ in sets], 2 * O * I + I * o_pad),                # as the site runs it
@@ -356,16 +337,11 @@ def run_layer(group, name, L, I, O, args, copies):
         ("grad_out", lambda g: GO.grad_out_quant(g, GX_BITS, True, seed, RANK, "1d", GW_BITS, seed,
                                                  hla_seed_add=1), gsets,
          2 * L * O + L * o_pad + lr * O),
-        # g's K-major operand as the site makes it: written transposed by the HLA kernel;
-        # unprojected (identity), its max |g| comes from the HQ kernel's rider (given here)
-        ("hla_g", lambda g: HL.hla_quant(g, RANK, select, GW_BITS, stochastic=True, seed=seed,
-                                         transposed=True, pad_to=16, e4m3=gw_fmt == "e4m3",
-                                         x_amax=given_max(g)), gsets, 2 * L * O + lr * O),
-        # the ABC kernel; unprojected, its max |x| is a reduction Inductor fuses with x's
-        # producer (given here; ``abc`` above times abc_compress whole, in eager)
-        ("abc_x", lambda x: HL.hla_quant(x, RANK, select, GW_BITS, stochastic=identity, seed=seed,
-                                         transposed=True, pad_to=16, e4m3=gw_fmt == "e4m3",
-                                         x_amax=given_max(x)),
+        # g's K-major operand as the site makes it: written transposed by the HLA kernel
+        ("hla_g", lambda g: HL.hla_quant(g, RANK, "1d", GW_BITS, stochastic=True, seed=seed,
+                                         transposed=True, pad_to=16, e4m3=gw_fmt == "e4m3"),
+         gsets, 2 * L * O + lr * O),
+        ("abc_x", lambda x: F.abc_compress(x, RANK, "1d", GW_BITS, fmt=gw_fmt),
          [(x,) for x, _, _ in sets], 2 * L * I + lr * I),
     ]
     if args.explore:
@@ -516,13 +492,10 @@ def targets(data):
         lines.append(f"{r['group']} {r['name']}: HOT fused vs best bf16 {v1:.2f}x (target 2x: "
                      f"{ok(v1, 2)}), vs unfused {v2:.2f}x (target 1.5x: {ok(v2, 1.5)}); CUDA-graph "
                      f"replay vs bf16 replay {s.get('hot_tok_graph_vs_bf16', float('nan')):.2f}x")
-    one = data["layers"] and data["layers"][0].get("hla_select") == "identity"
-    reads = "one read, max given" if one else "two reads"
-    for name, label in (("hq_g_token", "HT+quantize of g, per-token (one read"
-                                       + (", maxing |g|)" if one else ")")),
+    for name, label in (("hq_g_token", "HT+quantize of g, per-token (one read)"),
                         ("hq_g_tensor", "HT+quantize of g, per-tensor (two reads)"),
-                        ("hla_g", f"HLA project+quantize of g ({reads})"),
-                        ("abc_x", f"ABC project+quantize of x ({reads})"),
+                        ("hla_g", "HLA project+quantize of g (two reads)"),
+                        ("abc_x", "ABC project+quantize of x (two reads)"),
                         ("hq_w", "HT+quantize of W (e4m3: a column-max reduction, then one "
                                  "kernel)")):
         pct = [r["kernels"][name]["pct_of_copy"] for r in data["layers"] if name in r["kernels"]]

@@ -80,7 +80,7 @@ def _gx(g, w, bits: int, w_bits: int, per_token: bool, seed, gq=None, path=None,
 
 def abc_compress(x: torch.Tensor, rank: int, select: str = "1d", bits: int = 8,
                  block: int = 16, *, seq_len: int = 0, seq_first: bool = False,
-                 fmt: str = "int8", seed=0):
+                 fmt: str = "int8"):
     """The saved activation: HLA-projected x (hla_rows, I) as int8 levels, or with
     ``fmt="e4m3"`` as scaled FP8 (the cuBLAS g_W GEMM's operand); fp32 scale ().
 
@@ -90,11 +90,10 @@ def abc_compress(x: torch.Tensor, rank: int, select: str = "1d", bits: int = 8,
     at 8192 x 4096, 0.164 vs 0.170 + 0.068 ms at 8192 x 11008."""
     lay = dict(seq_len=seq_len, seq_first=seq_first)
     if block != _FUSED_BLOCK or not _fused_bits(bits) or x.numel() == 0:
-        q, s = ref.abc_compress(x, rank, select, bits, block, **lay, fmt=fmt, seed=seed)
+        q, s = ref.abc_compress(x, rank, select, bits, block, **lay, fmt=fmt)
         return ref.k_major_saved(q), s
-    select = ref.hla_select(select, rank, block, fmt)
-    q, s = hla.hla_quant(x, rank, select, bits, stochastic=select == ref.IDENTITY, seed=seed,
-                         e4m3=fmt == "e4m3", transposed=True, pad_to=16, **lay)
+    q, s = hla.hla_quant(x, rank, select, bits, stochastic=False, e4m3=fmt == "e4m3",
+                         transposed=True, pad_to=16, **lay)
     return q.narrow(1, 0, ref.hla_rows(x.shape[0], rank, block, seq_len)).t(), s
 
 
@@ -120,13 +119,12 @@ def _k_major(q: torch.Tensor) -> torch.Tensor:
 
 
 def _gw(g, xt, x_scale, rank: int, select: str, bits: int, seed, lay, qg=None,
-        seed_add: int = 0, amax=None, g_amax=None) -> torch.Tensor:
+        seed_add: int = 0, amax=None) -> torch.Tensor:
     """The fused g_W GEMM: g's projected levels (given as ``qg`` = transposed levels and
     scale, or computed with Philox key seed + ``seed_add``, written transposed by the HLA
     kernel: as fast as row-major plus a transpose, one launch fewer, layers_2026-11-24T030739)
     against the saved activation; cuBLAS FP8 when that is e4m3 (``formats.gw_rule``), else the
-    INT8 kernel. ``amax``: the two-phase HLA kernel's zeroed workspace; ``g_amax``: max |g|
-    where g's operand is not projected (``hla.hla_quant``'s ``x_amax``)."""
+    INT8 kernel."""
     k = ref.hla_rows(g.shape[0], rank, _FUSED_BLOCK, lay["seq_len"])
     if xt.shape[0] != k:
         raise ValueError(f"g_W: the saved activation has {xt.shape[0]} rows, expected {k} "
@@ -134,11 +132,9 @@ def _gw(g, xt, x_scale, rank: int, select: str, bits: int, seed, lay, qg=None,
     xs = x_scale if isinstance(x_scale, torch.Tensor) else torch.tensor(float(x_scale))
     xs = xs.to(device=g.device, dtype=torch.float32)
     fp8 = xt.dtype == torch.float8_e4m3fn
-    select = ref.hla_select(select, rank, _FUSED_BLOCK, "e4m3" if fp8 else "int8")
     qg = qg or hla.hla_quant(g, rank, select, bits, stochastic=True, seed=seed,
                              seed_add=seed_add, transposed=True, pad_to=16, e4m3=fp8,
-                             scale_mul=1.0 / _FUSED_BLOCK if fp8 and select != ref.IDENTITY
-                             else 1.0, amax=amax, x_amax=g_amax, **lay)
+                             scale_mul=1.0 / _FUSED_BLOCK if fp8 else 1.0, amax=amax, **lay)
     if fp8:
         # bf16 and fp32 outputs are what the H100 runs measured; fp16 goes through fp32
         out = gemm.cublas_fp8_mm(qg[0], _k_major(xt), qg[1], xs,
@@ -179,35 +175,25 @@ def linear_backward(g: torch.Tensor, w: torch.Tensor, xt: torch.Tensor, x_scale:
     path = gx_path(g, w, gx_bits, w_bits, per_token)
     fp8 = path[0] != "int8"
     qg_t = None
-    one_pass = one_pass and xt.dtype == torch.int8
-    # g's operand not projected (full rank in e4m3, reference.hla_select): its exact scale is
-    # max |g|, which the per-token HQ kernel maxes as it reads g ("rider"), so the HLA kernel
-    # runs once. Zeroed int32 words, by one launch: the W kernel's per-in-feature amax (levels
-    # only; an e4m3 W takes its column maxima from a reduction) and one for g (the rider's,
-    # or the two-phase HLA kernel's amax). Traced for Inductor each kernel zeroes its own: a
-    # shared buffer written through two views would be functionalised into scatters.
-    rider = (per_token and xt.dtype == torch.float8_e4m3fn
-             and ref.hla_select("1d", rank, _FUSED_BLOCK, "e4m3") == ref.IDENTITY)
-    n_w = 0 if path[1] else w.shape[1]
-    if recording_launches():
-        ws = None
-        g_word = torch.zeros((1,), dtype=torch.int32, device=g.device) if rider else None
-    else:
-        ws = torch.zeros((n_w + (not one_pass),), dtype=torch.int32, device=g.device)
-        g_word = ws.narrow(0, n_w, 1) if rider else None
-    if one_pass:
+    if one_pass and xt.dtype == torch.int8:
         qg, sg, *qg_t = grad_out.grad_out_quant(g, gx_bits, per_token, seed, rank, "1d",
                                                 gw_bits, seed, fp8, hla_seed_add=1, **lay)
     else:
-        qg, sg = hadamard.hq_act_quant(g, gx_bits, per_token, seed, fp8=fp8, gmax=g_word)
+        qg, sg = hadamard.hq_act_quant(g, gx_bits, per_token, seed, fp8=fp8)
     if warm_other_scale:
         hq_grad_input(g, w, gx_bits, not per_token, seed, block, False, w_bits)
+    # the W kernel's (levels; an e4m3 W takes its column maxima from a reduction) and (split
+    # path) the HLA kernel's amax words: zeroed by one launch (traced for Inductor, each
+    # kernel zeroes its own: a shared buffer written through two views would be
+    # functionalised into scatters)
+    n_w = 0 if path[1] else w.shape[1]
+    ws = None if recording_launches() else \
+        torch.zeros((n_w + (qg_t is None),), dtype=torch.int32, device=g.device)
     gx = _gx(g, w, gx_bits, w_bits, per_token, seed, gq=(qg, sg), path=path,
              w_amax=ws.narrow(0, 0, n_w) if ws is not None and n_w else None)
     if qg_t is None:    # g's HLA operand from its own kernel: Philox key seed + 1
         gw = _gw(g, xt, x_scale, rank, "1d", gw_bits, seed, lay, seed_add=1,
-                 amax=None if ws is None or rider else ws.narrow(0, n_w, 1),
-                 g_amax=g_word if rider else None)
+                 amax=None if ws is None else ws.narrow(0, n_w, 1))
     else:
         gw = _gw(g, xt, x_scale, rank, "1d", gw_bits, seed, lay, qg=tuple(qg_t))
     return gx, gw

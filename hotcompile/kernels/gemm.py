@@ -404,10 +404,15 @@ def cublas_fp8_mm(a: torch.Tensor, bt: torch.Tensor, row_scale: torch.Tensor,
     itself. The g_W GEMM must not: its reduction runs over the tokens, where a gradient
     component common to every token (a bias-like direction of g_y against x's mean) adds
     up coherently, thousands of terms long, and the short accumulator's truncations add up
-    with it. H100, the GPU test's block at 2048 tokens: proj's g_W 0.027 from fp64 with fast
-    accumulation against 0.0036 for the exactly summed twin (bench/results/
-    diag_gw_accum_2026-11-25*); the Hadamard over tokens, before g_W went unprojected at
-    full rank, had hidden it by gathering such a component into 1 coefficient of 16."""
+    with it. H100: the GPU test's block at 2048 tokens on the unprojected full-rank path
+    (since reverted) had proj's g_W 0.027 from fp64 with fast accumulation against 0.0036
+    for the exactly summed twin; synthetic g_W operands with a shared component lost 12.5%
+    at Llama's 8192 tokens and 19% at ViT-B's 12608, against 0.17% exactly summed, for
+    1-6% more GEMM time (bench/results/diag_gw_accum_*). The Hadamard over tokens shrinks
+    the error (it gathers such a component into one coefficient of 16: a 16x shorter
+    coherent run) but does not remove it. The g_x GEMM showed no such loss (0.17-0.20%
+    either way with g along W's columns, diag_gw_accum2_*), and exact accumulation would
+    cost it 10-20% there."""
     if row_scale.dim() == 0 and col_scale.dim() == 0:
         return torch._scaled_mm(a, bt.t(), row_scale, col_scale, out_dtype=out_dtype,
                                 use_fast_accum=fast_accum)

@@ -236,18 +236,13 @@ def store_levels(ptrs, q, mask, FP8: tl.constexpr):
 
 
 @triton.jit
-def _load_rows(g_ptr, rows, col0, L, O, stride_g, BC: tl.constexpr):
-    """g[rows, col0:col0+BC] as fp32 (zeros outside L x O: the reference's zero padding of O)."""
+def _load_fwht_rows(g_ptr, rows, col0, L, O, stride_g, BC: tl.constexpr):
+    """Load g[rows, col0:col0+BC] (zeros outside L x O: the reference's zero padding of O)
+    as fp32 and transform each run of 16 columns."""
     cols = col0 + tl.arange(0, BC)
     mask = (rows < L)[:, None] & (cols < O)[None, :]
     x = tl.load(g_ptr + rows.to(tl.int64)[:, None] * stride_g + cols[None, :], mask=mask, other=0.0)
-    return x.to(tl.float32)
-
-
-@triton.jit
-def _load_fwht_rows(g_ptr, rows, col0, L, O, stride_g, BC: tl.constexpr):
-    """``_load_rows``, each run of 16 columns transformed."""
-    return fwht16_lastdim(_load_rows(g_ptr, rows, col0, L, O, stride_g, BC))
+    return fwht16_lastdim(x.to(tl.float32))
 
 
 @triton.jit
@@ -277,30 +272,20 @@ def _quantize_row_chunks(g_ptr, q_ptr, s, inv_s, seed, rows, L, O, O_pad, stride
 
 
 @triton.jit
-def _hq_token_kernel(g_ptr, q_ptr, s_ptr, seed_ptr, gmax_ptr, L, O, O_pad, stride_g, ldq,
-                     groups_per_row, BR: tl.constexpr, BC: tl.constexpr, ONE_TILE: tl.constexpr,
-                     Q: tl.constexpr, FP8: tl.constexpr, INTERPRET: tl.constexpr,
-                     GMAX: tl.constexpr):
+def _hq_token_kernel(g_ptr, q_ptr, s_ptr, seed_ptr, L, O, O_pad, stride_g, ldq, groups_per_row,
+                     BR: tl.constexpr, BC: tl.constexpr, ONE_TILE: tl.constexpr, Q: tl.constexpr,
+                     FP8: tl.constexpr, INTERPRET: tl.constexpr):
     """Per-token (per-row) scales: one program owns BR whole rows.
 
     If a row fits one tile (ONE_TILE) it is loaded and transformed once and quantized from
     registers: one read, one write. Otherwise a first sweep over the row's column chunks
     keeps an elementwise running max (reduced across lanes once, at the end) and a second
     sweep, which re-reads the chunks while they are still in L1/L2, quantizes them.
-
-    ``GMAX``: also max |g| itself (before the transform) into ``gmax_ptr`` (a zeroed int32
-    word, ``abs_bits`` order), one relaxed atomic per program: the exact scale of g's
-    untransformed HLA operand (``reference.hla_select``), which then needs no pass of its
-    own. (Eleventh stop, the same max for a bound: 7-10% of this kernel with a relaxed
-    atomic, 10-16% with the default acq_rel one.)
     """
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     seed = tl.load(seed_ptr)
     if ONE_TILE:
-        x = _load_rows(g_ptr, rows, 0, L, O, stride_g, BC)
-        if GMAX:
-            tl.atomic_max(gmax_ptr, tl.max(abs_bits(x)), sem="relaxed")
-        v = fwht16_lastdim(x)
+        v = _load_fwht_rows(g_ptr, rows, 0, L, O, stride_g, BC)
         s = scale_from_amax_bits(tl.max(abs_bits(v), axis=1), Q)
         inv_s = tl.math.div_rn(1.0, s)
         if reciprocal_is_finite(inv_s):
@@ -311,14 +296,8 @@ def _hq_token_kernel(g_ptr, q_ptr, s_ptr, seed_ptr, gmax_ptr, L, O, O_pad, strid
                                  ldq, groups_per_row, BC, Q, True, FP8, INTERPRET, True)
     else:
         amax = tl.zeros((BR, BC), dtype=tl.int32)
-        gmax = tl.zeros((BR, BC), dtype=tl.int32)
         for col0 in range(0, O_pad, BC):
-            x = _load_rows(g_ptr, rows, col0, L, O, stride_g, BC)
-            if GMAX:
-                gmax = tl.maximum(gmax, abs_bits(x))
-            amax = tl.maximum(amax, abs_bits(fwht16_lastdim(x)))
-        if GMAX:
-            tl.atomic_max(gmax_ptr, tl.max(gmax), sem="relaxed")
+            amax = tl.maximum(amax, abs_bits(_load_fwht_rows(g_ptr, rows, col0, L, O, stride_g, BC)))
         s = scale_from_amax_bits(tl.max(amax, axis=1), Q)
         inv_s = tl.math.div_rn(1.0, s)
         if reciprocal_is_finite(inv_s):
@@ -587,13 +566,10 @@ def input_amax_bits(x: torch.Tensor, dim=None):
     return m.reshape(-1).view(torch.int32)
 
 
-def hq_act_quant(g: torch.Tensor, bits: int, per_token: bool, seed, fp8: bool = False,
-                 gmax: Optional[torch.Tensor] = None):
+def hq_act_quant(g: torch.Tensor, bits: int, per_token: bool, seed, fp8: bool = False):
     """Transform g (L, O) along O (zero-padded to O_pad), quantize with stochastic rounding.
 
     Returns (levels (L, O_pad) int8 or e4m3, fp32 scale (L,) if per_token else ()).
-    ``gmax`` (per-token only): a zeroed (1,) int32 word the kernel maxes |g| into
-    (``input_amax_bits``'s form): the scale of g's untransformed HLA operand.
     """
     if g.stride(-1) != 1:
         g = g.contiguous()
@@ -609,12 +585,9 @@ def hq_act_quant(g: torch.Tensor, bits: int, per_token: bool, seed, fp8: bool = 
         s = torch.empty((L,), dtype=torch.float32, device=dev)
         bc, one, br, warps = token_tile(O_pad, interp)
         launch(_hq_token_kernel, (triton.cdiv(L, br),),
-            g, q, s, seed_t, seed_t if gmax is None else gmax, L, O, O_pad, g.stride(0), O_pad,
-            groups, BR=br, BC=bc, ONE_TILE=one, Q=Q, FP8=fp8, INTERPRET=interp,
-            GMAX=gmax is not None, num_warps=warps)
+            g, q, s, seed_t, L, O, O_pad, g.stride(0), O_pad, groups,
+            BR=br, BC=bc, ONE_TILE=one, Q=Q, FP8=fp8, INTERPRET=interp, num_warps=warps)
         return q, s
-    if gmax is not None:
-        raise ValueError("hq_act_quant: gmax is only computed with per-token scales")
     s = scalar_buffer(dev)
     amax = torch.zeros((1,), dtype=torch.int32, device=dev)
     bc, _ = column_tile(O_pad, max_tile=512 if not interp else 64)

@@ -36,9 +36,8 @@ import triton.language as tl
 
 from .launch import launch
 from . import reference as ref
-from .hadamard import (abs_bits, fwht16, input_amax_bits, input_max_bits, interpreting,
-                       philox_uniform16, quantize, scalar_buffer, scale_from_amax_bits,
-                       seed_pointer, to_e4m3)
+from .hadamard import (abs_bits, fwht16, interpreting, philox_uniform16, quantize, scalar_buffer,
+                       scale_from_amax_bits, seed_pointer, to_e4m3)
 
 
 @triton.jit
@@ -129,16 +128,14 @@ def _token_rows(blk0, n_blk, S, n_sblk, stride_b, stride_s, BT: tl.constexpr):
 def _load_project(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C, stride_x,
                   BT: tl.constexpr, BC: tl.constexpr,
                   RP: tl.constexpr, RANK: tl.constexpr, KEPT: tl.constexpr, CPT: tl.constexpr,
-                  FLAT: tl.constexpr = False, EVEN_C: tl.constexpr = False,
-                  TRANSFORM: tl.constexpr = True):
+                  FLAT: tl.constexpr = False, EVEN_C: tl.constexpr = False):
     """Blocks blk0 .. blk0+BT-1 of 16 neighbouring tokens, channels col0 .. col0+BC-1,
     projected onto the kept rows: a (BT, BC, RP) fp32 tile, coefficients last (entries
     >= rank: padding). ``CPT`` < 8 caps the load's vector at CPT channels, so a warp's
     32 threads span 32 * CPT channels and each thread keeps every token of its own
     (``_tile_shape``). ``FLAT``: block b's tokens are rows 16 b .. 16 b + 15 (one token axis,
     or batch-first sequences whose length is a multiple of 16): no per-row division.
-    ``EVEN_C``: BC divides C, no channel mask. ``TRANSFORM`` False: no butterfly, the
-    tokens themselves (``reference.IDENTITY``)."""
+    ``EVEN_C``: BC divides C, no channel mask."""
     if FLAT:
         tok = blk0 * 16 + tl.arange(0, BT * 16)
         valid = tok < S * (n_blk // n_sblk)
@@ -153,10 +150,7 @@ def _load_project(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C, st
         mask = valid[:, None] & (cols < C)[None, :]
     x = tl.load(x_ptr + tok[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
     x = tl.permute(tl.reshape(x.to(tl.float32), (BT, 16, BC)), (0, 2, 1))   # token axis last
-    x = tl.reshape(x, (BT * BC, 16))
-    if TRANSFORM:
-        x = fwht16(x)
-    y = gather_kept(x, RP, RANK, KEPT)
+    y = gather_kept(fwht16(tl.reshape(x, (BT * BC, 16))), RP, RANK, KEPT)
     return tl.reshape(y, (BT, BC, RP))
 
 
@@ -214,22 +208,20 @@ def _hla_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, seed_ptr, seed_add, scale_mul, S,
                 BT: tl.constexpr, BC: tl.constexpr, RP: tl.constexpr, RANK: tl.constexpr,
                 KEPT: tl.constexpr, Q: tl.constexpr, STOCHASTIC: tl.constexpr,
                 TRANSPOSED: tl.constexpr, INTERPRET: tl.constexpr, E4M3: tl.constexpr,
-                CPT: tl.constexpr, FLAT: tl.constexpr, EVEN_C: tl.constexpr,
-                TRANSFORM: tl.constexpr):
+                CPT: tl.constexpr, FLAT: tl.constexpr, EVEN_C: tl.constexpr):
     """One tile of BT token blocks x BC channels per program (phase 2: ``_phase2_tiles``).
 
     Phase 1: project, atomically max the amax of the kept coefficients into ``amax_ptr``
     (zeroed). Phase 2: scale, re-project, quantize, store; tiles in reverse order so the
     ones phase 1 read last (still in L2) come first. The stored scale is s * scale_mul
-    (a power of two: exact). Without ``TRANSFORM`` (``reference.IDENTITY``) phase 2 runs
-    alone: ``amax_ptr`` holds max |x|, the exact amax of the untransformed values.
+    (a power of two: exact).
     """
     pid = tl.program_id(0)
     n_ct = tl.cdiv(C, BC)
     if PHASE == 1:
         blk0, col0 = _tile_origin(pid, n_ct, BT, BC)
         v = _load_project(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C,
-                          stride_x, BT, BC, RP, RANK, KEPT, CPT, FLAT, EVEN_C, TRANSFORM)
+                          stride_x, BT, BC, RP, RANK, KEPT, CPT, FLAT, EVEN_C)
         keep = (tl.arange(0, RP) < RANK)[None, None, :]
         tl.atomic_max(amax_ptr, tl.max(tl.where(keep, abs_bits(v), 0)))
     else:
@@ -237,10 +229,7 @@ def _hla_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, seed_ptr, seed_add, scale_mul, S,
             seed = tl.load(seed_ptr) + seed_add
         else:   # nearest rounding: no seed (callers pass any pointer)
             seed = 0
-        amax = tl.load(amax_ptr)
-        if not TRANSFORM:     # max |x| given, in the type x is read as (input_max_bits)
-            amax = input_max_bits(amax, x_ptr.dtype.element_ty)
-        s = scale_from_amax_bits(amax, Q)
+        s = scale_from_amax_bits(tl.load(amax_ptr), Q)
         inv_s = tl.math.div_rn(1.0, s)
         if pid == 0:
             tl.store(s_ptr, s * scale_mul)
@@ -249,12 +238,12 @@ def _hla_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, seed_ptr, seed_add, scale_mul, S,
             _phase2_tiles(x_ptr, q_ptr, s, inv_s, seed, pid, n_tiles, n_ct, S, n_sblk, stride_b,
                           stride_s, C, stride_x, ldq, n_blk, groups_per_row, BT, BC, RP, RANK,
                           KEPT, Q, STOCHASTIC, TRANSPOSED, INTERPRET, False, E4M3, CPT, FLAT,
-                          EVEN_C, TRANSFORM)
+                          EVEN_C)
         else:
             _phase2_tiles(x_ptr, q_ptr, s, inv_s, seed, pid, n_tiles, n_ct, S, n_sblk, stride_b,
                           stride_s, C, stride_x, ldq, n_blk, groups_per_row, BT, BC, RP, RANK,
                           KEPT, Q, STOCHASTIC, TRANSPOSED, INTERPRET, True, E4M3, CPT, FLAT,
-                          EVEN_C, TRANSFORM)
+                          EVEN_C)
 
 
 @triton.jit
@@ -263,8 +252,7 @@ def _phase2_tiles(x_ptr, q_ptr, s, inv_s, seed, pid, n_tiles, n_ct, S, n_sblk, s
                   BC: tl.constexpr, RP: tl.constexpr, RANK: tl.constexpr, KEPT: tl.constexpr,
                   Q: tl.constexpr, STOCHASTIC: tl.constexpr, TRANSPOSED: tl.constexpr,
                   INTERPRET: tl.constexpr, IEEE_DIV: tl.constexpr, E4M3: tl.constexpr,
-                  CPT: tl.constexpr, FLAT: tl.constexpr, EVEN_C: tl.constexpr,
-                  TRANSFORM: tl.constexpr):
+                  CPT: tl.constexpr, FLAT: tl.constexpr, EVEN_C: tl.constexpr):
     """Phase 2's tile(s) of this program, in reverse order: the tiles phase 1 read last
     come first (L2). The grid covers every tile, so the loop runs once; written as a loop
     (scale, seed and branch settled before it) it measured 4-14% faster than the same
@@ -274,7 +262,7 @@ def _phase2_tiles(x_ptr, q_ptr, s, inv_s, seed, pid, n_tiles, n_ct, S, n_sblk, s
     for t in tl.range(pid, n_tiles, tl.num_programs(0), num_stages=1):
         blk0, col0 = _tile_origin(n_tiles - 1 - t, n_ct, BT, BC)
         v = _load_project(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C,
-                          stride_x, BT, BC, RP, RANK, KEPT, CPT, FLAT, EVEN_C, TRANSFORM)
+                          stride_x, BT, BC, RP, RANK, KEPT, CPT, FLAT, EVEN_C)
         _quantize_store_tile(q_ptr, v, s, inv_s, seed, blk0, col0, n_blk, C, ldq,
                              groups_per_row, BT, BC, RP, RANK, Q, STOCHASTIC, TRANSPOSED,
                              INTERPRET, IEEE_DIV, E4M3)
@@ -355,8 +343,7 @@ def token_layout(L: int, seq_len: int = 0, seq_first: bool = False):
 def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic: bool, seed=0,
               transposed: bool = False, pad_to: int = 1, seq_len: int = 0,
               seq_first: bool = False, seed_add: int = 0, e4m3: bool = False,
-              scale_mul: float = 1.0, amax: torch.Tensor | None = None,
-              x_amax: torch.Tensor | None = None):
+              scale_mul: float = 1.0, amax: torch.Tensor | None = None):
     """Project x (L, C) along its tokens onto ``rank`` kept rows per block of 16
     neighbouring tokens of one sequence (``reference.sequence_blocks``) and quantize.
 
@@ -369,10 +356,6 @@ def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic:
     are left unwritten (consumers must mask them), except in e4m3, where they are zeroed:
     the cuBLAS GEMM reads all L'_pad columns. ``amax``: a zeroed (1,) int32 workspace the
     caller made with others in one launch (default: its own).
-
-    ``select="identity"`` (``reference.hla_select``: full rank, e4m3) projects nothing, so
-    the exact scale is max |x|: ``x_amax`` (``hadamard.input_amax_bits``'s form, from a
-    kernel that read x already) or that reduction, and the kernel runs once.
     """
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -390,11 +373,7 @@ def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic:
         ldq = C
         q = torch.empty((rows_out, C), dtype=dtype, device=dev)
     s = scalar_buffer(dev)
-    one_phase = select == ref.IDENTITY
-    if one_phase:
-        amax = input_amax_bits(x) if x_amax is None else x_amax
-    elif amax is None:
-        amax = torch.zeros((1,), dtype=torch.int32, device=dev)
+    amax = torch.zeros((1,), dtype=torch.int32, device=dev) if amax is None else amax
     rp = _pow2_at_least(rank)
     # the channel-major tile for g's stochastic operand (its Philox map needs it) and for
     # every K-major store of nearest levels (ABC): runs of BT * RANK bytes per channel
@@ -405,12 +384,11 @@ def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic:
                 Q=448 if e4m3 else 2 ** (bits - 1) - 1, STOCHASTIC=stochastic,
                 TRANSPOSED=transposed, INTERPRET=interpreting(), E4M3=e4m3, CPT=cpt,
                 FLAT=_blocks_are_row_runs(S, stride_b, stride_s), EVEN_C=C % bc == 0,
-                TRANSFORM=select != ref.IDENTITY, num_warps=warps)
+                num_warps=warps)
     groups = -(-n_blk * rp // 8) if channel_major else -(-C // 8)   # Philox counters per row
     seed_t = seed_pointer(seed, dev) if stochastic else amax    # amax: an unread placeholder
     args = (x, q, s, amax, seed_t, int(seed_add), float(scale_mul), S, n_sblk, stride_b,
             stride_s, C, x.stride(0), ldq, n_blk, groups)
-    if not one_phase:
-        launch(_hla_kernel, grid, *args, PHASE=1, **meta)
+    launch(_hla_kernel, grid, *args, PHASE=1, **meta)
     launch(_hla_kernel, grid, *args, PHASE=2, **meta)
     return q, s

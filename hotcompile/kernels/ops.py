@@ -123,20 +123,12 @@ def _(g, w, bits, w_bits, block, scale, site, kernels, seeds=None, seed_index=0)
 def abc_compress_body(x: Tensor, rank: int, bits: int, block: int, seq_len: int,
                       seq_first: bool, kernels: str, fmt: str) -> tuple[Tensor, Tensor]:
     """x (L, I) -> (HLA-projected x (hla_rows, I), fp32 scale ()): int8 levels, or with
-    ``fmt="e4m3"`` scaled FP8, the cuBLAS g_W GEMM's operand (``formats.gw_rule``;
-    stochastically rounded at full rank, ``reference.hla_select``), held K-major
-    (``reference.k_major_saved``) on every path.
+    ``fmt="e4m3"`` scaled FP8, the cuBLAS g_W GEMM's operand (``formats.gw_rule``), held
+    K-major (``reference.k_major_saved``) on every path.
 
     Blocks hold ``block`` neighbouring tokens of one sequence of ``seq_len`` tokens
     (rows ``b*S + s``, or ``s*B + b`` with ``seq_first``); ``seq_len=0``: one flat axis."""
-    # full rank in e4m3: x is stochastically rounded (reference.hla_select), from a seed of
-    # its own, drawn by the ``hot::draw_seeds`` op (torch's generator of x's device, offset
-    # by the rank): spliced, the body keeps that op as it is, so the draw is the same
-    # generator call with or without splicing (a traced randint would become Inductor's own
-    # random stream)
-    seed = torch.ops.hot.draw_seeds(x, 1).select(0, 0) \
-        if ref.hla_select("1d", rank, block, fmt) == ref.IDENTITY else 0
-    lay = dict(seq_len=seq_len, seq_first=seq_first, fmt=fmt, seed=seed)
+    lay = dict(seq_len=seq_len, seq_first=seq_first, fmt=fmt)
     if triton_usable(x, kernels):
         return _fused().abc_compress(x, rank, "1d", bits, block, **lay)
     q, s = ref.abc_compress(x, rank, "1d", bits, block, **lay)
