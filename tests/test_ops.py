@@ -49,6 +49,31 @@ def test_linear_backward_op(L, O, I, seq_len, fmt):
     assert gx.shape == (L, I) and gw.shape == (O, I)
 
 
+@pytest.mark.parametrize("cap,dtype,e4m3", [((9, 0), torch.bfloat16, True),
+                                           ((9, 0), torch.float32, False),
+                                           ((8, 0), torch.bfloat16, False)])
+def test_reference_twin_takes_the_fused_w_format(monkeypatch, cap, dtype, e4m3):
+    """On a GPU the reference ops quantize W as the fused g_x does there: scaled e4m3 on the
+    cuBLAS FP8 path (bf16 g with per-token scales, compute capability >= 8.9), integer
+    levels elsewhere; in both ops that compute g_x. (A CPU tensor stands in for a CUDA one
+    of capability ``cap``.)"""
+    from hotcompile.kernels import reference as R
+    monkeypatch.setattr(ops, "_cuda_capability", lambda t: cap)
+    torch.manual_seed(5)
+    g, w, x = (torch.randn(64, 48, dtype=dtype), torch.randn(48, 32, dtype=dtype),
+               torch.randn(64, 32, dtype=dtype))
+    seeds = torch.tensor([11, 12])
+    want = R.hq_grad_input(g, w, 4, True, seeds[0], w_bits=8, w_e4m3=e4m3)
+    other = R.hq_grad_input(g, w, 4, True, seeds[0], w_bits=8, w_e4m3=not e4m3)
+    assert not torch.equal(want, other)
+    got = torch.ops.hot.hq_grad_input(g, w, 4, 8, 16, "token", "s", "reference", seeds, 0)
+    assert torch.equal(got, want)
+    xq, xs = torch.ops.hot.abc_compress(x, 16, 8, 16, 0, False, "reference", "e4m3")
+    gx, _ = torch.ops.hot.linear_backward(g, xq, xs, 16, 8, 16, 0, False, "", "reference", w, 4,
+                                          8, "token", "s", seeds, 0)
+    assert torch.equal(gx, want)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_output_dtypes_follow_the_gradient(dtype):
     g, w, x = torch.randn(32, 32, dtype=dtype), torch.randn(32, 16, dtype=dtype), torch.randn(32, 16)

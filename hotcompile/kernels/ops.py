@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import reference as ref
+from . import formats, reference as ref
 from ..runtime import rank as RANK
 from ..runtime.lqs import TABLE as LQS, capturing
 
@@ -95,6 +95,26 @@ def _hq_scaling(scale: str, site: str, g: Tensor, bits: int, block: int) -> tupl
     return LQS.per_token(site, g, bits, block), calibrating and not capturing(g)
 
 
+def _cuda_capability(t: Tensor) -> Optional[tuple[int, int]]:
+    return torch.cuda.get_device_capability(t.device) if t.is_cuda else None
+
+
+def _twin_w_e4m3(g: Tensor, w: Tensor, bits: int, w_bits: int, per_token: bool) -> bool:
+    """Whether the reference twin takes W as scaled e4m3 (``reference.hq_grad_input``'s
+    ``w_e4m3``): where the fused g_x on this device does (``formats.gx_rule``: cuBLAS FP8,
+    an 8-bit W), so that ``kernels="reference"`` on a GPU computes what the fused path
+    computes there. Before, it kept integer W levels (about 4x more exact than e4m3), and
+    the GPU compiled test's fused gradients came out up to 2x further from fp64 than the
+    twin's (proj's g_W 0.0075 vs 0.0036, H100 2026-11-25, diag_gw_accum2_*): likely this
+    difference, as g_W's own operands were bit-equal there."""
+    cap = _cuda_capability(g)
+    if cap is None:
+        return False
+    path = formats.gx_rule(bits, w_bits, per_token, g.dtype, w.shape[1], cap,
+                           os.environ.get("HOT_GEMM_FORMAT"))
+    return formats.w_is_e4m3(path, w_bits)
+
+
 # ----------------------------------------------------------------------- HQ (g_x)
 def hq_grad_input_body(g: Tensor, w: Tensor, bits: int, w_bits: int, block: int, scale: str,
                        site: str, kernels: str, seeds: Optional[Tensor] = None,
@@ -106,7 +126,8 @@ def hq_grad_input_body(g: Tensor, w: Tensor, bits: int, w_bits: int, block: int,
     if triton_usable(g, kernels):
         return _fused().hq_grad_input(g, w, bits, per_token, seed, block,
                                       warm_other_scale=warm_other, w_bits=w_bits)
-    return ref.hq_grad_input(g, w, bits, per_token, seed, block, w_bits=w_bits)
+    return ref.hq_grad_input(g, w, bits, per_token, seed, block, w_bits=w_bits,
+                             w_e4m3=_twin_w_e4m3(g, w, bits, w_bits, per_token))
 
 
 hq_grad_input = torch.library.custom_op("hot::hq_grad_input", mutates_args=())(
@@ -211,7 +232,8 @@ def linear_backward_body(g: Tensor, xq: Tensor, x_scale: Tensor, rank: int, gw_b
                                         one_pass=rank <= ONE_PASS_MAX_RANK,
                                         warm_other_scale=warm_other)
     return ref.linear_backward(g, w, xq, x_scale, rank, gx_bits, w_bits, gw_bits, per_token,
-                               seed, block, **lay)
+                               seed, block, **lay,
+                               w_e4m3=_twin_w_e4m3(g, w, gx_bits, w_bits, per_token))
 
 
 linear_backward = torch.library.custom_op("hot::linear_backward", mutates_args=())(
