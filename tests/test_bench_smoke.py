@@ -9,6 +9,7 @@ import importlib.util
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 
@@ -476,3 +477,39 @@ def test_stack_sampler_finds_where_the_time_goes():
     caller_name = next(n for n in s.inclusive if n.endswith("(caller)"))
     assert s.inclusive[caller_name] >= s.leaf[leaf_name] > 0.5 * s.samples, text
     assert sum(s.leaf.values()) == s.samples, text
+
+
+def test_accuracy_lm_seeds_pair_each_hot_run_with_its_inductor_run():
+    """--lm-seeds: the gate is the mean of per-seed gaps, each hot run against the Inductor
+    run of its own seed (not the gap of the means), with its spread; merging keeps every
+    seed; the markdown compares within a seed; a budget cut resumes per seed."""
+    A = _load("accuracy")
+    cfg = {"d": 8, "layers": 1, "heads": 1, "batch": 1, "seq": 8, "steps": 1, "lr": 1e-3,
+           "warmup": 1, "val_windows": 1, "seeds": 3}
+    losses = {("inductor", 0): 1.00, ("hot", 0): 1.02, ("inductor", 1): 2.00,
+              ("hot", 1): 2.00, ("inductor", 2): 1.00, ("hot", 2): 0.99}
+    runs = [{"mode": m, "seed": sd, "status": "ok", "final_val_loss": v,
+             "final_train_loss": v, "val_curve": [[1, v]]} for (m, sd), v in losses.items()]
+    assert A.lm_seeds(cfg, 5) == [5, 6, 7]
+    gap = A.lm_gap(runs)["hot_vs_inductor"]
+    assert abs(gap - (0.02 + 0.0 - 0.01) / 3) < 1e-12       # the gap of the means: 0.1/4
+    sp = A.lm_gap_spread(runs)["hot_vs_inductor"]
+    assert sp["n"] == 3 and abs(sp["std"] - statistics.stdev([0.02, 0.0, -0.01])) < 1e-12
+    res = {"kind": "accuracy", "env": {"date": "d"},
+           "lm": {"config": cfg, "corpora": {"stdlib": {"corpus": "stdlib", "data": {},
+                                                        "runs": runs}}}}
+    merged = A.merge_results([res])
+    ent = merged["lm"]["corpora"]["stdlib"]
+    assert len(ent["runs"]) == 6 and abs(ent["gap"]["hot_vs_inductor"] - gap) < 1e-12
+    t = merged["targets"][0]
+    assert t["verdict"] == "PASS" and "mean of 3 seeds" in t["measured"]
+    md = A.markdown(merged)
+    assert "| mode | seed | final val loss |" in md
+    assert "+2.00%" in md and "-1.00%" in md          # each hot row vs its own seed's run
+    # a seed the budget cut: resumed alone, at that seed
+    cut = [dict(r, status="skipped", error="time budget 510 s") if r["seed"] == 2 else r
+           for r in runs]
+    args = A.parse_args(["--suite", "full", "--parts", "lm", "--lm-seeds", "3"])
+    cmds = A.resume_commands(args, {"lm": {"corpora": {"stdlib": {"runs": cut}}}})
+    assert len(cmds) == 1 and "--seed 2 --lm-seeds 1" in cmds[0]
+    assert "--lm-modes inductor,hot" in cmds[0]
