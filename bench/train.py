@@ -227,7 +227,8 @@ def mode_unavailable(mode: str, device: torch.device) -> Optional[str]:
             return "torchao float8 needs compute capability >= 8.9"
     # found, not imported: the import is timed with the torch.compile call (compile_call_s)
     if mode in ("hot", "hot_ref") and importlib.util.find_spec("hotcompile") is None:
-        return "hotcompile is not installed"
+        return ("hotcompile is not importable (from a checkout: pip install -e . at its "
+                "root, or PYTHONPATH=<its root>)")
     return None
 
 
