@@ -72,6 +72,9 @@ def test_reference_twin_takes_the_fused_w_format(monkeypatch, cap, dtype, e4m3):
     gx, _ = torch.ops.hot.linear_backward(g, xq, xs, 16, 8, 16, 0, False, "", "reference", w, 4,
                                           8, "token", "s", seeds, 0)
     assert torch.equal(gx, want)
+    # where the fused op falls back to the reference itself (block 8), integer W levels
+    got8 = torch.ops.hot.hq_grad_input(g, w, 4, 8, 8, "token", "s", "reference", seeds, 0)
+    assert torch.equal(got8, R.hq_grad_input(g, w, 4, True, seeds[0], 8, w_bits=8))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
