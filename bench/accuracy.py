@@ -985,15 +985,7 @@ def _common_flags(args, seed: bool = True) -> List[str]:
 
 def resume_commands(args, result: dict) -> List[str]:
     suite = ["--suite", args.suite] if args.suite != "custom" else []
-    tail = _common_flags(args) + ["--out", "$OUT"]
     cmds = []
-
-    def lm_cmd(corpus, modes, seed):
-        """An LM resume for one seed (the tail's own --seed left out: the last one wins)."""
-        return " ".join(["python", "bench/accuracy.py", *suite, *[shlex.quote(x) for x in (
-            "--parts", "lm", "--lm-corpora", corpus, "--lm-modes", ",".join(modes),
-            "--seed", str(seed), "--lm-seeds", "1",
-            *_common_flags(args, seed=False), "--out", "$OUT")]]).replace("'$OUT'", "$OUT")
 
     def budget_skipped(recs, key):
         names = []
@@ -1003,9 +995,12 @@ def resume_commands(args, result: dict) -> List[str]:
                     names.append(r[key])
         return names
 
-    def cmd(*extra):
-        return " ".join(["python", "bench/accuracy.py", *suite,
-                         *[shlex.quote(x) for x in (*extra, *tail)]]).replace("'$OUT'", "$OUT")
+    def cmd(*extra, seed=None):
+        """``seed``: the run's own --seed, instead of the suite's (one seed of several)."""
+        tail = (_common_flags(args, seed=seed is None)
+                + ([] if seed is None else ["--seed", str(seed), "--lm-seeds", "1"]))
+        return " ".join(["python", "bench/accuracy.py", *suite, *[shlex.quote(x) for x in (
+            *extra, *tail, "--out", "$OUT")]]).replace("'$OUT'", "$OUT")
     for corpus, ent in (result.get("lm") or {}).get("corpora", {}).items():
         seeds = {r.get("seed") for r in ent["runs"]}
         if len(seeds) <= 1:
@@ -1017,7 +1012,8 @@ def resume_commands(args, result: dict) -> List[str]:
         for sd in sorted(seeds):
             modes = budget_skipped([r for r in ent["runs"] if r.get("seed") == sd], "mode")
             if modes:
-                cmds.append(lm_cmd(corpus, modes, sd))
+                cmds.append(cmd("--parts", "lm", "--lm-corpora", corpus, "--lm-modes",
+                                ",".join(modes), seed=sd))
     modes = budget_skipped((result.get("digits") or {}).get("runs", []), "mode")
     if modes:
         cmds.append(cmd("--parts", "digits", "--digits-modes", ",".join(modes)))

@@ -380,7 +380,8 @@ def run_layer(group, name, L, I, O, args, copies):
         gm["hq_cublas_exact_acc"] = bench(lambda: torch._scaled_mm(
             a8f, b8f.t(), rs[:, None], cs[None, :], out_dtype=torch.bfloat16), [()])
     # cuBLAS FP8, per-token x per-in-feature (row-wise) scales: the g_x GEMM of the default path
-    gm["hq_cublas"] = bench(lambda: G.cublas_fp8_mm(a8f, b8f, rs, cs, torch.bfloat16, fast_accum=True), [()])
+    gm["hq_cublas"] = bench(lambda: G.cublas_fp8_mm(a8f, b8f, rs, cs, torch.bfloat16,
+                                                    fast_accum=True), [()])
     gm["gx_bf16"] = bench(lambda: torch.mm(sets[0][2], sets[0][1]), [()])
     qgt = torch.randint(-127, 128, (O, -(-lr // 16) * 16), dtype=torch.int8, device="cuda")
     xqt = torch.randint(-127, 128, (I, -(-lr // 16) * 16), dtype=torch.int8, device="cuda")
@@ -391,7 +392,8 @@ def run_layer(group, name, L, I, O, args, copies):
     # the g_W GEMM on cuBLAS FP8 (tensor-wise scales, e4m3 operands): the default path
     qgf = torch.randn(qgt.shape, device="cuda").mul_(64).to(torch.float8_e4m3fn)
     xqf = torch.randn(xqt.shape, device="cuda").mul_(64).to(torch.float8_e4m3fn)
-    gm["hla_cublas"] = bench(lambda: G.cublas_fp8_mm(qgf, xqf, one, one, torch.bfloat16, fast_accum=False), [()])
+    gm["hla_cublas"] = bench(lambda: G.cublas_fp8_mm(qgf, xqf, one, one, torch.bfloat16,
+                                                     fast_accum=False), [()])
     if args.explore:
         gm["hla_cublas_fast_acc"] = bench(lambda: G.cublas_fp8_mm(
             qgf, xqf, one, one, torch.bfloat16, fast_accum=True), [()])

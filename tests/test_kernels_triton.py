@@ -516,8 +516,9 @@ def test_gpu_hla_e4m3_channel_major_bit_exact(monkeypatch, L, C, rank, seq_len):
 def test_gpu_gw_e4m3_tokens_sharing_a_component(rank):
     """8192 tokens whose g and x share a component (a bias-like direction): the fused e4m3
     g_W (cuBLAS) stays within 0.5% of its exactly summed reference twin on the same
-    buffer and seed. With fast accumulation it measured 12.5% unprojected and would be
-    ~0.8% with the Hadamard (the shared part in 1 coefficient of 16)."""
+    buffer and seed. With fast accumulation such operands measured 12.5% unprojected (H100);
+    with the Hadamard the estimate is ~0.8% (the shared part in 1 coefficient of 16: a 16x
+    shorter coherent run), not measured."""
     torch.manual_seed(11)
     L, O, I = 8192, 512, 256
     g = (torch.randn(O, device="cuda") + 0.3 * torch.randn(L, O, device="cuda")).bfloat16()
