@@ -53,9 +53,13 @@ def test_fused_kernels_run_in_the_compiled_graph(monkeypatch):
                                                          kernels="reference")))
     exact = _grads(model.double(), x.double(), None, autocast=False)
     model.float()
+    # The twin draws the kernels' uniforms and takes W in the fused path's format, so the
+    # two errors agree closely (within 0.4% on the H100, 2026-11-25; seed-to-seed spread
+    # ~2%): 5% either way still catches a twin that drifts from the kernels, and bugs
+    # like g_W's fast FP8 accumulation (70x) or the twin's old integer W (2x).
     for h, r, e in zip(hot, ref, exact):
         e_hot, e_ref = rel(h, e), rel(r, e)
-        assert e_hot < 1.25 * e_ref + 0.02, (e_hot, e_ref)
+        assert abs(e_hot - e_ref) < 0.05 * e_ref + 1e-4, (e_hot, e_ref)
 
 
 def test_hot_ops_capture_in_a_cuda_graph():
