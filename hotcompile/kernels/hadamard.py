@@ -11,8 +11,8 @@ Numerics are the contract of ``reference.py``, bit for bit:
 * ``fwht16``: Sylvester ``H_16`` by the butterfly ``(a, b) -> (a + b, a - b)`` on index
   bits 0, 1, 2, 3 in that order, in fp32, exactly the additions ``reference.block_fwht``
   performs (so the transformed values are identical, not merely close).
-* ``philox_uniform16``: one ``tl.randint4x`` call per 8 elements with the counter and
-  half-word map of ``reference.uniform16``.
+* ``philox_uniform16``: one ``tl.randint4x`` call (``reference.PHILOX_ROUNDS`` rounds)
+  per 8 elements with the counter and half-word map of ``reference.uniform16``.
 * ``quantize``: ``clamp(floor(v / s + u), -Q, Q)`` with an IEEE-rounded quotient and NaN
   mapped to level 0, as ``reference.quantize`` does.
 
@@ -30,7 +30,9 @@ import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
 from .launch import launch
-from .reference import E4M3_BOUND_Q
+from .reference import E4M3_BOUND_Q, PHILOX_ROUNDS
+
+_ROUNDS = tl.constexpr(PHILOX_ROUNDS)
 
 # =========================================================================== building blocks
 
@@ -124,7 +126,7 @@ def philox_uniform16(seed, rows, col0, groups_per_row, BC: tl.constexpr):
     BR: tl.constexpr = rows.shape[0]
     groups = col0 // 8 + tl.arange(0, BC // 8)
     counter = (rows.to(tl.int64)[:, None] * groups_per_row + groups[None, :]).to(tl.uint32)
-    w0, w1, w2, w3 = tl.randint4x(seed, counter)   # 32-bit counter: high state word 0
+    w0, w1, w2, w3 = tl.randint4x(seed, counter, _ROUNDS)   # 32-bit counter: high word 0
     lo0, hi0 = _halfwords_as_floats(w0)
     lo1, hi1 = _halfwords_as_floats(w1)
     lo2, hi2 = _halfwords_as_floats(w2)

@@ -8,13 +8,19 @@ implementation must meet:
 * Block Hadamard transform: Sylvester ``H_n`` (natural order, ``H_n = H_n^T``),
   applied to each run of ``n`` consecutive elements along the last axis, by the
   in-place butterfly ``(a, b) -> (a + b, a - b)`` with strides 1, 2, 4, 8.
-* Random bits: Triton's Philox-4x32-10 (``tl.randint4x(seed, k)``); each call
+* Random bits: Triton's Philox-4x32 at ``PHILOX_ROUNDS`` = 7 rounds
+  (``tl.randint4x(seed, k, 7)``); each call
   yields four 32-bit words = eight 16-bit uniforms.  Element ``(r, c)`` of a
   ``(R, C)`` tensor uses counter ``k = r * ceil(C / 8) + c // 8``, word
   ``(c % 8) // 2`` and the low (``c`` even) or high (``c`` odd) half-word;
   ``u = (u16 + 0.5) / 65536``. One Philox call per 8 elements keeps the RNG
   cheap next to a memory-bound pass; the 16-bit resolution leaves a rounding
-  bias below 2**-17 of one quantization step.
+  bias below 2**-17 of one quantization step. Seven rounds, not Triton's default
+  ten: Philox-4x32-7 already passes TestU01's BigCrush (Salmon et al., SC'11, the
+  paper that defines Philox, calls 7 rounds "Crush-resistant" and adds 3 as a safety
+  margin), rounding needs no cryptographic margin, and the per-token HQ kernel is
+  bound by instruction issue, where the 3 rounds cost 10-14% (H200, 2026-11-26,
+  ``bench/results/diag_hq_2026-11-26*``).
 * Quantization to ``Q = 2**(bits-1) - 1`` symmetric levels (4 bits: -7..7,
   8 bits: -127..127), absmax scale ``s = amax / Q`` per row or per tensor,
   ``s = 1`` where ``amax == 0``; stochastic rounding ``floor(v / s + u)``,
@@ -38,6 +44,7 @@ PHILOX_KEY_A = 0x9E3779B9
 PHILOX_KEY_B = 0xBB67AE85
 PHILOX_ROUND_A = 0xD2511F53
 PHILOX_ROUND_B = 0xCD9E8D57
+PHILOX_ROUNDS = 7     # the module doc says why not Triton's default 10
 _M32 = 0xFFFFFFFF
 
 
@@ -186,8 +193,8 @@ def _mulhilo(a: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
     return hi, lo
 
 
-def philox4x32(seed, counter: torch.Tensor, rounds: int = 10):
-    """Triton's ``tl.randint4x(seed, counter)``: four uint32 words (as int64)."""
+def philox4x32(seed, counter: torch.Tensor, rounds: int = PHILOX_ROUNDS):
+    """Triton's ``tl.randint4x(seed, counter, rounds)``: four uint32 words (as int64)."""
     seed = torch.as_tensor(seed, dtype=torch.int64, device=counter.device)
     k0, k1 = seed & _M32, (seed >> 32) & _M32
     c0 = counter.to(torch.int64) & _M32
