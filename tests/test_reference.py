@@ -56,11 +56,29 @@ def test_hla_lower_rank_keeps_only_low_pass_energy():
 
 
 def test_philox_uniforms_deterministic_and_distinct():
-    a, b, c = R.uniform16(7, 33, 45), R.uniform16(7, 33, 45), R.uniform16(8, 33, 45)
+    a, b, c = R.uniform8(7, 33, 45), R.uniform8(7, 33, 45), R.uniform8(8, 33, 45)
     assert torch.equal(a, b) and not torch.equal(a, c)
     assert 0 < float(a.min()) and float(a.max()) < 1
-    u = R.uniform16(1, 512, 512)
+    u = R.uniform8(1, 512, 512)
     assert abs(float(u.mean()) - 0.5) < 5 * math.sqrt(1 / 12 / u.numel())
+    # every one of the 256 levels (k + 0.5) / 256 occurs, about equally often
+    k = u * 256 - 0.5
+    assert torch.equal(k, k.round())
+    counts = torch.bincount(k.long().flatten(), minlength=256)
+    assert counts.numel() == 256 and int(counts.min()) > 0.8 * u.numel() / 256
+
+
+def test_uniform8_byte_map():
+    """Element (r, c) takes byte c % 4 of word (c % 16) // 4 of counter r * ceil(C/16) +
+    c // 16 (the map the kernels' joins build), with 7 Philox rounds."""
+    rows, cols, seed = 3, 37, 11
+    u = R.uniform8(seed, rows, cols)
+    w16 = -(-cols // 16)
+    words = R.philox4x32(seed, torch.arange(rows * w16), rounds=7)
+    for r, c in [(0, 0), (0, 1), (0, 3), (0, 4), (0, 15), (1, 16), (2, 36), (1, 21)]:
+        k = r * w16 + c // 16
+        byte = (int(words[(c % 16) // 4][k]) >> (8 * (c % 4))) & 0xFF
+        assert float(u[r, c]) == (byte + 0.5) / 256, (r, c)
 
 
 def test_stochastic_rounding_is_unbiased():

@@ -42,8 +42,8 @@ fp32 butterflies on the same loaded values (``hadamard._load_fwht_rows``,
 scales come from ``scale_from_amax_bits`` and the levels from the very quantize-and-store
 helpers of ``hadamard.py`` and ``hla.py``, whose Philox counters depend only on an
 element's position in its operand: HQ element (t, c) of the (L, O_pad) operand uses counter
-``t * O_pad/8 + c // 8``; HLA coefficient j of token block b at channel c, element
-(b * rank + j, c) of the (L', O) operand, uses ``(b * rank + j) * ceil(O/8) + c // 8``.
+``t * O_pad/16 + c // 16``; HLA coefficient j of token block b at channel c, element
+(b * rank + j, c) of the (L', O) operand, uses ``(b * rank + j) * ceil(O/16) + c // 16``.
 So no tile shape changes a bit. One corner: per-token HQ takes the IEEE-division fallback
 for a whole slice of HR rows when one of them has a scale whose reciprocal overflows
 (amax below ~2e-38 at 4 bits), where the separate kernel decides for its own row group; the fast
@@ -264,8 +264,8 @@ def grad_out_quant(g: torch.Tensor, hq_bits: int, per_token: bool, hq_seed, rank
     hq_seed_t = seed_pointer(hq_seed, dev)
     hla_seed_t = hq_seed_t if hla_seed is hq_seed else seed_pointer(hla_seed, dev)
     args = (g, hq_q, hq_s, hla_q, hla_s, amax, hq_seed_t, hla_seed_t, int(hla_seed_add), L, O,
-            O_pad, g.stride(0), ld_hla, S, n_sblk, stride_b, stride_s, n_blk, O_pad // 8,
-            -(-O // 8))
+            O_pad, g.stride(0), ld_hla, S, n_sblk, stride_b, stride_s, n_blk, O_pad // 16,
+            -(-O // 16))
     meta = dict(PER_TOKEN=bool(per_token), BT=bt, BC=bc, HR=hr, RP=hla._pow2_at_least(rank),
                 RANK=rank, KEPT=kept, HQ_Q=qmax(hq_bits), HLA_Q=qmax(hla_bits), FP8=bool(fp8),
                 INTERPRET=interp, num_warps=warps)

@@ -11,12 +11,12 @@ Numerics are the contract of ``reference.py``, bit for bit:
 * ``fwht16``: Sylvester ``H_16`` by the butterfly ``(a, b) -> (a + b, a - b)`` on index
   bits 0, 1, 2, 3 in that order, in fp32, exactly the additions ``reference.block_fwht``
   performs (so the transformed values are identical, not merely close).
-* ``philox_uniform16``: one ``tl.randint4x`` call (``reference.PHILOX_ROUNDS`` rounds)
-  per 8 elements with the counter and half-word map of ``reference.uniform16``.
+* ``philox_uniform8``: one ``tl.randint4x`` call (``reference.PHILOX_ROUNDS`` rounds)
+  per 16 elements with the counter and byte map of ``reference.uniform8``.
 * ``quantize``: ``clamp(floor(v / s + u), -Q, Q)`` with an IEEE-rounded quotient and NaN
   mapped to level 0, as ``reference.quantize`` does.
 
-The building blocks (``fwht16_lastdim``, ``philox_uniform16``, ``quantize``, ...) are
+The building blocks (``fwht16_lastdim``, ``philox_uniform8``, ``quantize``, ...) are
 shared with ``hla.py``, which applies the same transform along the token axis.
 """
 from __future__ import annotations
@@ -101,40 +101,48 @@ def scale_from_amax_bits(amax_bits, Q: tl.constexpr):
 
 
 @triton.jit
-def _halfwords_as_floats(w):
-    """The low and high 16-bit halves of a Philox word, each placed at the top of a float
-    mantissa: the float is 1 + h / 65536 exactly (no int->float conversion needed)."""
-    lo = ((w << 7) & 0x7FFF80) | 0x3F800000
-    hi = ((w >> 9) & 0x7FFF80) | 0x3F800000
-    return lo, hi
+def _byte_as_float(w, K: tl.constexpr):
+    """Byte K (0 = lowest bits) of a Philox word placed at the top of a float mantissa: the
+    float is 1 + b / 256 exactly (no int->float conversion needed)."""
+    if K < 2:
+        m = w << (15 - 8 * K)
+    else:
+        m = w >> (8 * K - 15)
+    return (m & 0x7F8000) | 0x3F800000
 
 
 @triton.jit
-def philox_uniform16(seed, rows, col0, groups_per_row, BC: tl.constexpr):
-    """Uniforms u = (u16 + 0.5) / 65536 for elements (rows[i], col0 + j), j < BC, of a tensor
-    whose rows hold ``groups_per_row`` = ceil(C / 8) Philox counters (reference.uniform16).
+def _words_in_order(w0, w1, w2, w3, K: tl.constexpr):
+    """Byte K of the four words, joined so that the flattened trailing axes list the words
+    in order (join adds the *last* axis: [..., word // 2, word % 2])."""
+    return tl.join(tl.join(_byte_as_float(w0, K), _byte_as_float(w2, K)),
+                   tl.join(_byte_as_float(w1, K), _byte_as_float(w3, K)))
 
-    Element (r, c) uses counter r * groups_per_row + c // 8, word (c % 8) // 2, low half
-    for even c: build the (BR, BC/8, word_hi, word_lo, half) tensor by joins and flatten it.
-    col0 must be a multiple of 8. ``1 + h/65536 - (1 - 2**-17)`` is exact (Sterbenz) and
-    equals (h + 0.5) / 65536.
+
+@triton.jit
+def philox_uniform8(seed, rows, col0, groups_per_row, BC: tl.constexpr):
+    """Uniforms u = (u8 + 0.5) / 256 for elements (rows[i], col0 + j), j < BC, of a tensor
+    whose rows hold ``groups_per_row`` = ceil(C / 16) Philox counters (reference.uniform8).
+
+    Element (r, c) uses counter r * groups_per_row + c // 16, word (c % 16) // 4, byte c % 4:
+    build the (BR, BC/16, word (2 x 2), byte (2 x 2)) tensor by joins and flatten it. col0
+    must be a multiple of 16 and BC of 16. ``1 + b/256 - (1 - 2**-9)`` is exact (Sterbenz)
+    and equals (b + 0.5) / 256.
 
     (A Philox round written with 64-bit products saves two IMADs per round, but 64-bit
     values stop Triton from moving the join layouts back onto the counter, and the
     shared-memory layout conversions that result cost more than the IMADs saved.)
     """
     BR: tl.constexpr = rows.shape[0]
-    groups = col0 // 8 + tl.arange(0, BC // 8)
+    groups = col0 // 16 + tl.arange(0, BC // 16)
     counter = (rows.to(tl.int64)[:, None] * groups_per_row + groups[None, :]).to(tl.uint32)
     w0, w1, w2, w3 = tl.randint4x(seed, counter, _ROUNDS)   # 32-bit counter: high word 0
-    lo0, hi0 = _halfwords_as_floats(w0)
-    lo1, hi1 = _halfwords_as_floats(w1)
-    lo2, hi2 = _halfwords_as_floats(w2)
-    lo3, hi3 = _halfwords_as_floats(w3)
-    lo = tl.join(tl.join(lo0, lo2), tl.join(lo1, lo3))      # [..., word // 2, word % 2]
-    hi = tl.join(tl.join(hi0, hi2), tl.join(hi1, hi3))
-    bits = tl.reshape(tl.join(lo, hi), (BR, BC))            # [..., 2 * word + half]
-    return bits.to(tl.float32, bitcast=True) - 0.99999237060546875
+    b0 = _words_in_order(w0, w1, w2, w3, 0)
+    b1 = _words_in_order(w0, w1, w2, w3, 1)
+    b2 = _words_in_order(w0, w1, w2, w3, 2)
+    b3 = _words_in_order(w0, w1, w2, w3, 3)
+    bits = tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b3)), (BR, BC))   # [.., 4 w + b]
+    return bits.to(tl.float32, bitcast=True) - 0.998046875
 
 
 @triton.jit
@@ -150,8 +158,8 @@ def quantize(v, s, inv_s, u, Q: tl.constexpr, IEEE_DIV: tl.constexpr, AS_INT: tl
     instruction) maps NaN to 0 like the reference's ``nan_to_num``.
 
     The clamp is a no-op for Q < 64: |v| <= amax = Q * s up to two roundings of 2**-24,
-    so |v / s| <= Q (1 + 2**-23), and u lies in [2**-17, 1 - 2**-17] (or is 0.5), hence
-    -Q <= floor(v / s + u) <= Q whenever Q * 2**-23 < 2**-17. The integer path skips it
+    so |v / s| <= Q (1 + 2**-23), and u lies in [2**-9, 1 - 2**-9] (or is 0.5), hence
+    -Q <= floor(v / s + u) <= Q whenever Q * 2**-23 < 2**-9. The integer path skips it
     there (two instructions per element); 8-bit levels (Q = 127) keep it.
     """
     if IEEE_DIV:
@@ -227,9 +235,13 @@ def reciprocal_is_finite(inv_s):
 
 @triton.jit
 def store_levels(ptrs, q, mask, FP8: tl.constexpr):
-    """Store integer levels as int8, or as e4m3 (every |level| <= 15 is exact in e4m3)."""
+    """Store integer levels (int32 from ``quantize``'s ``AS_INT``, or fp32) as int8, or as
+    e4m3 (every |level| <= 15 is exact in e4m3). Levels stored as e4m3 come through int32
+    too: ``cvt.rmi`` floors, converts and maps NaN to 0 in one instruction, and the int ->
+    fp32 -> e4m3 conversions cost less than a float floor, the clamp and the NaN select
+    (the per-token HQ kernel is bound by instruction issue: bench/NOTES_kernels.md)."""
     if FP8:
-        tl.store(ptrs, q.to(tl.float8e4nv), mask=mask)
+        tl.store(ptrs, q.to(tl.float32).to(tl.float8e4nv), mask=mask)
     else:
         tl.store(ptrs, q.to(tl.int8), mask=mask)
 
@@ -253,10 +265,10 @@ def _quantize_store_rows(q_ptr, v, s, inv_s, seed, rows, col0, L, O_pad, ldq, gr
                          FP8: tl.constexpr, INTERPRET: tl.constexpr, IEEE_DIV: tl.constexpr):
     """Quantize a transformed (BR, BC) tile at (rows, col0) and store its levels."""
     if STOCHASTIC:
-        u = philox_uniform16(seed, rows, col0, groups_per_row, BC)
+        u = philox_uniform8(seed, rows, col0, groups_per_row, BC)
     else:
         u = 0.5
-    q = quantize(v, s, inv_s, u, Q, IEEE_DIV or INTERPRET, not (INTERPRET or FP8))
+    q = quantize(v, s, inv_s, u, Q, IEEE_DIV or INTERPRET, not INTERPRET)
     cols = col0 + tl.arange(0, BC)
     mask = (rows < L)[:, None] & (cols < O_pad)[None, :]
     store_levels(q_ptr + rows.to(tl.int64)[:, None] * ldq + cols[None, :], q, mask, FP8)
@@ -582,7 +594,7 @@ def hq_act_quant(g: torch.Tensor, bits: int, per_token: bool, seed, fp8: bool = 
     seed_t = seed_pointer(seed, dev)
     Q = qmax(bits)
     interp = interpreting()
-    groups = O_pad // 8
+    groups = O_pad // 16
     if per_token:
         s = torch.empty((L,), dtype=torch.float32, device=dev)
         bc, one, br, warps = token_tile(O_pad, interp)

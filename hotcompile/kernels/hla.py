@@ -11,7 +11,7 @@ stored (``_tile_shape``: which thread owns what, and why). Used twice per linear
   L' = ceil(L / 16) * r.
 * the g side of ``hla_grad_weight`` (backward): g (L, O) -> levels with stochastic
   rounding, written transposed as (O, L') so the g_W GEMM reads both operands along its
-  reduction axis. Uniforms: ``reference.uniform16`` over the (L', O) tensor for int8
+  reduction axis. Uniforms: ``reference.uniform8`` over the (L', O) tensor for int8
   levels, ``reference.hla_uniforms`` (channel-major) for scaled e4m3.
 
 Both write int8 levels, or (``E4M3``, the cuBLAS FP8 g_W path) scaled e4m3 with the same
@@ -36,7 +36,7 @@ import triton.language as tl
 
 from .launch import launch
 from . import reference as ref
-from .hadamard import (abs_bits, fwht16, interpreting, philox_uniform16, quantize, scalar_buffer,
+from .hadamard import (abs_bits, fwht16, interpreting, philox_uniform8, quantize, scalar_buffer,
                        scale_from_amax_bits, seed_pointer, to_e4m3)
 
 
@@ -173,12 +173,12 @@ def _quantize_store_tile(q_ptr, v, s, inv_s, seed, blk0, col0, n_blk, C, ldq, gr
     rows = (blk0 + tl.arange(0, BT))[:, None] * RANK + j[None, :]            # (BT, RP)
     cols = col0 + tl.arange(0, BC)
     if STOCHASTIC and E4M3:   # uniforms along each channel's padded coefficients
-        # (reference.hla_uniforms): counters c * groups_per_row + (blk * RP + j) // 8, all
-        # of them in the thread that owns channel c (blk0 * RP is a multiple of 8)
-        u = philox_uniform16(seed, cols, blk0 * RP, groups_per_row, BT * RP)   # (BC, BT*RP)
+        # (reference.hla_uniforms): counters c * groups_per_row + (blk * RP + j) // 16, all
+        # of them in the thread that owns channel c (blk0 * RP is a multiple of 16)
+        u = philox_uniform8(seed, cols, blk0 * RP, groups_per_row, BT * RP)    # (BC, BT*RP)
         u = tl.permute(tl.reshape(u, (BC, BT, RP)), (1, 0, 2))
     elif STOCHASTIC:   # uniforms follow the (L', C) layout: generate there, then turn
-        u = philox_uniform16(seed, tl.reshape(rows, (BT * RP,)), col0, groups_per_row, BC)
+        u = philox_uniform8(seed, tl.reshape(rows, (BT * RP,)), col0, groups_per_row, BC)
         u = tl.permute(tl.reshape(u, (BT, RP, BC)), (0, 2, 1))
     else:
         u = 0.5
@@ -287,9 +287,12 @@ def _tile_shape(C: int, interp: bool, rp: int = 16,
     Row-map kernels (nearest rounding, int8 levels): BC = 256 * warps makes Triton's
     coalesced load layout give every thread 8 consecutive channels (one 16-byte bf16
     vector) of all 16 tokens of a block: the token-axis transform, the kept-row gather and
-    the Philox words (8 consecutive channels per counter) are then all in registers, with
-    no layout conversion through shared memory (compiled code: 6 instructions per element
-    in phase 1, against 19 and 8 conversions for a 16 x 128 tile on 4 warps). Warps: the
+    the Philox words are then all in registers, with no layout conversion through shared
+    memory (compiled code: 6 instructions per element in phase 1, against 19 and 8
+    conversions for a 16 x 128 tile on 4 warps). (Since the 8-bit uniforms, one counter
+    covers 16 channels, two threads' worth: the stochastic int8 path, used on GPUs without
+    FP8, may compute each Philox call twice or convert layouts; timed in
+    ``kernel_ab_2026-11-26*_u8``.) Warps: the
     count that pads C least, then the most.
 
     ``channel_major`` (K-major stores, and the stochastic e4m3 operand, whose Philox
@@ -298,12 +301,12 @@ def _tile_shape(C: int, interp: bool, rp: int = 16,
     uniforms come from its own counters and its kept coefficients leave as one
     BT * RANK-byte run per channel. BT (``HOT_HLA_BT``) is the smallest count whose runs
     fill a 32-byte sector, at most 4 (rank 16: 2, rank 8: 4), and a multiple of
-    8 / RP so each tile starts on a counter. H100 (kernel_ab_2026-11-24T174155): half-sector
+    16 / RP so each tile starts on a counter (16 uniforms per counter). H100 (kernel_ab_2026-11-24T174155): half-sector
     runs (BT = 1 at rank 16) cost 17-45%: g's operand at 8192 x 11008 0.287 -> 0.237 ms,
     ABC written K-major 0.305 -> 0.164 ms, now faster than row-major + transpose (0.238).
     HOT_HLA_TILE="BT,BC,WARPS" overrides the row-map tile (tuning).
     """
-    bt_min = max(1, 8 // rp) if channel_major else 1
+    bt_min = max(1, 16 // rp) if channel_major else 1
     bt = int(os.environ.get("HOT_HLA_BT", max(bt_min, min(4, 32 // rp)))) if channel_major else 1
     if bt % bt_min:
         raise ValueError(f"HOT_HLA_BT={bt}: must be a multiple of {bt_min} at this rank")
@@ -385,7 +388,7 @@ def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic:
                 TRANSPOSED=transposed, INTERPRET=interpreting(), E4M3=e4m3, CPT=cpt,
                 FLAT=_blocks_are_row_runs(S, stride_b, stride_s), EVEN_C=C % bc == 0,
                 num_warps=warps)
-    groups = -(-n_blk * rp // 8) if channel_major else -(-C // 8)   # Philox counters per row
+    groups = -(-n_blk * rp // 16) if channel_major else -(-C // 16)   # Philox counters per row
     seed_t = seed_pointer(seed, dev) if stochastic else amax    # amax: an unread placeholder
     args = (x, q, s, amax, seed_t, int(seed_add), float(scale_mul), S, n_sblk, stride_b,
             stride_s, C, x.stride(0), ldq, n_blk, groups)

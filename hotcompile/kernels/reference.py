@@ -9,18 +9,20 @@ implementation must meet:
   applied to each run of ``n`` consecutive elements along the last axis, by the
   in-place butterfly ``(a, b) -> (a + b, a - b)`` with strides 1, 2, 4, 8.
 * Random bits: Triton's Philox-4x32 at ``PHILOX_ROUNDS`` = 7 rounds
-  (``tl.randint4x(seed, k, 7)``); each call
-  yields four 32-bit words = eight 16-bit uniforms.  Element ``(r, c)`` of a
-  ``(R, C)`` tensor uses counter ``k = r * ceil(C / 8) + c // 8``, word
-  ``(c % 8) // 2`` and the low (``c`` even) or high (``c`` odd) half-word;
-  ``u = (u16 + 0.5) / 65536``. One Philox call per 8 elements keeps the RNG
-  cheap next to a memory-bound pass; the 16-bit resolution leaves a rounding
-  bias below 2**-17 of one quantization step. Seven rounds, not Triton's default
-  ten: Philox-4x32-7 already passes TestU01's BigCrush (Salmon et al., SC'11, the
-  paper that defines Philox, calls 7 rounds "Crush-resistant" and adds 3 as a safety
-  margin), rounding needs no cryptographic margin, and the per-token HQ kernel is
-  bound by instruction issue, where the 3 rounds cost 10-14% (H200, 2026-11-26,
-  ``bench/results/diag_hq_2026-11-26*``).
+  (``tl.randint4x(seed, k, 7)``); each call yields four 32-bit words = sixteen 8-bit
+  uniforms. Element ``(r, c)`` of a ``(R, C)`` tensor uses counter
+  ``k = r * ceil(C / 16) + c // 16``, word ``(c % 16) // 4`` and its byte ``c % 4``
+  (byte 0 the lowest bits); ``u = (u8 + 0.5) / 256``. Why so few bits: the per-token HQ
+  kernel is bound by instruction issue, and the random bits were 28-35% of it (H200,
+  2026-11-26, ``bench/results/diag_hq_2026-11-26*``): one Philox call per 16 elements
+  instead of 8 halves them, and Philox-4x32-7 already passes TestU01's BigCrush
+  (Salmon et al., SC'11, the paper that defines Philox, calls 7 rounds
+  "Crush-resistant" and adds 3 as a safety margin; stochastic rounding needs no
+  cryptographic one). The price: a rounding probability p is replaced by the nearest
+  multiple of 1/256 (rounded half up), so each rounding is biased by at most 2**-9 of
+  one quantization step, against quantization noise of up to a whole step (the
+  literature's "few-bit stochastic rounding"; 16-bit uniforms, bias 2**-17, until
+  2026-11-26).
 * Quantization to ``Q = 2**(bits-1) - 1`` symmetric levels (4 bits: -7..7,
   8 bits: -127..127), absmax scale ``s = amax / Q`` per row or per tensor,
   ``s = 1`` where ``amax == 0``; stochastic rounding ``floor(v / s + u)``,
@@ -210,25 +212,26 @@ def philox4x32(seed, counter: torch.Tensor, rounds: int = PHILOX_ROUNDS):
     return c0, c1, c2, c3
 
 
-def uniform16(seed, rows: int, cols: int, device=None) -> torch.Tensor:
+def uniform8(seed, rows: int, cols: int, device=None) -> torch.Tensor:
     """(rows, cols) fp32 uniforms in (0, 1) with the element-to-bits map in the module doc."""
-    w8 = (cols + 7) // 8
-    counter = torch.arange(rows * w8, device=device, dtype=torch.int64)
-    words = torch.stack(philox4x32(seed, counter), dim=-1)            # (rows*w8, 4)
-    halves = torch.stack((words & 0xFFFF, words >> 16), dim=-1)        # (rows*w8, 4, 2)
-    u16 = halves.reshape(rows, w8 * 8)[:, :cols]
-    return (u16.to(torch.float32) + 0.5) * (1.0 / 65536.0)
+    w16 = (cols + 15) // 16
+    counter = torch.arange(rows * w16, device=device, dtype=torch.int64)
+    words = torch.stack(philox4x32(seed, counter), dim=-1)            # (rows*w16, 4)
+    shifts = torch.tensor((0, 8, 16, 24), device=words.device)
+    u8 = (words[..., None] >> shifts) & 0xFF                           # (rows*w16, 4, 4)
+    u8 = u8.reshape(rows, w16 * 16)[:, :cols]
+    return (u8.to(torch.float32) + 0.5) * (1.0 / 256.0)
 
 
 def hla_uniforms(seed, channels: int, n_blk: int, rank: int, device=None) -> torch.Tensor:
     """(n_blk * rank, channels) uniforms of HLA's stochastic e4m3 g operand.
 
-    Drawn along the layout the g_W GEMM reads, channel-major: ``uniform16`` of a
+    Drawn along the layout the g_W GEMM reads, channel-major: ``uniform8`` of a
     (channels, n_blk * RP) tensor whose rows hold each block's RP = 2**ceil(log2 rank)
     coefficient slots (those past ``rank`` unused), so a kernel thread that owns a channel
     finds all of a block's counters in that channel's row (``hla.py``, ``_tile_shape``)."""
     rp = 1 << max(0, (int(rank) - 1).bit_length())
-    u = uniform16(seed, channels, n_blk * rp, device=device)
+    u = uniform8(seed, channels, n_blk * rp, device=device)
     return u.reshape(channels, n_blk, rp)[:, :, :rank].reshape(channels, n_blk * rank).t()
 
 
@@ -252,7 +255,7 @@ def quantize(v: torch.Tensor, bits: int, per_row: bool, stochastic: bool, seed=0
     s = absmax_scale(v, bits, per_row) if scale is None else scale.float()
     scaled = v / (s[:, None] if s.dim() == 1 else s)
     if stochastic:
-        noise = uniform16(seed, v.shape[0], v.shape[1], device=v.device)
+        noise = uniform8(seed, v.shape[0], v.shape[1], device=v.device)
     else:
         noise = torch.full_like(scaled, 0.5)
     q = torch.floor(scaled + noise).clamp_(-qmax(bits), qmax(bits))
@@ -300,7 +303,7 @@ def quantize_e4m3(v: torch.Tensor, per_row: bool, stochastic: bool = False, seed
     e4m3 neighbours of t = v / s, the upper one with probability equal to t's distance from
     the lower in units of their spacing (unbiased, like ``quantize``'s levels): with
     step = 2**(max(floor(log2 |t|), -6) - 3) the spacing of t's binade (the subnormal step
-    2**-9 below 2**-6), the result is floor(t / step + u) * step with u from ``uniform16``
+    2**-9 below 2**-6), the result is floor(t / step + u) * step with u from ``uniform8``
     (element (r, c) of the (R, C) tensor), or the given ``u``. t / step is exact (a power of two) and the
     fp32 sum with u rounds the same in the kernels; the result is always an e4m3 value
     (at most 448: |t| <= 448 = 14 * 2**5 is itself on the grid of its binade).
@@ -313,7 +316,7 @@ def quantize_e4m3(v: torch.Tensor, per_row: bool, stochastic: bool = False, seed
         binade = (torch.frexp(t).exponent - 1).clamp_(min=-6)   # floor(log2 |t|), 0 -> -1
         step = torch.ldexp(torch.ones_like(t), binade - 3)
         if u is None:
-            u = uniform16(seed, t.shape[0], t.shape[1], device=t.device)
+            u = uniform8(seed, t.shape[0], t.shape[1], device=t.device)
         t = torch.floor(t / step + u) * step
     return t.to(torch.float8_e4m3fn), s
 
