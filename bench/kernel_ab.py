@@ -15,7 +15,8 @@ stochastic e4m3, transposed; ``g_pair``, g's HQ and HLA operands with a bound sc
 git history: commit 6d1b2cf), ``abc_x`` (the forward's compressed input: e4m3 row-major;
 also written K-major directly, against row-major + ``transpose_padded``), ``hq_w`` (W's HQ
 operand: e4m3), ``hq_g`` / ``hq_g_sweep`` (g's per-token HQ operand at forced tiles:
-Llama's and ViT's widths, or every width the models have). Old and new need not be
+Llama's and ViT's widths, or every width the models have), ``other_paths`` (the
+stochastic kernels off Hopper's default: int8 HLA operand, grad_out pair, per-tensor HQ). Old and new need not be
 bit-identical (a numerics change): the mismatch column says how far apart they are.
 """
 from __future__ import annotations
@@ -257,6 +258,30 @@ def bench_hq_w(old, new, rows):
         print(json.dumps(rows[-1]), flush=True)
 
 
+def bench_other_paths(old, new, rows):
+    """The stochastic paths off Hopper's default, old against new: g's HLA operand in int8
+    levels (GPUs without FP8), the grad_out pair at rank 8 (int8 saved activations) and
+    per-tensor HQ (``gx_scale="tensor"`` / LQS)."""
+    seed = torch.full((1,), 7, dtype=torch.int64, device="cuda")
+    for label, L, C in G_SHAPES:
+        gs = inputs_of((L, C))
+        res = {}
+        for name, mod in (("old", old), ("new", new)):
+            res[f"hla_g int8 {name}"] = time_ms(lambda g, m=mod: m.hla.hla_quant(
+                g, 16, "1d", 8, stochastic=True, seed=seed, seed_add=1, transposed=True,
+                pad_to=16), gs)
+            res[f"grad_out rank 8 {name}"] = time_ms(lambda g, m=mod: m.grad_out.grad_out_quant(
+                g, 4, True, seed, 8, "1d", 8, seed, True, hla_seed_add=1), gs)
+            res[f"hq_g per tensor {name}"] = time_ms(lambda g, m=mod: m.hadamard.hq_act_quant(
+                g, 4, False, seed, fp8=True), gs)
+        hla = lambda m: m.hla.hla_quant(gs[0], 16, "1d", 8, stochastic=True, seed=seed,  # noqa: E731
+                                        seed_add=1, transposed=True, pad_to=16)
+        rows.append(dict(kernel="other_paths", shape=label, L=L, C=C,
+                         mismatch_vs_old=mismatch(hla(old), hla(new)),
+                         copy_ms=copy_ms(3 * L * C), **res))
+        print(json.dumps(rows[-1]), flush=True)
+
+
 def markdown(rows, meta) -> str:
     out = [f"Device **{meta['device']}**, {meta['when']}, torch {meta['torch']}, new = working "
            f"tree (git {meta['git']}), old = {meta['rev']}. Median ms of CUDA events over "
@@ -287,12 +312,13 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     old, new = load_rev(a.rev), importlib.import_module("hotcompile.kernels")
     for pkg in ("hot_rev_kernels", "hotcompile.kernels"):     # the submodules used below
-        for mod in ("fused", "hla", "hadamard"):
+        for mod in ("fused", "hla", "hadamard", "grad_out"):
             importlib.import_module(f"{pkg}.{mod}")
     rows: list = []
     for k in a.kernels.split(","):
         {"hla_g": bench_hla_g, "abc_x": bench_abc, "hq_w": bench_hq_w,
-         "hq_g": bench_hq_g, "hq_g_sweep": bench_hq_g_sweep}[k](old, new, rows)
+         "hq_g": bench_hq_g, "hq_g_sweep": bench_hq_g_sweep,
+         "other_paths": bench_other_paths}[k](old, new, rows)
     git = git_commit() or os.environ.get("HOT_GIT", "?")
     meta = dict(device=device_name(torch.device("cuda")), when=stamp(), torch=torch.__version__,
                 git=git, rev=a.rev)
