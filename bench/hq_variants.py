@@ -115,7 +115,7 @@ def main(out):
         src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
         dst = torch.empty_like(src)
         row = {"copy": bench_graph(lambda: dst.copy_(src), [()]), "prod": bench_graph(prod, sets),
-               "copy_of_prod_equal": same}
+               "u8_variant_equals_prod": same}
         for name, m, r in (("r10", 0, 10), ("r7", 0, 7), ("r6", 0, 6), ("norng", 1, 10),
                            ("u8_r7_production", 2, PHILOX_ROUNDS), ("nostore", 3, 10)):
             row[name] = bench_graph(variant(m, r), sets)

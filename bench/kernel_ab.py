@@ -16,8 +16,9 @@ git history: commit 6d1b2cf), ``abc_x`` (the forward's compressed input: e4m3 ro
 also written K-major directly, against row-major + ``transpose_padded``), ``hq_w`` (W's HQ
 operand: e4m3), ``hq_g`` / ``hq_g_sweep`` (g's per-token HQ operand at forced tiles:
 Llama's and ViT's widths, or every width the models have), ``other_paths`` (the
-stochastic kernels off Hopper's default: int8 HLA operand, grad_out pair, per-tensor HQ). Old and new need not be
-bit-identical (a numerics change): the mismatch column says how far apart they are.
+stochastic kernels off Hopper's default: int8 HLA operand, grad_out pair, per-tensor HQ).
+Old and new need not be bit-identical (a numerics change): the mismatch column says how
+far apart they are.
 """
 from __future__ import annotations
 

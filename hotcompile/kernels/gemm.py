@@ -410,10 +410,11 @@ def cublas_fp8_mm(a: torch.Tensor, bt: torch.Tensor, row_scale: torch.Tensor,
     at Llama's 8192 tokens and 19% at ViT-B's 12608, against 0.17% exactly summed, for
     1-6% more GEMM time (bench/results/diag_gw_accum_*). The Hadamard over tokens should
     shrink that error (it gathers such a component into one coefficient of 16: a 16x
-    shorter coherent run; reasoning, not measured) but cannot remove it. The g_x GEMM showed no such loss (0.17-0.20%
-    either way with g along W's columns, diag_gw_accum2_*), and exact accumulation would
-    cost it 10-20% there. (torchao's float8 training defaults agree on g_W: fast
-    accumulation for the forward GEMM only; it keeps g_x exact too.)"""
+    shorter coherent run; reasoning, not measured) but cannot remove it. The g_x GEMM
+    showed no such loss (0.17-0.20% either way with g along W's columns,
+    diag_gw_accum2_*), and exact accumulation would cost it 10-20% there. (torchao's
+    float8 training defaults agree on g_W: fast accumulation for the forward GEMM only;
+    it keeps g_x exact too.)"""
     if row_scale.dim() == 0 and col_scale.dim() == 0:
         return torch._scaled_mm(a, bt.t(), row_scale, col_scale, out_dtype=out_dtype,
                                 use_fast_accum=fast_accum)

@@ -60,6 +60,7 @@ import triton.language as tl
 
 from .launch import launch
 from . import hadamard, hla
+from . import reference as ref
 from .hadamard import (_load_fwht_rows, _quantize_store_rows, abs_bits, interpreting, qmax,
                        reciprocal_is_finite, scale_from_amax_bits, seed_pointer)
 from .hla import _load_project, _packed_rows, _quantize_store_tile, _tile_origin
@@ -264,8 +265,8 @@ def grad_out_quant(g: torch.Tensor, hq_bits: int, per_token: bool, hq_seed, rank
     hq_seed_t = seed_pointer(hq_seed, dev)
     hla_seed_t = hq_seed_t if hla_seed is hq_seed else seed_pointer(hla_seed, dev)
     args = (g, hq_q, hq_s, hla_q, hla_s, amax, hq_seed_t, hla_seed_t, int(hla_seed_add), L, O,
-            O_pad, g.stride(0), ld_hla, S, n_sblk, stride_b, stride_s, n_blk, O_pad // 16,
-            -(-O // 16))
+            O_pad, g.stride(0), ld_hla, S, n_sblk, stride_b, stride_s, n_blk,
+            ref.philox_counters(O_pad), ref.philox_counters(O))
     meta = dict(PER_TOKEN=bool(per_token), BT=bt, BC=bc, HR=hr, RP=hla._pow2_at_least(rank),
                 RANK=rank, KEPT=kept, HQ_Q=qmax(hq_bits), HLA_Q=qmax(hla_bits), FP8=bool(fp8),
                 INTERPRET=interp, num_warps=warps)

@@ -30,7 +30,7 @@ import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
 from .launch import launch
-from .reference import E4M3_BOUND_Q, PHILOX_ROUNDS
+from .reference import E4M3_BOUND_Q, PHILOX_ROUNDS, philox_counters
 
 _ROUNDS = tl.constexpr(PHILOX_ROUNDS)
 
@@ -594,7 +594,7 @@ def hq_act_quant(g: torch.Tensor, bits: int, per_token: bool, seed, fp8: bool = 
     seed_t = seed_pointer(seed, dev)
     Q = qmax(bits)
     interp = interpreting()
-    groups = O_pad // 16
+    groups = philox_counters(O_pad)
     if per_token:
         s = torch.empty((L,), dtype=torch.float32, device=dev)
         bc, one, br, warps = token_tile(O_pad, interp)

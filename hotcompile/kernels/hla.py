@@ -301,12 +301,13 @@ def _tile_shape(C: int, interp: bool, rp: int = 16,
     uniforms come from its own counters and its kept coefficients leave as one
     BT * RANK-byte run per channel. BT (``HOT_HLA_BT``) is the smallest count whose runs
     fill a 32-byte sector, at most 4 (rank 16: 2, rank 8: 4), and a multiple of
-    16 / RP so each tile starts on a counter (16 uniforms per counter). H100 (kernel_ab_2026-11-24T174155): half-sector
-    runs (BT = 1 at rank 16) cost 17-45%: g's operand at 8192 x 11008 0.287 -> 0.237 ms,
-    ABC written K-major 0.305 -> 0.164 ms, now faster than row-major + transpose (0.238).
+    16 / RP so each tile starts on a counter (16 uniforms per counter). H100
+    (kernel_ab_2026-11-24T174155): half-sector runs (BT = 1 at rank 16) cost 17-45%: g's
+    operand at 8192 x 11008 0.287 -> 0.237 ms, ABC written K-major 0.305 -> 0.164 ms, now
+    faster than row-major + transpose (0.238).
     HOT_HLA_TILE="BT,BC,WARPS" overrides the row-map tile (tuning).
     """
-    bt_min = max(1, 16 // rp) if channel_major else 1
+    bt_min = max(1, ref.UNIFORMS_PER_COUNTER // rp) if channel_major else 1
     bt = int(os.environ.get("HOT_HLA_BT", max(bt_min, min(4, 32 // rp)))) if channel_major else 1
     if bt % bt_min:
         raise ValueError(f"HOT_HLA_BT={bt}: must be a multiple of {bt_min} at this rank")
@@ -388,7 +389,7 @@ def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic:
                 TRANSPOSED=transposed, INTERPRET=interpreting(), E4M3=e4m3, CPT=cpt,
                 FLAT=_blocks_are_row_runs(S, stride_b, stride_s), EVEN_C=C % bc == 0,
                 num_warps=warps)
-    groups = -(-n_blk * rp // 16) if channel_major else -(-C // 16)   # Philox counters per row
+    groups = ref.philox_counters(n_blk * rp if channel_major else C)   # per row of uniforms
     seed_t = seed_pointer(seed, dev) if stochastic else amax    # amax: an unread placeholder
     args = (x, q, s, amax, seed_t, int(seed_add), float(scale_mul), S, n_sblk, stride_b,
             stride_s, C, x.stride(0), ldq, n_blk, groups)

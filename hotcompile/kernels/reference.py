@@ -47,6 +47,7 @@ PHILOX_KEY_B = 0xBB67AE85
 PHILOX_ROUND_A = 0xD2511F53
 PHILOX_ROUND_B = 0xCD9E8D57
 PHILOX_ROUNDS = 7     # the module doc says why not Triton's default 10
+UNIFORMS_PER_COUNTER = 16   # 8-bit uniforms: four 32-bit words per Philox call
 _M32 = 0xFFFFFFFF
 
 
@@ -212,9 +213,15 @@ def philox4x32(seed, counter: torch.Tensor, rounds: int = PHILOX_ROUNDS):
     return c0, c1, c2, c3
 
 
+def philox_counters(cols: int) -> int:
+    """Philox counters a row of ``cols`` elements uses: ceil(cols / 16). The kernels' launchers
+    pass it as ``groups_per_row``; the channel-major HLA tile starts on a counter."""
+    return -(-int(cols) // UNIFORMS_PER_COUNTER)
+
+
 def uniform8(seed, rows: int, cols: int, device=None) -> torch.Tensor:
     """(rows, cols) fp32 uniforms in (0, 1) with the element-to-bits map in the module doc."""
-    w16 = (cols + 15) // 16
+    w16 = philox_counters(cols)
     counter = torch.arange(rows * w16, device=device, dtype=torch.int64)
     words = torch.stack(philox4x32(seed, counter), dim=-1)            # (rows*w16, 4)
     shifts = torch.tensor((0, 8, 16, 24), device=words.device)
