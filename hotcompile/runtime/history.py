@@ -42,8 +42,12 @@ def graph_key(names: Iterable[str]) -> int:
 def block(device: torch.device, key: int, slots: int) -> torch.Tensor:
     """The int32 (slots * WORDS) block of graph ``key`` on ``device``, zeroed when created.
 
-    Created outside any CUDA-graph capture (a graph's first run is eager: cudagraph trees
-    warm up first); a block made inside one would live in the graph's private pool."""
+    Never from a CUDA graph's memory pool: a graph's first run is eager, but cudagraph
+    trees route that warm-up's allocations on the current stream to the graph's private
+    pool (which then reports a live tensor it does not own, H100 2026-11-26). So a CUDA
+    block is allocated and zeroed by a short-lived thread on its own stream, which
+    allocate from the ordinary pool, once per process; inside a capture itself no
+    allocation is allowed at all."""
     device = torch.device(device)
     k = (str(device), int(key), int(slots))
     with _LOCK:
@@ -52,10 +56,29 @@ def block(device: torch.device, key: int, slots: int) -> torch.Tensor:
             if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError("hot::scale_history: first use inside a CUDA-graph capture; "
                                    "run the compiled step once before capturing it")
-            t = torch.zeros((max(1, int(slots)) * WORDS,), dtype=torch.int32, device=device)
+            t = _allocate(device, max(1, int(slots)) * WORDS)
             _BLOCKS[k] = t
             _BY_ADDRESS[(str(device), t.data_ptr())] = t
         return t
+
+
+def _allocate(device: torch.device, n: int) -> torch.Tensor:
+    if device.type != "cuda":
+        return torch.zeros((n,), dtype=torch.int32, device=device)
+    out = []
+
+    def make():     # another thread, another stream: cudagraph trees route this thread's
+        with torch.cuda.device(device):     # (torch 2.13) or this stream's allocations
+            side = torch.cuda.Stream(device)
+            with torch.cuda.stream(side):
+                out.append(torch.zeros((n,), dtype=torch.int32, device=device))
+            side.synchronize()  # zeroed before any kernel of the caller's stream reads it
+    worker = threading.Thread(target=make)
+    worker.start()
+    worker.join()
+    if not out:
+        raise RuntimeError("hot::scale_history: could not allocate the history block")
+    return out[0]
 
 
 def slot_of(history) -> Optional[torch.Tensor]:
