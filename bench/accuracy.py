@@ -282,8 +282,6 @@ def lm_data(cfg: dict, device, corpus: str = "stdlib") -> dict:
 def train_lm(mode: str, cfg: dict, data: dict, device, amp: Optional[str], hot_extra: dict,
              seed: int, keep_state: bool = False) -> dict:
     C.reset_compile_state()
-    from hotcompile.runtime import history
-    history.reset()
     torch.manual_seed(seed)
     base_mode, variant = C.split_mode(mode)
     with torch.device(device):
@@ -358,9 +356,6 @@ def train_lm(mode: str, cfg: dict, data: dict, device, amp: Optional[str], hot_e
            "seconds": time.perf_counter() - t_run,
            "params_m": round(C.count_params(gpt) / 1e6, 2)}
     rec.update(hot_info(be))
-    stats = [c for per_graph in history.stats().values() for c in per_graph]
-    if stats:       # delayed scaling: quantize calls, of them re-quantized
-        rec["scale_history"] = [sum(c for c, _ in stats), sum(r for _, r in stats)]
     if not all(math.isfinite(v) for v in train_losses) or not math.isfinite(rec["final_val_loss"]):
         rec["status"], rec["error"] = "error", "non-finite loss"
     if keep_state:

@@ -117,17 +117,14 @@ def kernels_for(L: int, I: int, O: int, rank: int):
             bt, bcc, warps, cpt = hla._tile_shape(C, False, hla._pow2_at_least(rank),
                                                   stochastic and e4m3)
             ptrs = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv" if e4m3 else "*i8", "s_ptr": "*fp32",
-                    "amax_ptr": "*i32", "seed_ptr": "*i64", "hist_ptr": "*i64"}
-            # phases 3, 4: the delayed scale (e4m3 only)
-            for phase in (1, 2, 3, 4) if e4m3 else (1, 2):
+                    "amax_ptr": "*i32", "seed_ptr": "*i64"}
+            for phase in (1, 2):
                 rows.append((f"{what}{' e4m3' if e4m3 else ''} p{phase}", hla._hla_kernel, ptrs,
                              dict(PHASE=phase, BT=bt, BC=bcc, RP=hla._pow2_at_least(rank),
                                   RANK=rank, KEPT=hla._packed_rows(rank, "1d"),
                                   Q=448 if e4m3 else 127, STOCHASTIC=stochastic,
                                   TRANSPOSED=stochastic or e4m3, INTERPRET=False, E4M3=e4m3,
-                                  CPT=cpt, FLAT=True, EVEN_C=C % bcc == 0,
-                                  MARGIN=hla.ref.DELAYED_MARGIN, BAND=hla.ref.DELAYED_BAND,
-                                  WORDS=hla.ref.HISTORY_WORDS),
+                                  CPT=cpt, FLAT=True, EVEN_C=C % bcc == 0),
                              warps))
     bt, bcc, warps, hr = grad_out.tile_shape(o_pad, False)
     for phase in (1, 2):

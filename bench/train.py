@@ -401,7 +401,6 @@ def run_one(model: str, mode: str, opts: dict) -> dict:
             full.append((time.perf_counter() - t) * 1e3)
         rec["static_mem_gib"] = rec["peak_mem_gib"] = None     # no device allocator on CPU
     rec["loss_last"] = float(loss.detach())
-    rec["scale_history"] = _history_counts()
     graphs_after, breaks = _counters()
     med = statistics.median(full)
     rec.update(step_ms=med, step_ms_min=min(full), step_ms_max=max(full),
@@ -762,17 +761,6 @@ def _ref(runs, model, mode="inductor", compile_mode=None):
                 and (compile_mode is None or _cm(r) == compile_mode)):
             return r
     return None
-
-
-def _history_counts():
-    """Delayed scaling's counters over every operand of this process (``gw_scaling=
-    "delayed"``): [quantize calls, of them re-quantized], or None when nothing used it."""
-    from hotcompile.runtime import history
-    stats = history.stats()
-    if not stats:
-        return None
-    slots = [c for per_graph in stats.values() for c in per_graph]
-    return [sum(c for c, _ in slots), sum(r for _, r in slots)]
 
 
 def _peak(r):

@@ -16,7 +16,6 @@ from .kernels.fp8_forward import FORWARDS as _FORWARDS
 
 _KERNELS = ("auto", "triton", "reference")
 _GX_SCALES = ("lqs", "token", "tensor")
-_GW_SCALINGS = ("dynamic", "delayed")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,12 +46,6 @@ class HOTConfig:
     stochastically rounded onto the e4m3 grid, x saved in e4m3), ``int8`` (``gw_bits``
     levels, the INT8 Triton GEMM), or ``auto`` (default): e4m3 on CUDA devices with FP8
     tensor cores, int8 elsewhere (``kernels.formats.gw_rule`` has the measurements).
-    gw_scaling: the per-tensor scale of the g_W path's e4m3 operands (g's coefficients, the
-    saved x): ``dynamic`` (this call's amax: a max pass over the operand, then the pass
-    that quantizes) or ``delayed`` (the last step's amax x 1.5, kept when nothing is
-    clamped and it is at most 2x loose, else a re-quantizing pass with the true amax:
-    ``reference.delayed_e4m3_scale``, ``runtime.history``): one pass instead of two in the
-    usual step. int8 operands always take the dynamic scale.
     forward: the forward GEMM of a rewritten site: ``bf16`` (default: as Inductor compiles
     it), ``fp8`` (tensor-wise scaled e4m3 operands on ``torch._scaled_mm``, the casts
     Inductor-fused aten ops: ``kernels/fp8_forward.py``) or ``fp8_rowwise`` (a scale per
@@ -98,7 +91,6 @@ class HOTConfig:
     gw_bits: int = 8
     gx_scale: str = "token"
     gw_format: str = "auto"
-    gw_scaling: str = "dynamic"
     forward: str = "bf16"
     rank_tolerance: float = 0.1
     rank_calibration_steps: int = 2
@@ -147,8 +139,6 @@ class HOTConfig:
             bad("rank_calibration_start", "must be >= 0")
         if self.gw_format not in _GW_FORMATS:
             bad("gw_format", f"must be one of {_GW_FORMATS}")
-        if self.gw_scaling not in _GW_SCALINGS:
-            bad("gw_scaling", f"must be one of {_GW_SCALINGS}")
         if self.forward not in _FORWARDS:
             bad("forward", f"must be one of {_FORWARDS}")
         if self.kernels not in _KERNELS:

@@ -196,44 +196,6 @@ def test_hla_e4m3_bit_exact(poison, L, C, rank, stochastic):
 
 
 @cpu
-@pytest.mark.parametrize("stochastic,rank", [(True, 16), (False, 16), (True, 8)])
-def test_hla_e4m3_delayed_scale_over_calls(poison, stochastic, rank):
-    """Delayed scaling (``reference.delayed_e4m3_scale``) through the kernels' history
-    words, over calls whose amax stays, jumps and drops: every call's levels (K-major, as
-    both operands are written) and scale bit-equal to the twin's rule applied to the
-    butterfly projection, and the slot's words equal to the twin's. Only the first call,
-    the jump and the drop re-quantize; a NaN makes the scale NaN, as the dynamic one."""
-    L, C, W = 48, 40, R.HISTORY_WORDS
-    blk = torch.full((3 * W,), 7, dtype=torch.int32)       # neighbours' words stay untouched
-    blk[W:2 * W] = 0
-    twin = blk.clone()
-    addr = torch.tensor([blk.data_ptr()], dtype=torch.int64)
-    base = _randn(L, C) * torch.exp(torch.randn(1, C))
-    rows = -(-L // 16) * rank
-    for mul in (1.0, 1.2, 1.1, 5.0, 0.2, 0.25):
-        x = base * mul + 0.01 * torch.randn(L, C)
-        q, s = HL.hla_quant(x, rank, "1d", 8, stochastic=stochastic, seed=99, seed_add=2,
-                            transposed=True, pad_to=16, e4m3=True, scale_mul=1 / 16,
-                            history=(addr, 1))
-        proj = _hla_butterfly_reference(x, rank, "1d", 0, False, 0, project_only=True)
-        sr = R.delayed_e4m3_scale(proj.abs().amax(), twin[W:2 * W])
-        u = R.hla_uniforms(101, C, -(-L // 16), rank) if stochastic else None
-        qr, _ = R.quantize_e4m3(proj, per_row=False, stochastic=stochastic, seed=101, u=u,
-                                scale=sr)
-        assert torch.equal(q[:, :rows].view(torch.uint8), qr.t().view(torch.uint8)), mul
-        assert float(s) * 16 == float(sr), mul
-        assert torch.equal(blk, twin), (mul, blk, twin)
-    assert blk[W + 1:W + 3].tolist() == [6, 3]          # calls, re-quantizations
-    x[3, 5] = float("nan")
-    q, s = HL.hla_quant(x, rank, "1d", 8, stochastic=stochastic, seed=99, e4m3=True,
-                        history=(addr, 1))
-    assert torch.isnan(s) and not q.float().any() and blk[W + 2] == 4
-    q, s = HL.hla_quant(base, rank, "1d", 8, stochastic=stochastic, seed=99, e4m3=True,
-                        history=(addr, 1))           # a NaN history: the true amax again
-    assert torch.isfinite(s) and blk[W + 2] == 5
-
-
-@cpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("L,O,I,rank,seq_len", [(64, 48, 32, 16, 0), (96, 32, 48, 8, 0),
                                                 (39, 40, 24, 16, 13)])

@@ -57,20 +57,16 @@ def _fakes(mode, *shapes, dtype=torch.bfloat16, device="cuda"):
         return [torch.empty(s, device=device, dtype=dtype) for s in shapes]
 
 
-def _site_graph(device="cuda", scale="token", measure="", fmt="e4m3", L=256, block=16,
-                delayed=False):
-    """A graph holding one site's ops as the rewrite inserts them: seeds, ABC, unit (with
-    ``delayed``, a history address and each e4m3 operand's slot)."""
+def _site_graph(device="cuda", scale="token", measure="", fmt="e4m3", L=256, block=16):
+    """A graph holding one site's ops as the rewrite inserts them: seeds, ABC, unit."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     g, x, w = _fakes(mode, (L, 512), (L, 384), (512, 384), device=device)
 
     def f(g, x, w):
         seeds = hot.draw_seeds(g, 1)
-        hist = (hot.scale_history(g, 5, 2),) if delayed else ()
-        xq, xs = hot.abc_compress(x, block, 8, block, 0, False, "auto", fmt,
-                                  *(hist + (0,) if delayed else ()))
+        xq, xs = hot.abc_compress(x, block, 8, block, 0, False, "auto", fmt)
         return hot.linear_backward(g, xq, xs, block, 8, block, 0, False, measure, "auto", w, 4, 8,
-                                   scale, "k", seeds, 0, *(hist + (1,) if delayed else ()))
+                                   scale, "k", seeds, 0)
 
     with mode:
         gm = make_fx(f, tracing_mode="fake")(g, x, w)
@@ -81,28 +77,6 @@ def _site_graph(device="cuda", scale="token", measure="", fmt="e4m3", L=256, blo
 
 def _nodes(gm, targets):
     return [n for n in gm.graph.nodes if n.target in targets]
-
-
-@compiled
-def test_a_delayed_scale_site_splices_reading_its_history(hopper):
-    """``gw_scaling="delayed"``: the kernels reach the history words through the address
-    tensor they load, so the mutation analysis sees them only read it: both ops splice,
-    nothing is cloned or copied back, the ``scale_history`` node stays (one per graph
-    side) and each HLA operand still takes 2 launches (quantize; keep or re-quantize)."""
-    gm, mode = _site_graph(delayed=True)
-    how = SP.splice_ops(gm.graph, _nodes(gm, SP.BODIES), mode)
-    assert sorted(how.values()) == ["Inductor", "Inductor"], how
-    gm.graph.eliminate_dead_code()
-    (hist,) = _nodes(gm, {hot.scale_history.default})
-    kernels = _nodes(gm, {WRAPPER})
-    assert len(kernels) == 6
-    views = {hist} | set(hist.users)               # (realized in its traced layout)
-    readers = [k for k in kernels if views & set(k.kwargs["kwargs"].values())]
-    assert len(readers) == 4                                   # ABC's 2, g's HLA operand's 2
-    for k in readers:
-        names = [n for n, v in k.kwargs["kwargs"].items() if v in views]
-        assert names == ["hist_ptr"] and "hist_ptr" not in k.kwargs["tensors_to_clone"]
-    assert not _nodes(gm, {torch.ops.aten.copy_.default})
 
 
 @compiled

@@ -105,8 +105,7 @@ def record_site(site: "LinearSite", graph_index: int, config, plan=None) -> Site
         scale = "lqs" if config.gx_scale == "lqs" else config.gx_scale
         gx = (f"HQ g{config.gx_bits}/w{config.gx_w_bits} ({scale})" if site.gx is not None
               else "- (x needs no grad)")
-        fmt = ("e4m3" + (" delayed" if config.gw_scaling == "delayed" else "")
-               if site.gw_format == "e4m3" else f"int{config.gw_bits}")
+        fmt = "e4m3" if site.gw_format == "e4m3" else f"int{config.gw_bits}"
         gw = f"HLA r={rank}/{config.block} {fmt}" if site.gw is not None else "- (frozen weight)"
     else:
         gx = "exact" if site.gx is not None else "-"

@@ -29,7 +29,6 @@ import torch
 from . import formats, gemm, grad_out, hadamard, hla
 from .launch import recording_launches
 from . import reference as ref
-from ..runtime.history import slot_of as history_slot
 
 _FUSED_BLOCK = 16
 
@@ -81,10 +80,9 @@ def _gx(g, w, bits: int, w_bits: int, per_token: bool, seed, gq=None, path=None,
 
 def abc_compress(x: torch.Tensor, rank: int, select: str = "1d", bits: int = 8,
                  block: int = 16, *, seq_len: int = 0, seq_first: bool = False,
-                 fmt: str = "int8", history=None):
+                 fmt: str = "int8"):
     """The saved activation: HLA-projected x (hla_rows, I) as int8 levels, or with
     ``fmt="e4m3"`` as scaled FP8 (the cuBLAS g_W GEMM's operand); fp32 scale ().
-    ``history``: (address tensor, slot) of an e4m3 operand's delayed scale (``hla_quant``).
 
     Written K-major by the kernel (``reference.k_major_saved``: an (L', I) view of an
     (I, L'_pad) buffer), the layout both g_W GEMMs read, so no transpose runs in backward.
@@ -92,11 +90,10 @@ def abc_compress(x: torch.Tensor, rank: int, select: str = "1d", bits: int = 8,
     at 8192 x 4096, 0.164 vs 0.170 + 0.068 ms at 8192 x 11008."""
     lay = dict(seq_len=seq_len, seq_first=seq_first)
     if block != _FUSED_BLOCK or not _fused_bits(bits) or x.numel() == 0:
-        q, s = ref.abc_compress(x, rank, select, bits, block, **lay, fmt=fmt,
-                                history=history_slot(history))
+        q, s = ref.abc_compress(x, rank, select, bits, block, **lay, fmt=fmt)
         return ref.k_major_saved(q), s
     q, s = hla.hla_quant(x, rank, select, bits, stochastic=False, e4m3=fmt == "e4m3",
-                         transposed=True, pad_to=16, history=history, **lay)
+                         transposed=True, pad_to=16, **lay)
     return q.narrow(1, 0, ref.hla_rows(x.shape[0], rank, block, seq_len)).t(), s
 
 
@@ -122,7 +119,7 @@ def _k_major(q: torch.Tensor) -> torch.Tensor:
 
 
 def _gw(g, xt, x_scale, rank: int, select: str, bits: int, seed, lay, qg=None,
-        seed_add: int = 0, amax=None, history=None) -> torch.Tensor:
+        seed_add: int = 0, amax=None) -> torch.Tensor:
     """The fused g_W GEMM: g's projected levels (given as ``qg`` = transposed levels and
     scale, or computed with Philox key seed + ``seed_add``, written transposed by the HLA
     kernel: as fast as row-major plus a transpose, one launch fewer, layers_2026-11-24T030739)
@@ -137,8 +134,7 @@ def _gw(g, xt, x_scale, rank: int, select: str, bits: int, seed, lay, qg=None,
     fp8 = xt.dtype == torch.float8_e4m3fn
     qg = qg or hla.hla_quant(g, rank, select, bits, stochastic=True, seed=seed,
                              seed_add=seed_add, transposed=True, pad_to=16, e4m3=fp8,
-                             scale_mul=1.0 / _FUSED_BLOCK if fp8 else 1.0, amax=amax,
-                             history=history, **lay)
+                             scale_mul=1.0 / _FUSED_BLOCK if fp8 else 1.0, amax=amax, **lay)
     if fp8:
         # bf16 and fp32 outputs are what the H100 runs measured; fp16 goes through fp32
         out = gemm.cublas_fp8_mm(qg[0], _k_major(xt), qg[1], xs,
@@ -150,35 +146,32 @@ def _gw(g, xt, x_scale, rank: int, select: str, bits: int, seed, lay, qg=None,
 
 def hla_grad_weight(g: torch.Tensor, xt: torch.Tensor, x_scale: torch.Tensor, rank: int,
                     select: str = "1d", bits: int = 8, seed=0, block: int = 16, *,
-                    seq_len: int = 0, seq_first: bool = False, history=None) -> torch.Tensor:
+                    seq_len: int = 0, seq_first: bool = False) -> torch.Tensor:
     """g_W ~= g_y^T x over the kept low-pass token coefficients. g: (L, O) -> (O, I).
-    ``xt``: ``abc_compress``'s buffer in either format; ``history``: ``abc_compress``'s."""
+    ``xt``: ``abc_compress``'s buffer in either format."""
     lay = dict(seq_len=seq_len, seq_first=seq_first)
     if (block != _FUSED_BLOCK or not _fused_bits(bits)
             or xt.dtype not in (torch.int8, torch.float8_e4m3fn)
             or g.numel() == 0 or xt.numel() == 0):
-        return ref.hla_grad_weight(g, xt, x_scale, rank, select, bits, seed, block, **lay,
-                                   history=history_slot(history))
-    return _gw(g, xt, x_scale, rank, select, bits, seed, lay, history=history)
+        return ref.hla_grad_weight(g, xt, x_scale, rank, select, bits, seed, block, **lay)
+    return _gw(g, xt, x_scale, rank, select, bits, seed, lay)
 
 
 def linear_backward(g: torch.Tensor, w: torch.Tensor, xt: torch.Tensor, x_scale: torch.Tensor,
                     rank: int, gx_bits: int, w_bits: int, gw_bits: int, per_token: bool, seed=0,
                     block: int = 16, *, seq_len: int = 0, seq_first: bool = False,
-                    one_pass: bool = True, warm_other_scale: bool = False, history=None):
+                    one_pass: bool = True, warm_other_scale: bool = False):
     """One linear layer's whole HOT backward: (g_x, g_W), bit-equal to ``hq_grad_input(g, w,
     gx_bits, per_token, seed)`` and ``hla_grad_weight(g, xt, x_scale, rank, "1d", gw_bits,
     seed + 1)``. One seed for the site (the HLA side adds 1 on the device). ``one_pass``:
     g is read by one kernel pair for both operands (``grad_out``; int8 saved activations
-    only), else by the two separate kernels (faster at rank 16: ``ops.ONE_PASS_MAX_RANK``).
-    ``history``: g's e4m3 operand's delayed scale (``hla_quant``)."""
+    only), else by the two separate kernels (faster at rank 16: ``ops.ONE_PASS_MAX_RANK``)."""
     lay = dict(seq_len=seq_len, seq_first=seq_first)
     if (block != _FUSED_BLOCK or not all(_fused_bits(b) for b in (gx_bits, w_bits, gw_bits))
             or xt.dtype not in (torch.int8, torch.float8_e4m3fn)
             or g.numel() == 0 or w.numel() == 0 or xt.numel() == 0):
         return (hq_grad_input(g, w, gx_bits, per_token, seed, block, warm_other_scale, w_bits),
-                hla_grad_weight(g, xt, x_scale, rank, "1d", gw_bits, seed + 1, block, **lay,
-                                history=history))
+                hla_grad_weight(g, xt, x_scale, rank, "1d", gw_bits, seed + 1, block, **lay))
     path = gx_path(g, w, gx_bits, w_bits, per_token)
     fp8 = path[0] != "int8"
     qg_t = None
@@ -194,15 +187,13 @@ def linear_backward(g: torch.Tensor, w: torch.Tensor, xt: torch.Tensor, x_scale:
     # kernel zeroes its own: a shared buffer written through two views would be
     # functionalised into scatters)
     n_w = 0 if path[1] else w.shape[1]
-    n_g = 0 if qg_t is not None else \
-        (2 if history is not None and xt.dtype == torch.float8_e4m3fn else 1)
     ws = None if recording_launches() else \
-        torch.zeros((n_w + n_g,), dtype=torch.int32, device=g.device)
+        torch.zeros((n_w + (qg_t is None),), dtype=torch.int32, device=g.device)
     gx = _gx(g, w, gx_bits, w_bits, per_token, seed, gq=(qg, sg), path=path,
              w_amax=ws.narrow(0, 0, n_w) if ws is not None and n_w else None)
     if qg_t is None:    # g's HLA operand from its own kernel: Philox key seed + 1
         gw = _gw(g, xt, x_scale, rank, "1d", gw_bits, seed, lay, seed_add=1,
-                 amax=None if ws is None else ws.narrow(0, n_w, n_g), history=history)
+                 amax=None if ws is None else ws.narrow(0, n_w, 1))
     else:
         gw = _gw(g, xt, x_scale, rank, "1d", gw_bits, seed, lay, qg=tuple(qg_t))
     return gx, gw

@@ -204,86 +204,46 @@ def _tile_origin(t, n_ct, BT: tl.constexpr, BC: tl.constexpr):
 
 @triton.jit
 def _hla_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, seed_ptr, seed_add, scale_mul, S, n_sblk, stride_b,
-                stride_s, C, stride_x, ldq, n_blk, groups_per_row, hist_ptr, hist_slot,
-                PHASE: tl.constexpr,
+                stride_s, C, stride_x, ldq, n_blk, groups_per_row, PHASE: tl.constexpr,
                 BT: tl.constexpr, BC: tl.constexpr, RP: tl.constexpr, RANK: tl.constexpr,
                 KEPT: tl.constexpr, Q: tl.constexpr, STOCHASTIC: tl.constexpr,
                 TRANSPOSED: tl.constexpr, INTERPRET: tl.constexpr, E4M3: tl.constexpr,
-                CPT: tl.constexpr, FLAT: tl.constexpr, EVEN_C: tl.constexpr,
-                MARGIN: tl.constexpr, BAND: tl.constexpr, WORDS: tl.constexpr):
+                CPT: tl.constexpr, FLAT: tl.constexpr, EVEN_C: tl.constexpr):
     """One tile of BT token blocks x BC channels per program (phase 2: ``_phase2_tiles``).
 
-    Dynamic scale: phase 1 projects, atomically maxes the amax of the kept coefficients
-    into ``amax_ptr`` (zeroed); phase 2 scales, re-projects, quantizes, stores, tiles in
-    reverse order so the ones phase 1 read last (still in L2) come first.
-    Delayed scale (``reference.delayed_e4m3_scale``; ``hist_ptr`` holds the address of the
-    graph's persistent int32 block, ``runtime.history``, whose words stay out of the
-    functional graph): phase 3 quantizes and stores with the
-    history's last amax x MARGIN while it maxes this call's amax (word 0) and records the
-    amax it used (word 1; 0 when there is none); phase 4 keeps that, or re-quantizes with
-    the true amax (phase 2's code, on a grid that may be smaller than the tiles), and
-    stores the amax into the history. The stored scale is s * scale_mul (a power of two).
+    Phase 1: project, atomically max the amax of the kept coefficients into ``amax_ptr``
+    (zeroed). Phase 2: scale, re-project, quantize, store; tiles in reverse order so the
+    ones phase 1 read last (still in L2) come first. The stored scale is s * scale_mul
+    (a power of two: exact).
     """
     pid = tl.program_id(0)
     n_ct = tl.cdiv(C, BC)
-    if STOCHASTIC:
-        seed = tl.load(seed_ptr) + seed_add
-    else:   # nearest rounding: no seed (callers pass any pointer)
-        seed = 0
-    if PHASE == 1 or PHASE == 3:
+    if PHASE == 1:
         blk0, col0 = _tile_origin(pid, n_ct, BT, BC)
         v = _load_project(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C,
                           stride_x, BT, BC, RP, RANK, KEPT, CPT, FLAT, EVEN_C)
         keep = (tl.arange(0, RP) < RANK)[None, None, :]
         tl.atomic_max(amax_ptr, tl.max(tl.where(keep, abs_bits(v), 0)))
-        if PHASE == 3:
-            # the history's address is loaded here, in the kernel's own body: the mutation
-            # analysis does not follow a loaded pointer (through a called helper it would,
-            # and the address tensor would be copied as if written)
-            slot = tl.load(hist_ptr).to(tl.pointer_type(tl.int32)) + hist_slot * WORDS
-            prev = tl.load(slot).to(tl.float32, bitcast=True)
-            used = prev * MARGIN
-            s = scale_from_amax_bits(used.to(tl.int32, bitcast=True), Q)
-            inv_s = tl.math.div_rn(1.0, s)
-            ok = (prev > 0.0) & (used < float("inf")) & (inv_s < float("inf"))
-            if pid == 0:
-                tl.store(amax_ptr + 1, tl.where(ok, used.to(tl.int32, bitcast=True), 0))
-            if ok:
-                _quantize_store_tile(q_ptr, v, s, inv_s, seed, blk0, col0, n_blk, C, ldq,
-                                     groups_per_row, BT, BC, RP, RANK, Q, STOCHASTIC,
-                                     TRANSPOSED, INTERPRET, False, E4M3)
     else:
-        a_bits = tl.load(amax_ptr)
-        requant = True
-        if PHASE == 4:
-            u_bits = tl.load(amax_ptr + 1)
-            kept = ((u_bits > 0) & (a_bits <= u_bits)
-                    & (a_bits.to(tl.float32, bitcast=True) * BAND
-                       >= u_bits.to(tl.float32, bitcast=True)))
-            requant = kept == 0
-            if pid == 0:
-                slot = tl.load(hist_ptr).to(tl.pointer_type(tl.int32)) + hist_slot * WORDS
-                tl.store(slot, a_bits)
-                tl.store(slot + 1, tl.load(slot + 1) + 1)
-                tl.store(slot + 2, tl.load(slot + 2) + requant.to(tl.int32))
-                if kept:
-                    tl.store(s_ptr, scale_from_amax_bits(u_bits, Q) * scale_mul)
-        s = scale_from_amax_bits(a_bits, Q)
+        if STOCHASTIC:
+            seed = tl.load(seed_ptr) + seed_add
+        else:   # nearest rounding: no seed (callers pass any pointer)
+            seed = 0
+        s = scale_from_amax_bits(tl.load(amax_ptr), Q)
         inv_s = tl.math.div_rn(1.0, s)
-        if requant:
-            if pid == 0:
-                tl.store(s_ptr, s * scale_mul)
-            n_tiles = tl.cdiv(n_blk, BT) * n_ct
-            if (inv_s < float("inf")) & (inv_s > 0.0):     # s finite: every quotient is finite
-                _phase2_tiles(x_ptr, q_ptr, s, inv_s, seed, pid, n_tiles, n_ct, S, n_sblk,
-                              stride_b, stride_s, C, stride_x, ldq, n_blk, groups_per_row, BT,
-                              BC, RP, RANK, KEPT, Q, STOCHASTIC, TRANSPOSED, INTERPRET, False,
-                              E4M3, CPT, FLAT, EVEN_C)
-            else:
-                _phase2_tiles(x_ptr, q_ptr, s, inv_s, seed, pid, n_tiles, n_ct, S, n_sblk,
-                              stride_b, stride_s, C, stride_x, ldq, n_blk, groups_per_row, BT,
-                              BC, RP, RANK, KEPT, Q, STOCHASTIC, TRANSPOSED, INTERPRET, True,
-                              E4M3, CPT, FLAT, EVEN_C)
+        if pid == 0:
+            tl.store(s_ptr, s * scale_mul)
+        n_tiles = tl.cdiv(n_blk, BT) * n_ct
+        if (inv_s < float("inf")) & (inv_s > 0.0):     # s finite: every quotient is finite
+            _phase2_tiles(x_ptr, q_ptr, s, inv_s, seed, pid, n_tiles, n_ct, S, n_sblk, stride_b,
+                          stride_s, C, stride_x, ldq, n_blk, groups_per_row, BT, BC, RP, RANK,
+                          KEPT, Q, STOCHASTIC, TRANSPOSED, INTERPRET, False, E4M3, CPT, FLAT,
+                          EVEN_C)
+        else:
+            _phase2_tiles(x_ptr, q_ptr, s, inv_s, seed, pid, n_tiles, n_ct, S, n_sblk, stride_b,
+                          stride_s, C, stride_x, ldq, n_blk, groups_per_row, BT, BC, RP, RANK,
+                          KEPT, Q, STOCHASTIC, TRANSPOSED, INTERPRET, True, E4M3, CPT, FLAT,
+                          EVEN_C)
 
 
 @triton.jit
@@ -387,7 +347,7 @@ def token_layout(L: int, seq_len: int = 0, seq_first: bool = False):
 def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic: bool, seed=0,
               transposed: bool = False, pad_to: int = 1, seq_len: int = 0,
               seq_first: bool = False, seed_add: int = 0, e4m3: bool = False,
-              scale_mul: float = 1.0, amax: torch.Tensor | None = None, history=None):
+              scale_mul: float = 1.0, amax: torch.Tensor | None = None):
     """Project x (L, C) along its tokens onto ``rank`` kept rows per block of 16
     neighbouring tokens of one sequence (``reference.sequence_blocks``) and quantize.
 
@@ -399,11 +359,7 @@ def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic:
     (L'_pad = L' rounded up to ``pad_to``) holding the transpose; its columns past L'
     are left unwritten (consumers must mask them), except in e4m3, where they are zeroed:
     the cuBLAS GEMM reads all L'_pad columns. ``amax``: a zeroed (1,) int32 workspace the
-    caller made with others in one launch (default: its own; two words with ``history``).
-    ``history``: (the graph's history address, a 1-element int64 tensor from
-    ``hot::scale_history``; this operand's slot): an e4m3 operand's delayed scale
-    (``reference.delayed_e4m3_scale``): one pass over x instead of two unless it must
-    re-quantize. Ignored for int8 levels.
+    caller made with others in one launch (default: its own).
     """
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -421,9 +377,7 @@ def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic:
         ldq = C
         q = torch.empty((rows_out, C), dtype=dtype, device=dev)
     s = scalar_buffer(dev)
-    delayed = history is not None and e4m3
-    amax = torch.zeros((2 if delayed else 1,), dtype=torch.int32, device=dev) \
-        if amax is None else amax
+    amax = torch.zeros((1,), dtype=torch.int32, device=dev) if amax is None else amax
     rp = _pow2_at_least(rank)
     # the channel-major tile for g's stochastic operand (its Philox map needs it) and for
     # every K-major store of nearest levels (ABC): runs of BT * RANK bytes per channel
@@ -434,28 +388,11 @@ def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic:
                 Q=448 if e4m3 else 2 ** (bits - 1) - 1, STOCHASTIC=stochastic,
                 TRANSPOSED=transposed, INTERPRET=interpreting(), E4M3=e4m3, CPT=cpt,
                 FLAT=_blocks_are_row_runs(S, stride_b, stride_s), EVEN_C=C % bc == 0,
-                MARGIN=ref.DELAYED_MARGIN, BAND=ref.DELAYED_BAND, WORDS=ref.HISTORY_WORDS,
                 num_warps=warps)
     groups = ref.philox_counters(n_blk * rp if channel_major else C)   # per row of uniforms
     seed_t = seed_pointer(seed, dev) if stochastic else amax    # amax: an unread placeholder
-    hist, slot = history if delayed else (seed_t, 0)     # seed_t: an unread placeholder
     args = (x, q, s, amax, seed_t, int(seed_add), float(scale_mul), S, n_sblk, stride_b,
-            stride_s, C, x.stride(0), ldq, n_blk, groups, hist, int(slot))
-    if not delayed:
-        launch(_hla_kernel, grid, *args, PHASE=1, **meta)
-        launch(_hla_kernel, grid, *args, PHASE=2, **meta)
-        return q, s
-    launch(_hla_kernel, grid, *args, PHASE=3, **meta)
-    launch(_hla_kernel, (min(grid[0], _fixup_programs(dev)),), *args, PHASE=4, **meta)
+            stride_s, C, x.stride(0), ldq, n_blk, groups)
+    launch(_hla_kernel, grid, *args, PHASE=1, **meta)
+    launch(_hla_kernel, grid, *args, PHASE=2, **meta)
     return q, s
-
-
-def _fixup_programs(device) -> int:
-    """Programs of the delayed scale's second launch: it returns at once unless it must
-    re-quantize, then loops over the tiles (``_phase2_tiles``). A few per SM keep the
-    usual case a launch of ~1k empty programs; the interpreter takes 2, so its tests
-    walk the loop."""
-    if interpreting() or device.type != "cuda":
-        return 2
-    from .gemm import _sm_count
-    return 4 * _sm_count(device.index if device.index is not None else 0)

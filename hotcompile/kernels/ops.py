@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from . import formats, reference as ref
-from ..runtime import history as HISTORY, rank as RANK
+from ..runtime import rank as RANK
 from ..runtime.lqs import TABLE as LQS, capturing
 
 _SEED_HIGH = 2 ** 62
@@ -59,24 +59,6 @@ def draw_seeds(like: Tensor, n: int) -> Tensor:
 @draw_seeds.register_fake
 def _(like, n):
     return torch.empty((n,), dtype=torch.int64, device=like.device)
-
-
-@torch.library.custom_op("hot::scale_history", mutates_args=())
-def scale_history(like: Tensor, key: int, slots: int) -> Tensor:
-    """The address of this process's history block for graph ``key`` on ``like``'s device
-    (``runtime.history``), as a fresh 1-element int64 tensor: delayed-scaled kernels read
-    and write their slot through it. One per graph (a device fill, capturable)."""
-    t = HISTORY.block(like.device, key, slots)
-    return torch.full((1,), t.data_ptr(), dtype=torch.int64, device=like.device)
-
-
-@scale_history.register_fake
-def _(like, key, slots):
-    return torch.empty((1,), dtype=torch.int64, device=like.device)
-
-
-def _history(history: Optional[Tensor], slot: int):
-    return None if history is None else (history, slot)
 
 
 def _seed(g: Tensor, seeds: Optional[Tensor], seed_index: int) -> Tensor:
@@ -163,22 +145,17 @@ def _(g, w, bits, w_bits, block, scale, site, kernels, seeds=None, seed_index=0)
 
 # ----------------------------------------------------------------------- ABC (forward)
 def abc_compress_body(x: Tensor, rank: int, bits: int, block: int, seq_len: int,
-                      seq_first: bool, kernels: str, fmt: str,
-                      history: Optional[Tensor] = None,
-                      history_slot: int = 0) -> tuple[Tensor, Tensor]:
+                      seq_first: bool, kernels: str, fmt: str) -> tuple[Tensor, Tensor]:
     """x (L, I) -> (HLA-projected x (hla_rows, I), fp32 scale ()): int8 levels, or with
     ``fmt="e4m3"`` scaled FP8, the cuBLAS g_W GEMM's operand (``formats.gw_rule``), held
     K-major (``reference.k_major_saved``) on every path.
 
     Blocks hold ``block`` neighbouring tokens of one sequence of ``seq_len`` tokens
-    (rows ``b*S + s``, or ``s*B + b`` with ``seq_first``); ``seq_len=0``: one flat axis.
-    ``history``, ``history_slot``: an e4m3 operand's delayed scale (``hot::scale_history``'s
-    address and this operand's slot; ``runtime.history``)."""
+    (rows ``b*S + s``, or ``s*B + b`` with ``seq_first``); ``seq_len=0``: one flat axis."""
     lay = dict(seq_len=seq_len, seq_first=seq_first, fmt=fmt)
-    hist = _history(history, history_slot)
     if triton_usable(x, kernels):
-        return _fused().abc_compress(x, rank, "1d", bits, block, **lay, history=hist)
-    q, s = ref.abc_compress(x, rank, "1d", bits, block, **lay, history=HISTORY.slot_of(hist))
+        return _fused().abc_compress(x, rank, "1d", bits, block, **lay)
+    q, s = ref.abc_compress(x, rank, "1d", bits, block, **lay)
     return ref.k_major_saved(q), s
 
 
@@ -187,7 +164,7 @@ abc_compress = torch.library.custom_op("hot::abc_compress", mutates_args=())(
 
 
 @abc_compress.register_fake
-def _(x, rank, bits, block, seq_len, seq_first, kernels, fmt, history=None, history_slot=0):
+def _(x, rank, bits, block, seq_len, seq_first, kernels, fmt):
     rows = ref.hla_rows(x.shape[0], rank, block, seq_len)
     dtype = torch.float8_e4m3fn if fmt == "e4m3" else torch.int8
     ld = (rows + 15) // 16 * 16          # reference.k_major_saved: K-major, as every path
@@ -198,23 +175,18 @@ def _(x, rank, bits, block, seq_len, seq_first, kernels, fmt, history=None, hist
 # ----------------------------------------------------------------------- HLA (g_W)
 def hla_grad_weight_body(g: Tensor, xq: Tensor, x_scale: Tensor, rank: int, bits: int,
                          block: int, seq_len: int, seq_first: bool, measure: str, kernels: str,
-                         seeds: Optional[Tensor] = None, seed_index: int = 0,
-                         history: Optional[Tensor] = None, history_slot: int = 0) -> Tensor:
+                         seeds: Optional[Tensor] = None, seed_index: int = 0) -> Tensor:
     """g_W ~= g^T x over the kept low-pass token coefficients. g: (L, O) -> (O, I).
 
     ``measure``: a rank-calibration key (``runtime.rank``): also measure, on this step's
-    real g and x, g_W's error at every rank against this full-rank result. ``history``:
-    g's e4m3 operand's delayed scale (``abc_compress``'s)."""
+    real g and x, g_W's error at every rank against this full-rank result."""
     seed = _seed(g, seeds, seed_index)
     lay = dict(seq_len=seq_len, seq_first=seq_first)
-    hist = _history(history, history_slot)
     if measure:
         RANK.measure(measure, g, xq, x_scale, block, seq_len, seq_first)
     if triton_usable(g, kernels):
-        return _fused().hla_grad_weight(g, xq, x_scale, rank, "1d", bits, seed, block, **lay,
-                                        history=hist)
-    return ref.hla_grad_weight(g, xq, x_scale, rank, "1d", bits, seed, block, **lay,
-                               history=HISTORY.slot_of(hist))
+        return _fused().hla_grad_weight(g, xq, x_scale, rank, "1d", bits, seed, block, **lay)
+    return ref.hla_grad_weight(g, xq, x_scale, rank, "1d", bits, seed, block, **lay)
 
 
 hla_grad_weight = torch.library.custom_op("hot::hla_grad_weight", mutates_args=())(
@@ -223,7 +195,7 @@ hla_grad_weight = torch.library.custom_op("hot::hla_grad_weight", mutates_args=(
 
 @hla_grad_weight.register_fake
 def _(g, xq, x_scale, rank, bits, block, seq_len, seq_first, measure, kernels, seeds=None,
-      seed_index=0, history=None, history_slot=0):
+      seed_index=0):
     torch._check(xq.shape[0] == ref.hla_rows(g.shape[0], rank, block, seq_len),
                  lambda: "hla_grad_weight: compressed buffer rows disagree with g")
     return g.new_empty((g.shape[1], xq.shape[1]))
@@ -243,19 +215,17 @@ longer fits the registers next to the HQ half."""
 def linear_backward_body(g: Tensor, xq: Tensor, x_scale: Tensor, rank: int, gw_bits: int,
                          block: int, seq_len: int, seq_first: bool, measure: str, kernels: str,
                          w: Tensor, gx_bits: int, w_bits: int, scale: str, site: str,
-                         seeds: Optional[Tensor] = None, seed_index: int = 0,
-                         history: Optional[Tensor] = None,
-                         history_slot: int = 0) -> tuple[Tensor, Tensor]:
+                         seeds: Optional[Tensor] = None,
+                         seed_index: int = 0) -> tuple[Tensor, Tensor]:
     """(g_x, g_W) of one linear site: ``hq_grad_input`` and ``hla_grad_weight`` in one op:
     one dispatch, one seed drawn (g_W's bits from seed + 1), and up to rank
     ``ONE_PASS_MAX_RANK`` one kernel pair reading g for both operands.
 
     The first ten arguments are ``hla_grad_weight``'s, in its order, and the rest are
     ``hq_grad_input``'s: tools that read a site's g_W op (its buffer, its rank-measure key)
-    read either op alike. ``history``: ``hla_grad_weight``'s."""
+    read either op alike."""
     per_token, warm_other = _hq_scaling(scale, site, g, gx_bits, block)
     seed = _seed(g, seeds, seed_index)
-    hist = _history(history, history_slot)
     if measure:
         RANK.measure(measure, g, xq, x_scale, block, seq_len, seq_first)
     lay = dict(seq_len=seq_len, seq_first=seq_first)
@@ -263,11 +233,10 @@ def linear_backward_body(g: Tensor, xq: Tensor, x_scale: Tensor, rank: int, gw_b
         return _fused().linear_backward(g, w, xq, x_scale, rank, gx_bits, w_bits, gw_bits,
                                         per_token, seed, block, **lay,
                                         one_pass=rank <= ONE_PASS_MAX_RANK,
-                                        warm_other_scale=warm_other, history=hist)
+                                        warm_other_scale=warm_other)
     return ref.linear_backward(g, w, xq, x_scale, rank, gx_bits, w_bits, gw_bits, per_token,
                                seed, block, **lay,
-                               w_e4m3=_twin_w_e4m3(g, w, gx_bits, w_bits, per_token, block),
-                               history=HISTORY.slot_of(hist))
+                               w_e4m3=_twin_w_e4m3(g, w, gx_bits, w_bits, per_token, block))
 
 
 linear_backward = torch.library.custom_op("hot::linear_backward", mutates_args=())(
@@ -276,7 +245,7 @@ linear_backward = torch.library.custom_op("hot::linear_backward", mutates_args=(
 
 @linear_backward.register_fake
 def _(g, xq, x_scale, rank, gw_bits, block, seq_len, seq_first, measure, kernels, w, gx_bits,
-      w_bits, scale, site, seeds=None, seed_index=0, history=None, history_slot=0):
+      w_bits, scale, site, seeds=None, seed_index=0):
     torch._check(g.shape[1] == w.shape[0], lambda: "linear_backward: g and w disagree on O")
     torch._check(xq.shape[0] == ref.hla_rows(g.shape[0], rank, block, seq_len),
                  lambda: "linear_backward: compressed buffer rows disagree with g")
@@ -285,4 +254,4 @@ def _(g, xq, x_scale, rank, gw_bits, block, seq_len, seq_first, measure, kernels
 
 OPS = (torch.ops.hot.hq_grad_input.default, torch.ops.hot.abc_compress.default,
        torch.ops.hot.hla_grad_weight.default, torch.ops.hot.linear_backward.default,
-       torch.ops.hot.draw_seeds.default, torch.ops.hot.scale_history.default)
+       torch.ops.hot.draw_seeds.default)

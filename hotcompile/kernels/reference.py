@@ -328,41 +328,6 @@ def quantize_e4m3(v: torch.Tensor, per_row: bool, stochastic: bool = False, seed
     return t.to(torch.float8_e4m3fn), s
 
 
-DELAYED_MARGIN = 1.5
-DELAYED_BAND = 2.0
-HISTORY_WORDS = 4   # a delayed-scaled operand's slot: last amax (fp32 bits), calls, re-quantizations, spare
-
-
-def delayed_e4m3_scale(amax: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
-    """The per-tensor e4m3 scale of an operand under delayed scaling, and the slot's update.
-
-    ``amax``: this call's max |v| (fp32 0-d); ``slot``: the operand's int32 history words
-    (``HISTORY_WORDS``: the last call's amax as fp32 bits, then counters), updated in place.
-
-    Rule: the kernel quantizes in one pass with ``used = last amax * DELAYED_MARGIN`` (fp32)
-    while it maxes this call's true amax, then keeps that result iff the last amax was a
-    positive finite number and ``amax <= used`` (nothing clamped) and ``amax * DELAYED_BAND
-    >= used`` (the scale at most ``DELAYED_BAND``x loose); otherwise it re-quantizes with
-    ``amax`` itself (the first call, a jump, NaN/inf), exactly as the dynamic scale does.
-    So no value is ever clamped, and a kept scale is loose by a factor in [1, 2]: e4m3 has
-    the same relative step in every normal binade, so this only moves the smallest values
-    (below ~amax / 2**13.8) toward the subnormals. Why: the dynamic scale needs a pass over
-    the operand before the one that quantizes it (~0.6-0.9 ms of a Llama d4096 step).
-    Returns s = used / 448 or amax / 448 (1 where that is 0); the slot's amax word becomes
-    this call's amax, ``slot[1]`` counts calls and ``slot[2]`` re-quantizations."""
-    prev = slot[0:1].view(torch.float32)[0]
-    used = prev * DELAYED_MARGIN
-    amax = amax.float()
-    keep = bool(prev > 0) and bool(torch.isfinite(used)) and bool(amax <= used) and \
-        bool(amax * DELAYED_BAND >= used)
-    chosen = used if keep else amax
-    slot[0:1].view(torch.float32)[0] = amax
-    slot[1] += 1
-    slot[2] += 0 if keep else 1
-    s = (chosen.double() / E4M3_MAX).float()
-    return torch.where(chosen == 0, torch.ones_like(s), s)
-
-
 def dequantize(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return q.float() * (s[:, None] if s.dim() == 1 else s)
 
@@ -452,15 +417,13 @@ def k_major_saved(q: torch.Tensor, pad_to: int = 16) -> torch.Tensor:
 
 def abc_compress(x: torch.Tensor, rank: int, select: str = "1d", bits: int = 8,
                  block: int = 16, *, seq_len: int = 0, seq_first: bool = False,
-                 fmt: str = "int8", history: torch.Tensor | None = None):
+                 fmt: str = "int8"):
     """The saved activation: HLA-projected x (L', I), quantized per tensor with RTN:
     ``bits`` levels (``fmt="int8"``) or scaled e4m3 (``fmt="e4m3"``: the cuBLAS FP8 g_W
-    GEMM's operand, ``formats.gw_rule``; ``bits`` unused). ``history``: an e4m3 operand's
-    slot for delayed scaling (``delayed_e4m3_scale``), updated in place."""
+    GEMM's operand, ``formats.gw_rule``; ``bits`` unused)."""
     xt = hla_project(x, rank, select, block, seq_len=seq_len, seq_first=seq_first)
     if fmt == "e4m3":
-        s = None if history is None else delayed_e4m3_scale(xt.abs().amax(), history)
-        return quantize_e4m3(xt, per_row=False, scale=s)
+        return quantize_e4m3(xt, per_row=False)
     if fmt != "int8":
         raise ValueError(f"abc_compress: fmt must be 'int8' or 'e4m3', got {fmt!r}")
     return quantize(xt, bits, per_row=False, stochastic=False)
@@ -468,22 +431,19 @@ def abc_compress(x: torch.Tensor, rank: int, select: str = "1d", bits: int = 8,
 
 def hla_grad_weight(g: torch.Tensor, xt: torch.Tensor, x_scale: torch.Tensor, rank: int,
                     select: str = "1d", bits: int = 8, seed=0, block: int = 16, *,
-                    seq_len: int = 0, seq_first: bool = False,
-                    history: torch.Tensor | None = None) -> torch.Tensor:
+                    seq_len: int = 0, seq_first: bool = False) -> torch.Tensor:
     """g_W ~= g_y^T x over the low-pass token coefficients.
 
     ``xt`` is the projected x: int8 levels (with ``x_scale``), floats (x_scale = 1), or
     scaled e4m3 (``abc_compress(fmt="e4m3")``), in which case g's coefficients become
     scaled e4m3 with stochastic rounding (``quantize_e4m3``, its uniforms drawn
     channel-major: ``hla_uniforms``; ``bits`` unused): the operands of the cuBLAS FP8 GEMM.
-    bits=0 skips quantizing the gradient (with rank=block this is exact). ``history``:
-    g's e4m3 operand under delayed scaling (``delayed_e4m3_scale``), updated in place.
+    bits=0 skips quantizing the gradient (with rank=block this is exact).
     """
     gt = hla_project(g, rank, select, block, seq_len=seq_len, seq_first=seq_first)  # (L', O)
     if xt.dtype == torch.float8_e4m3fn:
         u = hla_uniforms(seed, gt.shape[1], gt.shape[0] // rank, rank, device=g.device)
-        s = None if history is None else delayed_e4m3_scale(gt.abs().amax(), history)
-        qg, sg = quantize_e4m3(gt, per_row=False, stochastic=True, seed=seed, u=u, scale=s)
+        qg, sg = quantize_e4m3(gt, per_row=False, stochastic=True, seed=seed, u=u)
         # products of e4m3 values are exact in fp64; the sum nearly so (the GEMM's is not)
         acc = (qg.double().t() @ xt.double()).float()
     elif bits == 0:
@@ -499,11 +459,10 @@ def hla_grad_weight(g: torch.Tensor, xt: torch.Tensor, x_scale: torch.Tensor, ra
 def linear_backward(g: torch.Tensor, w: torch.Tensor, xt: torch.Tensor, x_scale: torch.Tensor,
                     rank: int, gx_bits: int, w_bits: int, gw_bits: int, per_token: bool, seed=0,
                     block: int = 16, *, seq_len: int = 0, seq_first: bool = False,
-                    w_e4m3: bool = False, history: torch.Tensor | None = None):
+                    w_e4m3: bool = False):
     """A linear layer's whole HOT backward from one seed: (g_x, g_W). The g_x side draws
-    its bits from ``seed``, the g_W side from ``seed + 1`` (another Philox key).
-    ``history``: ``hla_grad_weight``'s."""
+    its bits from ``seed``, the g_W side from ``seed + 1`` (another Philox key)."""
     gx = hq_grad_input(g, w, gx_bits, per_token, seed, block, w_bits=w_bits, w_e4m3=w_e4m3)
     gw = hla_grad_weight(g, xt, x_scale, rank, "1d", gw_bits, seed + 1, block,
-                         seq_len=seq_len, seq_first=seq_first, history=history)
+                         seq_len=seq_len, seq_first=seq_first)
     return gx, gw

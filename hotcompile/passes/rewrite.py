@@ -23,7 +23,7 @@ from typing import Dict, List, Optional, Set
 import torch
 from torch.fx import Graph, Node
 
-from ..runtime import history as HISTORY, rank as RANK
+from ..runtime import rank as RANK
 from ..runtime.lqs import TABLE as LQS
 from . import cost
 from .abc import compress_inputs, group_by_base, rebuild_chain, saved_format
@@ -38,7 +38,6 @@ HQ_OP = torch.ops.hot.hq_grad_input.default
 HLA_OP = torch.ops.hot.hla_grad_weight.default
 UNIT_OP = torch.ops.hot.linear_backward.default
 SEEDS_OP = torch.ops.hot.draw_seeds.default
-HISTORY_OP = torch.ops.hot.scale_history.default
 SEED_SPACING = 2        # int64 seeds per op: 16-byte-aligned elements (``_share_seeds``)
 ABC_OP = torch.ops.hot.abc_compress.default
 aten = torch.ops.aten
@@ -222,8 +221,6 @@ def rewrite_joint_graph(graph: Graph, config, params: Optional[Set[Node]] = None
         s.rewritten_gx = gx
         _replace(graph, s.gx, gx, s.gx_t, fake_mode)
     _share_seeds(graph, todo, fake_mode)
-    if config.gw_scaling == "delayed":
-        _share_history(graph, todo, buffers, fake_mode)
     rewrite_forward(graph, todo, config, fake_mode)
     for s in todo:
         for old in (s.gx, s.gw):
@@ -276,34 +273,6 @@ def _share_seeds(graph: Graph, sites: List[LinearSite], fake_mode) -> None:
                      tag="is_backward", like=ops[0], fake_mode=fake_mode)
     for i, n in enumerate(ops):
         n.args = tuple(n.args) + (seeds, SEED_SPACING * i)
-
-
-def _share_history(graph: Graph, sites: List[LinearSite], buffers, fake_mode) -> None:
-    """Delayed scaling (``HOTConfig.gw_scaling``) for every e4m3 g_W operand: each ABC op
-    and each op quantizing g for g_W gets a slot of the graph's history block
-    (``runtime.history``), read through one ``hot::scale_history`` node per side of the
-    graph (forward, backward) placed before its first user: no saved tensor between them.
-    Ops on int8 operands keep the dynamic scale (a loose scale costs integer levels bits)."""
-    users: List[Node] = []
-    for s in sites:
-        if s.gw_format != "e4m3":
-            continue
-        comp = buffers[s.group][0].args[0] if s.group in buffers else None
-        for n in (comp, s.rewritten_gw):
-            if n is not None and n not in users:
-                users.append(n)
-    if not users:
-        return
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    users.sort(key=order.__getitem__)
-    key = HISTORY.graph_key(f"{s.key}:{s.L}" for s in sites)
-    node_of = {}
-    for slot, n in enumerate(users):
-        tag = n.meta.get("partitioner_tag", "is_backward")
-        if tag not in node_of:
-            node_of[tag] = add_node(graph, HISTORY_OP, (n.args[0], key, len(users)), before=n,
-                                    tag=tag, like=n, fake_mode=fake_mode)
-        n.args = tuple(n.args) + (node_of[tag], slot)
 
 
 def _weight(graph: Graph, s: LinearSite, before: Node, fake_mode) -> Node:
