@@ -124,7 +124,8 @@ def kernels_for(L: int, I: int, O: int, rank: int):
                                   RANK=rank, KEPT=hla._packed_rows(rank, "1d"),
                                   Q=448 if e4m3 else 127, STOCHASTIC=stochastic,
                                   TRANSPOSED=stochastic or e4m3, INTERPRET=False, E4M3=e4m3,
-                                  CPT=cpt, FLAT=True, EVEN_C=C % bcc == 0),
+                                  CPT=cpt, FLAT=True, EVEN_C=C % bcc == 0,
+                                  BOUND=e4m3 and not stochastic),
                              warps))
     bt, bcc, warps, hr = grad_out.tile_shape(o_pad, False)
     for phase in (1, 2):

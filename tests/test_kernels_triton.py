@@ -167,7 +167,8 @@ def test_hq_weight_rounds_an_fp32_parameter_as_it_reads(poison, e4m3, dtype):
     (64, 40, 16, True), (37, 24, 8, True), (48, 32, 3, True), (33, 16, 16, False), (37, 24, 8, False)])
 def test_hla_e4m3_bit_exact(poison, L, C, rank, stochastic):
     """The cuBLAS g_W path's operands: the HLA projection in scaled e4m3 (stochastic for g,
-    nearest for the saved x), bit-equal to reference.quantize_e4m3 of the butterfly-summed
+    nearest for the saved x on its bound scale max |x| / 28), bit-equal to
+    reference.quantize_e4m3 of the butterfly-summed
     projection, also written transposed (zero pad: the GEMM reads it); the stored scale
     times ``scale_mul``; the saved x's K-major copy (``fused._k_major``) zero-pads too; a
     NaN makes the scale NaN and every level 0."""
@@ -179,7 +180,9 @@ def test_hla_e4m3_bit_exact(poison, L, C, rank, stochastic):
     assert q.dtype == torch.float8_e4m3fn and q.shape == (rows, C)
     proj = _hla_butterfly_reference(x, rank, "1d", 0, False, 0, project_only=True)
     u = R.hla_uniforms(101, C, -(-L // 16), rank) if stochastic else None
-    qr, sr = R.quantize_e4m3(proj, per_row=False, stochastic=stochastic, seed=101, u=u)
+    bound = None if stochastic else R.e4m3_bound_scale(x, per_row=False)   # the saved x's
+    qr, sr = R.quantize_e4m3(proj, per_row=False, stochastic=stochastic, seed=101, u=u,
+                             scale=bound)
     assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
     assert float(s) * 16 == float(sr)
     qt, _ = HL.hla_quant(x, rank, "1d", 8, stochastic=stochastic, seed=99, seed_add=2,

@@ -36,8 +36,9 @@ import triton.language as tl
 
 from .launch import launch
 from . import reference as ref
-from .hadamard import (abs_bits, fwht16, interpreting, philox_uniform8, quantize, scalar_buffer,
-                       scale_from_amax_bits, seed_pointer, to_e4m3)
+from .hadamard import (abs_bits, fwht16, input_amax_bits, input_max_bits, interpreting,
+                       philox_uniform8, quantize, scalar_buffer, scale_from_amax_bits,
+                       seed_pointer, to_e4m3)
 
 
 @triton.jit
@@ -208,13 +209,16 @@ def _hla_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, seed_ptr, seed_add, scale_mul, S,
                 BT: tl.constexpr, BC: tl.constexpr, RP: tl.constexpr, RANK: tl.constexpr,
                 KEPT: tl.constexpr, Q: tl.constexpr, STOCHASTIC: tl.constexpr,
                 TRANSPOSED: tl.constexpr, INTERPRET: tl.constexpr, E4M3: tl.constexpr,
-                CPT: tl.constexpr, FLAT: tl.constexpr, EVEN_C: tl.constexpr):
+                CPT: tl.constexpr, FLAT: tl.constexpr, EVEN_C: tl.constexpr,
+                BOUND: tl.constexpr):
     """One tile of BT token blocks x BC channels per program (phase 2: ``_phase2_tiles``).
 
     Phase 1: project, atomically max the amax of the kept coefficients into ``amax_ptr``
     (zeroed). Phase 2: scale, re-project, quantize, store; tiles in reverse order so the
     ones phase 1 read last (still in L2) come first. The stored scale is s * scale_mul
-    (a power of two: exact).
+    (a power of two: exact). ``BOUND``: phase 2 alone, ``amax_ptr`` holding max |x| (the
+    saved x's bound scale, ``reference.abc_compress``), rounded to the type x is read as
+    (``hadamard.input_max_bits``).
     """
     pid = tl.program_id(0)
     n_ct = tl.cdiv(C, BC)
@@ -229,7 +233,10 @@ def _hla_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, seed_ptr, seed_add, scale_mul, S,
             seed = tl.load(seed_ptr) + seed_add
         else:   # nearest rounding: no seed (callers pass any pointer)
             seed = 0
-        s = scale_from_amax_bits(tl.load(amax_ptr), Q)
+        amax = tl.load(amax_ptr)
+        if BOUND:
+            amax = input_max_bits(amax, x_ptr.dtype.element_ty)
+        s = scale_from_amax_bits(amax, Q)
         inv_s = tl.math.div_rn(1.0, s)
         if pid == 0:
             tl.store(s_ptr, s * scale_mul)
@@ -377,7 +384,13 @@ def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic:
         ldq = C
         q = torch.empty((rows_out, C), dtype=dtype, device=dev)
     s = scalar_buffer(dev)
-    amax = torch.zeros((1,), dtype=torch.int32, device=dev) if amax is None else amax
+    # the saved x in e4m3 (nearest rounding): its scale from max |x|, a reduction Inductor
+    # fuses with x's producer, and one launch (reference.abc_compress says why)
+    bound = e4m3 and not stochastic
+    if bound:
+        amax = input_amax_bits(x)
+    elif amax is None:
+        amax = torch.zeros((1,), dtype=torch.int32, device=dev)
     rp = _pow2_at_least(rank)
     # the channel-major tile for g's stochastic operand (its Philox map needs it) and for
     # every K-major store of nearest levels (ABC): runs of BT * RANK bytes per channel
@@ -385,7 +398,8 @@ def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic:
     bt, bc, warps, cpt = _tile_shape(C, interpreting(), rp, channel_major)
     grid = (triton.cdiv(n_blk, bt) * triton.cdiv(C, bc),)
     meta = dict(BT=bt, BC=bc, RP=rp, RANK=rank, KEPT=_packed_rows(rank, select),
-                Q=448 if e4m3 else 2 ** (bits - 1) - 1, STOCHASTIC=stochastic,
+                Q=(int(ref.E4M3_BOUND_Q) if bound else 448) if e4m3 else 2 ** (bits - 1) - 1,
+                STOCHASTIC=stochastic, BOUND=bound,
                 TRANSPOSED=transposed, INTERPRET=interpreting(), E4M3=e4m3, CPT=cpt,
                 FLAT=_blocks_are_row_runs(S, stride_b, stride_s), EVEN_C=C % bc == 0,
                 num_warps=warps)
@@ -393,6 +407,7 @@ def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic:
     seed_t = seed_pointer(seed, dev) if stochastic else amax    # amax: an unread placeholder
     args = (x, q, s, amax, seed_t, int(seed_add), float(scale_mul), S, n_sblk, stride_b,
             stride_s, C, x.stride(0), ldq, n_blk, groups)
-    launch(_hla_kernel, grid, *args, PHASE=1, **meta)
+    if not bound:
+        launch(_hla_kernel, grid, *args, PHASE=1, **meta)
     launch(_hla_kernel, grid, *args, PHASE=2, **meta)
     return q, s

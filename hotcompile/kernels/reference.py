@@ -423,7 +423,7 @@ def abc_compress(x: torch.Tensor, rank: int, select: str = "1d", bits: int = 8,
     GEMM's operand, ``formats.gw_rule``; ``bits`` unused)."""
     xt = hla_project(x, rank, select, block, seq_len=seq_len, seq_first=seq_first)
     if fmt == "e4m3":
-        return quantize_e4m3(xt, per_row=False)
+        return quantize_e4m3(xt, per_row=False, scale=e4m3_bound_scale(x, per_row=False))
     if fmt != "int8":
         raise ValueError(f"abc_compress: fmt must be 'int8' or 'e4m3', got {fmt!r}")
     return quantize(xt, bits, per_row=False, stochastic=False)
