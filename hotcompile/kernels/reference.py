@@ -31,7 +31,8 @@ implementation must meet:
   outputs (never a silently finite gradient).
 * Scaled e4m3 (the cuBLAS FP8 paths): the value over its scale, rounded onto the e4m3
   grid (``quantize_e4m3``), ``s = amax / 448``; HQ's W takes its per-column scale from W
-  itself, ``s = max|W column| / 28`` (``e4m3_bound_scale``), not from the transformed values.
+  itself, ``s = max|W column| / 28`` (``e4m3_bound_scale``), not from the transformed
+  values, and the saved x (ABC) its per-tensor one, ``s = max|x| / 28``.
 * Integer GEMMs accumulate exactly (int32 on CUDA via ``torch._int_mm``,
   float64 elsewhere) and are dequantized as ``acc * s_row * s_col / 16``.
 """
@@ -275,7 +276,8 @@ E4M3_BOUND_Q = E4M3_MAX / 16    # 28: a block-16 Hadamard sum is at most 16 max|
 
 def e4m3_bound_scale(x: torch.Tensor, per_row: bool) -> torch.Tensor:
     """The scale of a Hadamard-transformed operand in scaled e4m3, from its *input*:
-    s = max|x| / 28 (per row or per tensor; 1 where the max is 0). Used for HQ's W.
+    s = max|x| / 28 (per row or per tensor; 1 where the max is 0). Used for HQ's W and
+    for the saved x (ABC).
 
     Why a bound and not the transformed values' own amax: every coefficient of a block-16
     Sylvester transform (entries +-1) is a sum of 16 inputs, so |coefficient| <= 16 max|x|
@@ -285,13 +287,15 @@ def e4m3_bound_scale(x: torch.Tensor, per_row: bool) -> torch.Tensor:
     then quantize). e4m3 keeps the same relative step in every normal binade, so a loose
     scale only shifts values down its range: on Gaussian data the bound is ~4x the
     coefficients' amax, and values below ~amax / 2**12.8 (instead of 2**14.8) reach the
-    subnormals. Not for g's HLA operand nor the saved x: with the bound there, the
-    byte-level GPT gate failed in every run (+1.21%, +1.64% (FP8 forward) in the fifth
-    stop, +1.20% on 2026-11-25 with x and W bounded too, +1.10% with the saved x's bound
-    alone (twelfth stop), against -0.09..-0.87% with exact amaxes). A likely reason (a CPU
-    measurement of the fifth stop): where channel magnitudes spread over e**(+-3), the g_W
-    error was 17% larger, small channels' coefficients falling into e4m3's subnormals.
-    Integer levels keep the exact amax (``absmax_scale``)."""
+    subnormals. The saved x: ABC then runs one kernel (the max is a reduction Inductor
+    fuses with x's producer); the byte-level GPT gate at 4 seeds gave -0.17, +1.26, +0.11,
+    +0.41%, mean +0.40%, as the exact amax's 4-7-seed means (+0.26..+0.75%), and digits
+    +0.45 points at 8 seeds (H100, 2026-11-26). Its one-seed +1.10% of the twelfth stop
+    was the gate's noise (two Inductor runs of one seed differ by up to 1.5%). Not for
+    g's HLA operand: three one-seed runs with g bounded all read +1.2..+1.6% (fifth and
+    eleventh stops), and a CPU measurement of the fifth stop found, where channel
+    magnitudes spread over e**(+-3), a g_W error 17% larger, small channels' coefficients
+    falling into e4m3's subnormals. Integer levels keep the exact amax (``absmax_scale``)."""
     return absmax_scale(x.float(), 8, per_row, q=E4M3_BOUND_Q)
 
 
@@ -420,7 +424,8 @@ def abc_compress(x: torch.Tensor, rank: int, select: str = "1d", bits: int = 8,
                  fmt: str = "int8"):
     """The saved activation: HLA-projected x (L', I), quantized per tensor with RTN:
     ``bits`` levels (``fmt="int8"``) or scaled e4m3 (``fmt="e4m3"``: the cuBLAS FP8 g_W
-    GEMM's operand, ``formats.gw_rule``; ``bits`` unused)."""
+    GEMM's operand, ``formats.gw_rule``; ``bits`` unused; its scale the bound max|x| / 28,
+    ``e4m3_bound_scale``)."""
     xt = hla_project(x, rank, select, block, seq_len=seq_len, seq_first=seq_first)
     if fmt == "e4m3":
         return quantize_e4m3(xt, per_row=False, scale=e4m3_bound_scale(x, per_row=False))
