@@ -13,7 +13,7 @@ Numerics are the contract of ``reference.py``, bit for bit:
   performs (so the transformed values are identical, not merely close).
 * ``philox_uniform8``: one ``tl.randint4x`` call (``reference.PHILOX_ROUNDS`` rounds)
   per 16 elements with the counter and byte map of ``reference.uniform8``.
-* ``quantize``: ``clamp(floor(t + u), -Q, Q)``, t = v * fl(1/s) (``quotient``), and NaN
+* ``quantize``: ``clamp(floor(v / s + u), -Q, Q)`` with an IEEE-rounded quotient and NaN
   mapped to level 0, as ``reference.quantize`` does.
 
 The building blocks (``fwht16_lastdim``, ``philox_uniform8``, ``quantize``, ...) are
@@ -146,35 +146,28 @@ def philox_uniform8(seed, rows, col0, groups_per_row, BC: tl.constexpr):
 
 
 @triton.jit
-def quotient(v, s, inv_s, IEEE_DIV: tl.constexpr):
-    """v over its scale as the reference's ``quotient``: v * inv_s (inv_s = fl(1 / s), one
-    multiply), or v / s (IEEE division) where inv_s is not finite (a scale under ~1.2e-38,
-    or a NaN one). ``IEEE_DIV``: the caller could not rule that out for every scale of
-    the tile (or runs the interpreter); the select is then per element.
-
-    Why not the correctly rounded v / s: it is within 1.5 ulp of it either way, which moves
-    a stochastic rounding's probability by ~2**-23 and a nearest rounding only on values
-    that sit within that of a boundary, while a per-element division (or Markstein's
-    correction of the product, 2 FMAs per element, the code until 2026-11-26) costs
-    issue slots in kernels bound by instruction issue."""
-    t = v * inv_s
-    if IEEE_DIV:
-        t = tl.where(tl.abs(inv_s) < float("inf"), t, tl.math.div_rn(v, s))
-    return t
-
-
-@triton.jit
 def quantize(v, s, inv_s, u, Q: tl.constexpr, IEEE_DIV: tl.constexpr, AS_INT: tl.constexpr):
-    """Levels clamp(floor(t + u), -Q, Q) with NaN -> 0, t = ``quotient(v, s, inv_s)``, as
-    int32 (AS_INT) or fp32. ``cvt.rmi`` (floor and convert in one instruction) maps NaN to
-    0 like the reference's ``nan_to_num``.
+    """Levels clamp(floor(v / s + u), -Q, Q) with NaN -> 0, as int32 (AS_INT) or fp32.
+
+    ``v / s`` must be the IEEE-rounded quotient or a level can flip at a rounding boundary.
+    A per-element ``div.rn`` costs a MUFU op and a slow-path check, so on the GPU the
+    quotient comes from the row's reciprocal with one Markstein correction,
+    t = v * (1/s); t += (v - t * s) * (1/s), both steps FMAs: correctly rounded whenever
+    1/s is correctly rounded and finite (callers take IEEE_DIV when it is not, and under
+    the interpreter, which has no fused FMA). ``cvt.rmi`` (floor and convert in one
+    instruction) maps NaN to 0 like the reference's ``nan_to_num``.
 
     The clamp is a no-op for Q < 64: |v| <= amax = Q * s up to two roundings of 2**-24,
-    so |t| <= Q (1 + 2**-22), and u lies in [2**-9, 1 - 2**-9] (or is 0.5), hence
-    -Q <= floor(t + u) <= Q whenever Q * 2**-22 < 2**-9. The integer path skips it
+    so |v / s| <= Q (1 + 2**-23), and u lies in [2**-9, 1 - 2**-9] (or is 0.5), hence
+    -Q <= floor(v / s + u) <= Q whenever Q * 2**-23 < 2**-9. The integer path skips it
     there (two instructions per element); 8-bit levels (Q = 127) keep it.
     """
-    t = quotient(v, s, inv_s, IEEE_DIV) + u
+    if IEEE_DIV:
+        t = tl.math.div_rn(v, s)
+    else:
+        t0 = v * inv_s
+        t = tl.math.fma(tl.math.fma(t0, -s, v), inv_s, t0)
+    t = t + u
     if Q >= 64 or not AS_INT:
         t = tl.clamp(t, -Q * 1.0, Q * 1.0, propagate_nan=tl.PropagateNan.ALL)
     if AS_INT:
@@ -188,8 +181,8 @@ def quantize(v, s, inv_s, u, Q: tl.constexpr, IEEE_DIV: tl.constexpr, AS_INT: tl
 @triton.jit
 def to_e4m3(v, s, inv_s, IEEE_DIV: tl.constexpr, INTERPRET: tl.constexpr, u=0.0,
             STOCHASTIC: tl.constexpr = False, FINITE: tl.constexpr = False):
-    """Scaled FP8 (reference.quantize_e4m3): ``quotient(v, s, inv_s)`` clamped to +-448,
-    NaN -> 0, rounded to the nearest e4m3 (ties to even), or with
+    """Scaled FP8 (reference.quantize_e4m3): v / s (IEEE-rounded, as in ``quantize``)
+    clamped to +-448, NaN -> 0, rounded to the nearest e4m3 (ties to even), or with
     STOCHASTIC to a neighbour on the e4m3 grid: floor(t / step + u) * step, step the
     spacing of t's binade read from its exponent bits (exact powers of two, so the
     multiply by 1 / step is exact and the sum with u rounds as the reference's does).
@@ -208,7 +201,11 @@ def to_e4m3(v, s, inv_s, IEEE_DIV: tl.constexpr, INTERPRET: tl.constexpr, u=0.0,
     integer operations instead of seven. ``FINITE``: the caller has proved every quotient
     finite (a per-tensor scale that is finite and non-zero, with |v| <= the amax it came
     from), so the NaN -> 0 select and the clamp's NaN propagation are dropped."""
-    t = quotient(v, s, inv_s, IEEE_DIV)
+    if IEEE_DIV:
+        t = tl.math.div_rn(v, s)
+    else:
+        t0 = v * inv_s
+        t = tl.math.fma(tl.math.fma(t0, -s, v), inv_s, t0)
     if FINITE:
         t = tl.clamp(t, -448.0, 448.0)
     else:
@@ -230,8 +227,8 @@ def to_e4m3(v, s, inv_s, IEEE_DIV: tl.constexpr, INTERPRET: tl.constexpr, u=0.0,
 
 @triton.jit
 def reciprocal_is_finite(inv_s):
-    """Whether every reciprocal of a program's scales is finite (a scalar condition): then
-    ``quotient`` needs no per-element select; a scale under ~1.2e-38 (amax of denormals)
+    """Whether every reciprocal of a program's scales is finite (a scalar condition):
+    Markstein's correction needs it, and a scale under ~1.2e-38 (amax of denormals)
     has an infinite one."""
     return tl.max(inv_s) < float("inf")
 

@@ -25,10 +25,8 @@ implementation must meet:
   2026-11-26).
 * Quantization to ``Q = 2**(bits-1) - 1`` symmetric levels (4 bits: -7..7,
   8 bits: -127..127), absmax scale ``s = amax / Q`` per row or per tensor,
-  ``s = 1`` where ``amax == 0``; stochastic rounding ``floor(t + u)``, nearest
-  rounding ``floor(t + 0.5)``, t = v * fl(1 / s) (``quotient``: one multiply by the
-  correctly rounded reciprocal, the division only where that is not finite); clamp to
-  ``[-Q, Q]``. A non-finite
+  ``s = 1`` where ``amax == 0``; stochastic rounding ``floor(v / s + u)``,
+  nearest rounding ``floor(v / s + 0.5)``; clamp to ``[-Q, Q]``. A non-finite
   amax makes the scale non-finite, so non-finite inputs give non-finite
   outputs (never a silently finite gradient).
 * Scaled e4m3 (the cuBLAS FP8 paths): the value over its scale, rounded onto the e4m3
@@ -258,21 +256,12 @@ def absmax_scale(v: torch.Tensor, bits: int, per_row: bool, q: float | None = No
     return torch.where(amax == 0, torch.ones_like(s), s)
 
 
-def quotient(v: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """v over its fp32 scale as every kernel computes it: v * fl(1 / s) (one rounding after
-    the correctly rounded reciprocal), or v / s where 1 / s is not finite. Within 1.5 ulp of
-    the correctly rounded v / s (``hadamard.quotient`` says why not that)."""
-    s = s[:, None] if s.dim() == 1 else s
-    inv = 1.0 / s
-    return torch.where(torch.isfinite(inv), v * inv, v / s)
-
-
 def quantize(v: torch.Tensor, bits: int, per_row: bool, stochastic: bool, seed=0,
              scale: torch.Tensor | None = None):
     """Symmetric quantization of a 2-D tensor: returns (int8 levels, fp32 scale)."""
     v = v.float()
     s = absmax_scale(v, bits, per_row) if scale is None else scale.float()
-    scaled = quotient(v, s)
+    scaled = v / (s[:, None] if s.dim() == 1 else s)
     if stochastic:
         noise = uniform8(seed, v.shape[0], v.shape[1], device=v.device)
     else:
@@ -332,7 +321,7 @@ def quantize_e4m3(v: torch.Tensor, per_row: bool, stochastic: bool = False, seed
     """
     v = v.float()
     s = absmax_scale(v, 8, per_row, q=E4M3_MAX) if scale is None else scale.float()
-    t = quotient(v, s).clamp(-E4M3_MAX, E4M3_MAX)
+    t = (v / (s[:, None] if s.dim() == 1 else s)).clamp(-E4M3_MAX, E4M3_MAX)
     t = torch.nan_to_num(t, nan=0.0)
     if stochastic:
         binade = (torch.frexp(t).exponent - 1).clamp_(min=-6)   # floor(log2 |t|), 0 -> -1
