@@ -20,7 +20,8 @@ scale rule at Q = 448: ``hadamard.to_e4m3``, stochastic onto the e4m3 grid for g
 Per-tensor scales need the global amax first: phase 1 projects every tile and atomically
 maxes its amax into one word, phase 2 re-projects (tiles in reverse order, for L2 hits)
 and quantizes. The saved x in e4m3 skips phase 1: its scale is the bound max|x| / 28
-(``reference.e4m3_bound_scale``), max|x| a reduction Inductor fuses with x's producer. L is padded with zero tokens to a multiple of 16, like the reference.
+(``reference.e4m3_bound_scale``), max|x| a reduction Inductor fuses with x's producer.
+L is padded with zero tokens to a multiple of 16, like the reference.
 
 Numerics: the reference projects with a dense fp32 ``einsum`` whose summation order is the
 BLAS library's; this kernel sums by the butterfly. Values can differ in the last bit, so

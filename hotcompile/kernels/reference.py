@@ -315,8 +315,9 @@ def quantize_e4m3(v: torch.Tensor, per_row: bool, stochastic: bool = False, seed
     the lower in units of their spacing (unbiased, like ``quantize``'s levels): with
     step = 2**(max(floor(log2 |t|), -6) - 3) the spacing of t's binade (the subnormal step
     2**-9 below 2**-6), the result is floor(t / step + u) * step with u from ``uniform8``
-    (element (r, c) of the (R, C) tensor), or the given ``u``. t / step is exact (a power of two) and the
-    fp32 sum with u rounds the same in the kernels; the result is always an e4m3 value
+    (element (r, c) of the (R, C) tensor), or the given ``u``. t / step is exact (a power
+    of two) and the fp32 sum with u rounds the same in the kernels; the result is always
+    an e4m3 value
     (at most 448: |t| <= 448 = 14 * 2**5 is itself on the grid of its binade).
     """
     v = v.float()
