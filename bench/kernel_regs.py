@@ -118,14 +118,15 @@ def kernels_for(L: int, I: int, O: int, rank: int):
                                                   stochastic and e4m3)
             ptrs = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv" if e4m3 else "*i8", "s_ptr": "*fp32",
                     "amax_ptr": "*i32", "seed_ptr": "*i64"}
-            for phase in (1, 2):
+            bound = e4m3 and not stochastic     # the saved x's bound scale: phase 2 alone
+            for phase in (2,) if bound else (1, 2):
                 rows.append((f"{what}{' e4m3' if e4m3 else ''} p{phase}", hla._hla_kernel, ptrs,
                              dict(PHASE=phase, BT=bt, BC=bcc, RP=hla._pow2_at_least(rank),
                                   RANK=rank, KEPT=hla._packed_rows(rank, "1d"),
-                                  Q=448 if e4m3 else 127, STOCHASTIC=stochastic,
-                                  TRANSPOSED=stochastic or e4m3, INTERPRET=False, E4M3=e4m3,
-                                  CPT=cpt, FLAT=True, EVEN_C=C % bcc == 0,
-                                  BOUND=e4m3 and not stochastic),
+                                  Q=(28 if bound else 448) if e4m3 else 127,
+                                  STOCHASTIC=stochastic, TRANSPOSED=stochastic or e4m3,
+                                  INTERPRET=False, E4M3=e4m3, CPT=cpt, FLAT=True,
+                                  EVEN_C=C % bcc == 0, BOUND=bound),
                              warps))
     bt, bcc, warps, hr = grad_out.tile_shape(o_pad, False)
     for phase in (1, 2):

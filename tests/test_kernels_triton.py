@@ -168,8 +168,8 @@ def test_hq_weight_rounds_an_fp32_parameter_as_it_reads(poison, e4m3, dtype):
 def test_hla_e4m3_bit_exact(poison, L, C, rank, stochastic):
     """The cuBLAS g_W path's operands: the HLA projection in scaled e4m3 (stochastic for g,
     nearest for the saved x on its bound scale max |x| / 28), bit-equal to
-    reference.quantize_e4m3 of the butterfly-summed
-    projection, also written transposed (zero pad: the GEMM reads it); the stored scale
+    reference.quantize_e4m3 of the butterfly-summed projection, also written transposed
+    (zero pad: the GEMM reads it); the stored scale
     times ``scale_mul``; the saved x's K-major copy (``fused._k_major``) zero-pads too; a
     NaN makes the scale NaN and every level 0."""
     x = _randn(L, C) * torch.exp(torch.randn(1, C))       # channels of unlike magnitude

@@ -368,7 +368,8 @@ def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic:
     (L'_pad = L' rounded up to ``pad_to``) holding the transpose; its columns past L'
     are left unwritten (consumers must mask them), except in e4m3, where they are zeroed:
     the cuBLAS GEMM reads all L'_pad columns. ``amax``: a zeroed (1,) int32 workspace the
-    caller made with others in one launch (default: its own).
+    caller made with others in one launch (default: its own); not used for nearest e4m3
+    levels (the saved x), whose scale comes from max |x| with no first phase.
     """
     if x.stride(-1) != 1:
         x = x.contiguous()

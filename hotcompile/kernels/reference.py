@@ -317,8 +317,8 @@ def quantize_e4m3(v: torch.Tensor, per_row: bool, stochastic: bool = False, seed
     2**-9 below 2**-6), the result is floor(t / step + u) * step with u from ``uniform8``
     (element (r, c) of the (R, C) tensor), or the given ``u``. t / step is exact (a power
     of two) and the fp32 sum with u rounds the same in the kernels; the result is always
-    an e4m3 value
-    (at most 448: |t| <= 448 = 14 * 2**5 is itself on the grid of its binade).
+    an e4m3 value (at most 448: |t| <= 448 = 14 * 2**5 is itself on the grid of its
+    binade).
     """
     v = v.float()
     s = absmax_scale(v, 8, per_row, q=E4M3_MAX) if scale is None else scale.float()
