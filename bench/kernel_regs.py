@@ -91,8 +91,10 @@ def kernels_for(L: int, I: int, O: int, rank: int):
     rows = []
     bc, one, br, warps = H.token_tile(o_pad, False)
     rows.append(("hq g per token", H._hq_token_kernel,
-                 {"g_ptr": "*bf16", "q_ptr": "*i8", "s_ptr": "*fp32", "seed_ptr": "*i64"},
-                 dict(BR=br, BC=bc, ONE_TILE=one, Q=7, FP8=False, INTERPRET=False), warps))
+                 {"g_ptr": "*bf16", "q_ptr": "*i8", "s_ptr": "*fp32", "seed_ptr": "*i64",
+                  "m_ptr": "*fp32"},
+                 dict(BR=br, BC=bc, ONE_TILE=one, Q=7, FP8=False, INTERPRET=False,
+                      ROW_MAX=True), warps))
     bc, _ = H.column_tile(o_pad, max_tile=512)
     wbi, wbo, wwarps = H.weight_tile(o_pad, False)
     for phase in (1, 2):

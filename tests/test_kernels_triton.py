@@ -97,6 +97,14 @@ def test_hq_per_token_levels_bit_exact(poison, L, O, bits):
     qr, sr = R.quantize(R.block_fwht(R.pad_cols(g, 16)), bits, per_row=True, stochastic=True,
                         seed=2024)
     assert torch.equal(q, qr) and torch.equal(s, sr)
+    # with the row maxima (g's HLA bound): the same levels, and max |g| of every row
+    q2, s2, m = H.hq_act_quant(g, bits, per_token=True, seed=2024, row_max=True)
+    assert torch.equal(q2, qr) and torch.equal(s2, sr)
+    assert torch.equal(m, torch.linalg.vector_norm(g, float("inf"), dim=1))
+    g[min(2, L - 1), O // 2] = float("nan")
+    g[0, 0] = float("-inf")
+    m = H.hq_act_quant(g, bits, per_token=True, seed=2024, row_max=True)[2]
+    assert torch.isnan(m[min(2, L - 1)]) and (L < 3 or m[0] == float("inf"))
 
 
 @cpu
@@ -166,8 +174,8 @@ def test_hq_weight_rounds_an_fp32_parameter_as_it_reads(poison, e4m3, dtype):
 @pytest.mark.parametrize("L,C,rank,stochastic", [
     (64, 40, 16, True), (37, 24, 8, True), (48, 32, 3, True), (33, 16, 16, False), (37, 24, 8, False)])
 def test_hla_e4m3_bit_exact(poison, L, C, rank, stochastic):
-    """The cuBLAS g_W path's operands: the HLA projection in scaled e4m3 (stochastic for g,
-    nearest for the saved x on its bound scale max |x| / 28), bit-equal to
+    """The cuBLAS g_W path's operands: the HLA projection in scaled e4m3 (stochastic for g
+    on its token-block bound, nearest for the saved x on its bound max |x| / 28), bit-equal to
     reference.quantize_e4m3 of the butterfly-summed projection, also written transposed
     (zero pad: the GEMM reads it); the stored scale
     times ``scale_mul``; the saved x's K-major copy (``fused._k_major``) zero-pads too; a
@@ -180,7 +188,8 @@ def test_hla_e4m3_bit_exact(poison, L, C, rank, stochastic):
     assert q.dtype == torch.float8_e4m3fn and q.shape == (rows, C)
     proj = _hla_butterfly_reference(x, rank, "1d", 0, False, 0, project_only=True)
     u = R.hla_uniforms(101, C, -(-L // 16), rank) if stochastic else None
-    bound = None if stochastic else R.e4m3_bound_scale(x, per_row=False)   # the saved x's
+    bound = R.absmax_scale(R.token_block_bound(x), 8, False, q=R.E4M3_MAX) if stochastic \
+        else R.e4m3_bound_scale(x, per_row=False)     # g's bound, or the saved x's
     qr, sr = R.quantize_e4m3(proj, per_row=False, stochastic=stochastic, seed=101, u=u,
                              scale=bound)
     assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
@@ -469,16 +478,17 @@ def test_gpu_hq_full_shape_bit_exact(monkeypatch, I, O, per_token, fmt):
 @pytest.mark.parametrize("O", [2304, 4096, 11008, 12288])
 def test_gpu_hq_token_tiles_bit_exact(O):
     """The per-token tile rule's picks (one 4096 tile; 512-, 4096-wide chunks with
-    padding) against the reference, 8192 tokens, an outlier row."""
+    padding) against the reference, 8192 tokens, an outlier row; the row maxima too."""
     torch.manual_seed(O)
     g = _randn(8192, O, dtype=torch.bfloat16, device="cuda")
     g[5] *= 1e4
     seed = torch.tensor(91, device="cuda")
-    q, s = H.hq_act_quant(g, 4, True, seed, fp8=True)
+    q, s, m = H.hq_act_quant(g, 4, True, seed, fp8=True, row_max=True)
     gh = R.block_fwht(R.pad_cols(g.float(), 16))
     assert torch.equal(s, _ieee_scale(gh, 4, True))
     qr, _ = R.quantize(gh, 4, per_row=True, stochastic=True, seed=seed, scale=s)
     assert torch.equal(q.float(), qr.float())
+    assert torch.equal(m, torch.linalg.vector_norm(g, float("inf"), dim=1, dtype=torch.float32))
 
 
 @pytest.mark.gpu
@@ -488,7 +498,7 @@ def test_gpu_hq_token_tiles_bit_exact(O):
 def test_gpu_hla_e4m3_channel_major_bit_exact(monkeypatch, L, C, rank, seq_len):
     """g's stochastic e4m3 HLA operand from the compiled channel-major tile, at every
     channels-per-thread setting: bit-equal to the butterfly-summed projection quantized with
-    reference.hla_uniforms (so the bits do not depend on the tile), zero K-major pad, and
+    its token-block bound and reference.hla_uniforms (so the bits do not depend on the tile), zero K-major pad, and
     a NaN turns the scale NaN and every level 0."""
     torch.manual_seed(3)
     x = _randn(L, C, dtype=torch.bfloat16, device="cuda") * torch.exp(
@@ -498,7 +508,8 @@ def test_gpu_hla_e4m3_channel_major_bit_exact(monkeypatch, L, C, rank, seq_len):
     rows = n_blk * rank
     xb = R.sequence_blocks(x.float(), 16, seq_len, False).reshape(n_blk * 16, C)
     proj = _hla_butterfly_reference(xb, rank, "1d", 0, False, 0, project_only=True)
-    qr, sr = R.quantize_e4m3(proj, per_row=False, stochastic=True,
+    bound = R.absmax_scale(R.token_block_bound(x, 16, seq_len), 8, False, q=R.E4M3_MAX)
+    qr, sr = R.quantize_e4m3(proj, per_row=False, stochastic=True, scale=bound,
                              u=R.hla_uniforms(43, C, n_blk, rank, device="cuda"))
     for cpt in ("1", "2", "4"):
         monkeypatch.setenv("HOT_HLA_CPT", cpt)
@@ -718,8 +729,9 @@ class _Launches(torch.utils._python_dispatch.TorchDispatchMode):
 @cpu
 def test_site_backward_launch_budget(monkeypatch):
     """The launches of one site's backward on the H100's default path (per-token g_y, W as
-    scaled e4m3, e4m3 g_W, rank 16: the split path): 8, W's in one kernel (its e4m3 scale
-    from a column-max reduction), none of them a seed draw when the graph hands the seed
+    scaled e4m3, e4m3 g_W, rank 16: the split path): 3 kernels, W's (its e4m3 scale
+    from a column-max reduction) and g's HLA operand (its scale from the token-block
+    bound) in one each, none of them a seed draw when the graph hands the seed
     over, and no transpose (ABC's buffer is K-major already). A guard: a change that adds
     a launch must say so here."""
     from triton.runtime.interpreter import InterpretedFunction
@@ -743,7 +755,9 @@ def test_site_backward_launch_budget(monkeypatch):
     kernels.clear()
     with mode:
         F.linear_backward(g, w, xq, xs, 16, 4, 8, 8, True, seed, one_pass=False)
-    assert kernels == ["_hq_token_kernel", "_hq_weight_kernel", "_hla_kernel",
-                       "_hla_kernel"], kernels
-    # one zeroing (HLA's amax word), W's column maxima (its e4m3 scale), two GEMMs
-    assert mode.ops == ["zeros", "linalg_vector_norm", "_scaled_mm", "_scaled_mm"], mode.ops
+    assert kernels == ["_hq_token_kernel", "_hq_weight_kernel", "_hla_kernel"], kernels
+    # W's column maxima (its e4m3 scale); g's token-block bound (its row maxima from the
+    # HQ kernel; block sums in fp64 and their max, small reductions); two GEMMs. No
+    # zeroing: no kernel maxes into a word.
+    assert mode.ops == ["linalg_vector_norm", "_scaled_mm", "_to_copy", "sum", "amax",
+                        "_to_copy", "_scaled_mm"], mode.ops

@@ -14,8 +14,9 @@ Each op is a short pipeline of single-pass kernels (``hadamard``, ``hla``, ``gem
 * ``hla_grad_weight``: g (L, O) -> projected stochastic int8 levels written transposed
   (O, L'); the saved buffer read as it is (both GEMM operands along L'); one GEMM with
   acc * s_g * s_x / 16 in its epilogue. When the saved
-  activation is e4m3 (``formats.gw_rule``), g's coefficients are stochastic e4m3 and the
-  GEMM is cuBLAS FP8 with tensor-wise scales.
+  activation is e4m3 (``formats.gw_rule``), g's coefficients are stochastic e4m3 (one
+  launch, the scale from ``reference.token_block_bound``) and the GEMM is cuBLAS FP8 with
+  tensor-wise scales.
 
 ``seed`` is a 0-d int64 tensor on the device (kernels load it: CUDA-graph replays read
 the current value) or a Python int. Only ``block=16`` has fused kernels; other blocks,
@@ -119,12 +120,12 @@ def _k_major(q: torch.Tensor) -> torch.Tensor:
 
 
 def _gw(g, xt, x_scale, rank: int, select: str, bits: int, seed, lay, qg=None,
-        seed_add: int = 0, amax=None) -> torch.Tensor:
+        seed_add: int = 0, amax=None, row_max=None) -> torch.Tensor:
     """The fused g_W GEMM: g's projected levels (given as ``qg`` = transposed levels and
     scale, or computed with Philox key seed + ``seed_add``, written transposed by the HLA
     kernel: as fast as row-major plus a transpose, one launch fewer, layers_2026-11-24T030739)
     against the saved activation; cuBLAS FP8 when that is e4m3 (``formats.gw_rule``), else the
-    INT8 kernel."""
+    INT8 kernel. ``row_max``: g's row maxima, for the e4m3 operand's bound."""
     k = ref.hla_rows(g.shape[0], rank, _FUSED_BLOCK, lay["seq_len"])
     if xt.shape[0] != k:
         raise ValueError(f"g_W: the saved activation has {xt.shape[0]} rows, expected {k} "
@@ -134,7 +135,8 @@ def _gw(g, xt, x_scale, rank: int, select: str, bits: int, seed, lay, qg=None,
     fp8 = xt.dtype == torch.float8_e4m3fn
     qg = qg or hla.hla_quant(g, rank, select, bits, stochastic=True, seed=seed,
                              seed_add=seed_add, transposed=True, pad_to=16, e4m3=fp8,
-                             scale_mul=1.0 / _FUSED_BLOCK if fp8 else 1.0, amax=amax, **lay)
+                             scale_mul=1.0 / _FUSED_BLOCK if fp8 else 1.0, amax=amax,
+                             row_max=row_max, **lay)
     if fp8:
         # bf16 and fp32 outputs are what the H100 runs measured; fp16 goes through fp32
         out = gemm.cublas_fp8_mm(qg[0], _k_major(xt), qg[1], xs,
@@ -174,26 +176,31 @@ def linear_backward(g: torch.Tensor, w: torch.Tensor, xt: torch.Tensor, x_scale:
                 hla_grad_weight(g, xt, x_scale, rank, "1d", gw_bits, seed + 1, block, **lay))
     path = gx_path(g, w, gx_bits, w_bits, per_token)
     fp8 = path[0] != "int8"
-    qg_t = None
+    qg_t, m = None, []
     if one_pass and xt.dtype == torch.int8:
         qg, sg, *qg_t = grad_out.grad_out_quant(g, gx_bits, per_token, seed, rank, "1d",
                                                 gw_bits, seed, fp8, hla_seed_add=1, **lay)
     else:
-        qg, sg = hadamard.hq_act_quant(g, gx_bits, per_token, seed, fp8=fp8)
+        # per token, the HQ kernel also writes g's row maxima: the e4m3 HLA operand's bound
+        row_max = per_token and xt.dtype == torch.float8_e4m3fn
+        qg, sg, *m = hadamard.hq_act_quant(g, gx_bits, per_token, seed, fp8=fp8,
+                                           row_max=row_max)
     if warm_other_scale:
         hq_grad_input(g, w, gx_bits, not per_token, seed, block, False, w_bits)
-    # the W kernel's (levels; an e4m3 W takes its column maxima from a reduction) and (split
-    # path) the HLA kernel's amax words: zeroed by one launch (traced for Inductor, each
-    # kernel zeroes its own: a shared buffer written through two views would be
-    # functionalised into scatters)
+    # the amax words of the W kernel (levels; an e4m3 W takes its column maxima from a
+    # reduction) and of g's HLA kernel (int8 levels; e4m3 takes a bound from a reduction):
+    # zeroed by one launch (traced for Inductor, each kernel zeroes its own: a shared
+    # buffer written through two views would be functionalised into scatters)
     n_w = 0 if path[1] else w.shape[1]
-    ws = None if recording_launches() else \
-        torch.zeros((n_w + (qg_t is None),), dtype=torch.int32, device=g.device)
+    n_hla = int(qg_t is None and xt.dtype == torch.int8)
+    ws = None if recording_launches() or not n_w + n_hla else \
+        torch.zeros((n_w + n_hla,), dtype=torch.int32, device=g.device)
     gx = _gx(g, w, gx_bits, w_bits, per_token, seed, gq=(qg, sg), path=path,
              w_amax=ws.narrow(0, 0, n_w) if ws is not None and n_w else None)
     if qg_t is None:    # g's HLA operand from its own kernel: Philox key seed + 1
         gw = _gw(g, xt, x_scale, rank, "1d", gw_bits, seed, lay, seed_add=1,
-                 amax=None if ws is None else ws.narrow(0, n_w, 1))
+                 amax=ws.narrow(0, n_w, 1) if ws is not None and n_hla else None,
+                 row_max=m[0] if m else None)
     else:
         gw = _gw(g, xt, x_scale, rank, "1d", gw_bits, seed, lay, qg=tuple(qg_t))
     return gx, gw

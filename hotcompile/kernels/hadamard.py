@@ -30,6 +30,7 @@ import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
 from .launch import launch
+from . import reference as ref
 from .reference import E4M3_BOUND_Q, PHILOX_ROUNDS, philox_counters
 
 _ROUNDS = tl.constexpr(PHILOX_ROUNDS)
@@ -250,13 +251,19 @@ def store_levels(ptrs, q, mask, FP8: tl.constexpr):
 
 
 @triton.jit
-def _load_fwht_rows(g_ptr, rows, col0, L, O, stride_g, BC: tl.constexpr):
-    """Load g[rows, col0:col0+BC] (zeros outside L x O: the reference's zero padding of O)
-    as fp32 and transform each run of 16 columns."""
+def _load_rows(g_ptr, rows, col0, L, O, stride_g, BC: tl.constexpr):
+    """g[rows, col0:col0+BC] as fp32 (zeros outside L x O: the reference's zero padding
+    of O)."""
     cols = col0 + tl.arange(0, BC)
     mask = (rows < L)[:, None] & (cols < O)[None, :]
     x = tl.load(g_ptr + rows.to(tl.int64)[:, None] * stride_g + cols[None, :], mask=mask, other=0.0)
-    return fwht16_lastdim(x.to(tl.float32))
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _load_fwht_rows(g_ptr, rows, col0, L, O, stride_g, BC: tl.constexpr):
+    """``_load_rows``, each run of 16 columns transformed."""
+    return fwht16_lastdim(_load_rows(g_ptr, rows, col0, L, O, stride_g, BC))
 
 
 @triton.jit
@@ -286,20 +293,27 @@ def _quantize_row_chunks(g_ptr, q_ptr, s, inv_s, seed, rows, L, O, O_pad, stride
 
 
 @triton.jit
-def _hq_token_kernel(g_ptr, q_ptr, s_ptr, seed_ptr, L, O, O_pad, stride_g, ldq, groups_per_row,
-                     BR: tl.constexpr, BC: tl.constexpr, ONE_TILE: tl.constexpr, Q: tl.constexpr,
-                     FP8: tl.constexpr, INTERPRET: tl.constexpr):
+def _hq_token_kernel(g_ptr, q_ptr, s_ptr, seed_ptr, m_ptr, L, O, O_pad, stride_g, ldq,
+                     groups_per_row, BR: tl.constexpr, BC: tl.constexpr, ONE_TILE: tl.constexpr,
+                     Q: tl.constexpr, FP8: tl.constexpr, INTERPRET: tl.constexpr,
+                     ROW_MAX: tl.constexpr):
     """Per-token (per-row) scales: one program owns BR whole rows.
 
     If a row fits one tile (ONE_TILE) it is loaded and transformed once and quantized from
     registers: one read, one write. Otherwise a first sweep over the row's column chunks
     keeps an elementwise running max (reduced across lanes once, at the end) and a second
     sweep, which re-reads the chunks while they are still in L1/L2, quantizes them.
+    ``ROW_MAX``: also store max |g[row, :]| (fp32, NaN if the row has one) at ``m_ptr``,
+    the input of g's HLA bound (``token_block_bound_bits``).
     """
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     seed = tl.load(seed_ptr)
     if ONE_TILE:
-        v = _load_fwht_rows(g_ptr, rows, 0, L, O, stride_g, BC)
+        x = _load_rows(g_ptr, rows, 0, L, O, stride_g, BC)
+        if ROW_MAX:
+            tl.store(m_ptr + rows, tl.max(abs_bits(x), axis=1).to(tl.float32, bitcast=True),
+                     mask=rows < L)
+        v = fwht16_lastdim(x)
         s = scale_from_amax_bits(tl.max(abs_bits(v), axis=1), Q)
         inv_s = tl.math.div_rn(1.0, s)
         if reciprocal_is_finite(inv_s):
@@ -310,8 +324,15 @@ def _hq_token_kernel(g_ptr, q_ptr, s_ptr, seed_ptr, L, O, O_pad, stride_g, ldq, 
                                  ldq, groups_per_row, BC, Q, True, FP8, INTERPRET, True)
     else:
         amax = tl.zeros((BR, BC), dtype=tl.int32)
+        xmax = tl.zeros((BR, BC), dtype=tl.int32)
         for col0 in range(0, O_pad, BC):
-            amax = tl.maximum(amax, abs_bits(_load_fwht_rows(g_ptr, rows, col0, L, O, stride_g, BC)))
+            x = _load_rows(g_ptr, rows, col0, L, O, stride_g, BC)
+            if ROW_MAX:
+                xmax = tl.maximum(xmax, abs_bits(x))
+            amax = tl.maximum(amax, abs_bits(fwht16_lastdim(x)))
+        if ROW_MAX:
+            tl.store(m_ptr + rows, tl.max(xmax, axis=1).to(tl.float32, bitcast=True),
+                     mask=rows < L)
         s = scale_from_amax_bits(tl.max(amax, axis=1), Q)
         inv_s = tl.math.div_rn(1.0, s)
         if reciprocal_is_finite(inv_s):
@@ -580,10 +601,28 @@ def input_amax_bits(x: torch.Tensor, dim=None):
     return m.reshape(-1).view(torch.int32)
 
 
-def hq_act_quant(g: torch.Tensor, bits: int, per_token: bool, seed, fp8: bool = False):
+def token_block_bound_bits(g: torch.Tensor, seq_len: int = 0, seq_first: bool = False,
+                           row_max: Optional[torch.Tensor] = None):
+    """``reference.token_block_bound`` of g (L, C) as the int32 bits of its fp32 word (the
+    form the HLA kernel reads its amax in), from g's row maxima ``row_max`` when a kernel
+    that read g wrote them (``hq_act_quant``), else from a torch reduction over g. The
+    block sums and their max are plain torch (small reductions over L values).
+
+    Why the HQ kernel and not Inductor computes the row maxima: fused into g's producer,
+    a row max turned the rotary-embedding backward (q and k's g) into a strided reduction
+    kernel, 0.41 -> 0.68 ms per Llama step (H100, 2026-11-26), where the per-token HQ
+    kernel, which reads every row whole anyway, maxes it for one instruction an element."""
+    if row_max is None:
+        return ref.token_block_bound(g, 16, seq_len, seq_first).reshape(1).view(torch.int32)
+    return ref.block_sum_bound(row_max, 16, seq_len, seq_first).reshape(1).view(torch.int32)
+
+
+def hq_act_quant(g: torch.Tensor, bits: int, per_token: bool, seed, fp8: bool = False,
+                 row_max: bool = False):
     """Transform g (L, O) along O (zero-padded to O_pad), quantize with stochastic rounding.
 
-    Returns (levels (L, O_pad) int8 or e4m3, fp32 scale (L,) if per_token else ()).
+    Returns (levels (L, O_pad) int8 or e4m3, fp32 scale (L,) if per_token else ()), and
+    with ``row_max`` (per token only) a third output, max |g| of each row (L,) fp32.
     """
     if g.stride(-1) != 1:
         g = g.contiguous()
@@ -597,11 +636,15 @@ def hq_act_quant(g: torch.Tensor, bits: int, per_token: bool, seed, fp8: bool = 
     groups = philox_counters(O_pad)
     if per_token:
         s = torch.empty((L,), dtype=torch.float32, device=dev)
+        m = torch.empty((L,), dtype=torch.float32, device=dev) if row_max else s  # s: unread
         bc, one, br, warps = token_tile(O_pad, interp)
         launch(_hq_token_kernel, (triton.cdiv(L, br),),
-            g, q, s, seed_t, L, O, O_pad, g.stride(0), O_pad, groups,
-            BR=br, BC=bc, ONE_TILE=one, Q=Q, FP8=fp8, INTERPRET=interp, num_warps=warps)
-        return q, s
+            g, q, s, seed_t, m, L, O, O_pad, g.stride(0), O_pad, groups,
+            BR=br, BC=bc, ONE_TILE=one, Q=Q, FP8=fp8, INTERPRET=interp, ROW_MAX=row_max,
+            num_warps=warps)
+        return (q, s, m) if row_max else (q, s)
+    if row_max:
+        raise ValueError("hq_act_quant: row_max needs per_token")
     s = scalar_buffer(dev)
     amax = torch.zeros((1,), dtype=torch.int32, device=dev)
     bc, _ = column_tile(O_pad, max_tile=512 if not interp else 64)

@@ -19,8 +19,10 @@ scale rule at Q = 448: ``hadamard.to_e4m3``, stochastic onto the e4m3 grid for g
 
 Per-tensor scales need the global amax first: phase 1 projects every tile and atomically
 maxes its amax into one word, phase 2 re-projects (tiles in reverse order, for L2 hits)
-and quantizes. The saved x in e4m3 skips phase 1: its scale is the bound max|x| / 28
-(``reference.e4m3_bound_scale``), max|x| a reduction Inductor fuses with x's producer.
+and quantizes. The e4m3 operands skip phase 1, their scales coming from bounds computed
+by torch reductions Inductor compiles with the tensor's producer: the saved x's from
+max|x| / 28 (``reference.e4m3_bound_scale``), g's from ``reference.token_block_bound``
+/ 448 (``hadamard.token_block_bound_bits``). Only int8 levels run both phases.
 L is padded with zero tokens to a multiple of 16, like the reference.
 
 Numerics: the reference projects with a dense fp32 ``einsum`` whose summation order is the
@@ -40,7 +42,7 @@ from .launch import launch
 from . import reference as ref
 from .hadamard import (abs_bits, fwht16, input_amax_bits, input_max_bits, interpreting,
                        philox_uniform8, quantize, scalar_buffer, scale_from_amax_bits,
-                       seed_pointer, to_e4m3)
+                       seed_pointer, to_e4m3, token_block_bound_bits)
 
 
 @triton.jit
@@ -220,7 +222,8 @@ def _hla_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, seed_ptr, seed_add, scale_mul, S,
     ones phase 1 read last (still in L2) come first. The stored scale is s * scale_mul
     (a power of two: exact). ``BOUND``: phase 2 alone, ``amax_ptr`` holding max |x| (the
     saved x's bound scale, ``reference.abc_compress``), rounded to the type x is read as
-    (``hadamard.input_max_bits``).
+    (``hadamard.input_max_bits``). g's e4m3 operand also runs phase 2 alone, ``amax_ptr``
+    holding its ``reference.token_block_bound`` (an fp32 word, used as it is).
     """
     pid = tl.program_id(0)
     n_ct = tl.cdiv(C, BC)
@@ -356,7 +359,8 @@ def token_layout(L: int, seq_len: int = 0, seq_first: bool = False):
 def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic: bool, seed=0,
               transposed: bool = False, pad_to: int = 1, seq_len: int = 0,
               seq_first: bool = False, seed_add: int = 0, e4m3: bool = False,
-              scale_mul: float = 1.0, amax: torch.Tensor | None = None):
+              scale_mul: float = 1.0, amax: torch.Tensor | None = None,
+              row_max: torch.Tensor | None = None):
     """Project x (L, C) along its tokens onto ``rank`` kept rows per block of 16
     neighbouring tokens of one sequence (``reference.sequence_blocks``) and quantize.
 
@@ -368,8 +372,10 @@ def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic:
     (L'_pad = L' rounded up to ``pad_to``) holding the transpose; its columns past L'
     are left unwritten (consumers must mask them), except in e4m3, where they are zeroed:
     the cuBLAS GEMM reads all L'_pad columns. ``amax``: a zeroed (1,) int32 workspace the
-    caller made with others in one launch (default: its own); not used for nearest e4m3
-    levels (the saved x), whose scale comes from max |x| with no first phase.
+    caller made with others in one launch (default: its own), for int8 levels only: e4m3
+    levels run phase 2 alone, their scale from a bound (the saved x, nearest rounding:
+    max |x| / 28; g, stochastic: ``token_block_bound`` / 448, from x's row maxima
+    ``row_max`` when given: ``hadamard.hq_act_quant(row_max=True)``).
     """
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -387,11 +393,15 @@ def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic:
         ldq = C
         q = torch.empty((rows_out, C), dtype=dtype, device=dev)
     s = scalar_buffer(dev)
-    # the saved x in e4m3 (nearest rounding): its scale from max |x|, a reduction Inductor
-    # fuses with x's producer, and one launch (reference.abc_compress says why)
+    # e4m3: one launch, the scale from a bound computed by torch reductions (Inductor
+    # compiles them with the tensor's producer): the saved x (nearest rounding) from
+    # max |x| (reference.abc_compress), g (stochastic) from its token blocks' row maxima
+    # (reference.token_block_bound)
     bound = e4m3 and not stochastic
     if bound:
         amax = input_amax_bits(x)
+    elif e4m3:
+        amax = token_block_bound_bits(x, seq_len, seq_first, row_max)
     elif amax is None:
         amax = torch.zeros((1,), dtype=torch.int32, device=dev)
     rp = _pow2_at_least(rank)
@@ -410,7 +420,7 @@ def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic:
     seed_t = seed_pointer(seed, dev) if stochastic else amax    # amax: an unread placeholder
     args = (x, q, s, amax, seed_t, int(seed_add), float(scale_mul), S, n_sblk, stride_b,
             stride_s, C, x.stride(0), ldq, n_blk, groups)
-    if not bound:
+    if not e4m3:
         launch(_hla_kernel, grid, *args, PHASE=1, **meta)
     launch(_hla_kernel, grid, *args, PHASE=2, **meta)
     return q, s

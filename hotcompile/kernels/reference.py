@@ -32,7 +32,8 @@ implementation must meet:
 * Scaled e4m3 (the cuBLAS FP8 paths): the value over its scale, rounded onto the e4m3
   grid (``quantize_e4m3``), ``s = amax / 448``; HQ's W takes its per-column scale from W
   itself, ``s = max|W column| / 28`` (``e4m3_bound_scale``), not from the transformed
-  values, and the saved x (ABC) its per-tensor one, ``s = max|x| / 28``.
+  values, the saved x (ABC) its per-tensor one, ``s = max|x| / 28``, and g's HLA operand
+  ``s = token_block_bound(g) / 448`` (the largest sum of a token block's row maxima).
 * Integer GEMMs accumulate exactly (int32 on CUDA via ``torch._int_mm``,
   float64 elsewhere) and are dequantized as ``acc * s_row * s_col / 16``.
 """
@@ -292,11 +293,41 @@ def e4m3_bound_scale(x: torch.Tensor, per_row: bool) -> torch.Tensor:
     +0.41%, mean +0.40%, as the exact amax's 4-7-seed means (+0.26..+0.75%), and digits
     +0.45 points at 8 seeds (H100, 2026-11-26). Its one-seed +1.10% of the twelfth stop
     was the gate's noise (two Inductor runs of one seed differ by up to 1.5%). Not for
-    g's HLA operand: three one-seed runs with g bounded all read +1.2..+1.6% (fifth and
-    eleventh stops), and a CPU measurement of the fifth stop found, where channel
-    magnitudes spread over e**(+-3), a g_W error 17% larger, small channels' coefficients
-    falling into e4m3's subnormals. Integer levels keep the exact amax (``absmax_scale``)."""
+    g's HLA operand: three one-seed runs with g bounded this way all read +1.2..+1.6%
+    (fifth and eleventh stops), and a CPU measurement of the fifth stop found, where
+    channel magnitudes spread over e**(+-3), a g_W error 17% larger, small channels'
+    coefficients falling into e4m3's subnormals; g takes the tighter
+    ``token_block_bound``. Integer levels keep the exact amax (``absmax_scale``)."""
     return absmax_scale(x.float(), 8, per_row, q=E4M3_BOUND_Q)
+
+
+def token_block_bound(g: torch.Tensor, block: int = 16, seq_len: int = 0,
+                      seq_first: bool = False) -> torch.Tensor:
+    """A bound on every HLA coefficient of g (L, C), from its tokens' maxima: fp32 ()
+    max over token blocks of sum_t m_t, m_t = max_c |g[t, c]| (blocks as
+    ``sequence_blocks`` makes them, padding tokens 0). The block sums are taken in fp64,
+    where 16 fp32 terms within 2**25 of each other add exactly, so a sum does not depend
+    on its order: the eager ops, Inductor's kernels and this twin get the same word.
+
+    Why: a coefficient is a +-1 sum of its block's 16 values of one channel, so
+    |coefficient| <= sum_t |g[t, c]| <= sum_t m_t. It takes g's HLA operand (stochastic
+    e4m3) from two passes over g (amax of the projected tile, then quantize) to one: m_t
+    is a row reduction Inductor compiles with g's producer, and the block sums and their
+    max one small kernel. Unlike 16 max|g| (``e4m3_bound_scale``'s rule, ~4x loose on
+    Gaussian rows and up to 16x where one token dominates its block, which is how text
+    gradients look; it failed the byte-level GPT gate three times), this bound is tight
+    where one token dominates: on a CPU byte-level GPT's g_y it was 1.00-2.09x the exact
+    amax (median ~1.3x), against 1.5-12x for 16 max|g| (2026-11-26,
+    docs/BENCHMARKS.md "Sixteenth stop")."""
+    m = torch.linalg.vector_norm(g, float("inf"), dim=1, dtype=torch.float32)
+    return block_sum_bound(m, block, seq_len, seq_first)
+
+
+def block_sum_bound(m: torch.Tensor, block: int = 16, seq_len: int = 0,
+                    seq_first: bool = False) -> torch.Tensor:
+    """``token_block_bound`` from the row maxima m (L,) fp32: the largest block sum."""
+    blocks = sequence_blocks(m.unsqueeze(1), block, seq_len, seq_first).squeeze(2)  # (nb, block)
+    return blocks.double().sum(1).amax().float()
 
 
 def quantize_e4m3(v: torch.Tensor, per_row: bool, stochastic: bool = False, seed=0,
@@ -442,14 +473,17 @@ def hla_grad_weight(g: torch.Tensor, xt: torch.Tensor, x_scale: torch.Tensor, ra
 
     ``xt`` is the projected x: int8 levels (with ``x_scale``), floats (x_scale = 1), or
     scaled e4m3 (``abc_compress(fmt="e4m3")``), in which case g's coefficients become
-    scaled e4m3 with stochastic rounding (``quantize_e4m3``, its uniforms drawn
-    channel-major: ``hla_uniforms``; ``bits`` unused): the operands of the cuBLAS FP8 GEMM.
+    scaled e4m3 with stochastic rounding (``quantize_e4m3``, its scale from the bound
+    ``token_block_bound`` / 448, its uniforms drawn channel-major: ``hla_uniforms``;
+    ``bits`` unused): the operands of the cuBLAS FP8 GEMM.
     bits=0 skips quantizing the gradient (with rank=block this is exact).
     """
     gt = hla_project(g, rank, select, block, seq_len=seq_len, seq_first=seq_first)  # (L', O)
     if xt.dtype == torch.float8_e4m3fn:
         u = hla_uniforms(seed, gt.shape[1], gt.shape[0] // rank, rank, device=g.device)
-        qg, sg = quantize_e4m3(gt, per_row=False, stochastic=True, seed=seed, u=u)
+        bound = token_block_bound(g, block, seq_len, seq_first)
+        qg, sg = quantize_e4m3(gt, per_row=False, stochastic=True, seed=seed, u=u,
+                               scale=absmax_scale(bound, 8, False, q=E4M3_MAX))
         # products of e4m3 values are exact in fp64; the sum nearly so (the GEMM's is not)
         acc = (qg.double().t() @ xt.double()).float()
     elif bits == 0:
