@@ -324,8 +324,15 @@ def run_layer(group, name, L, I, O, args, copies):
     # each transform kernel alone, against a copy of the same bytes (bytes in + bytes out)
     kern = {}
     gsets = [(g,) for _, _, g in sets]
+    # as a site runs them: with an e4m3 g_W the HQ kernel also writes g's row maxima, and
+    # the HLA kernel takes its bound from them (the small reductions over L values timed
+    # with it)
+    bound = gw_fmt == "e4m3"
+    msets = [(g, torch.linalg.vector_norm(g, float("inf"), dim=1, dtype=torch.float32))
+             for _, _, g in sets]
     specs = [
-        ("hq_g_token", lambda g: H.hq_act_quant(g, GX_BITS, True, seed, fp8=fmt != "int8"), gsets,
+        ("hq_g_token", lambda g: H.hq_act_quant(g, GX_BITS, True, seed, fp8=fmt != "int8",
+                                                row_max=bound), gsets,
          2 * L * O + L * o_pad),
         ("hq_g_tensor", lambda g: H.hq_act_quant(g, GX_BITS, False, seed), gsets, 2 * L * O + L * o_pad),
         ("hq_w", lambda w: H.hq_weight_quant(w, GX_W_BITS, fp8=fmt != "int8", e4m3=w_e4m3),
@@ -338,9 +345,10 @@ def run_layer(group, name, L, I, O, args, copies):
                                                  hla_seed_add=1), gsets,
          2 * L * O + L * o_pad + lr * O),
         # g's K-major operand as the site makes it: written transposed by the HLA kernel
-        ("hla_g", lambda g: HL.hla_quant(g, RANK, "1d", GW_BITS, stochastic=True, seed=seed,
-                                         transposed=True, pad_to=16, e4m3=gw_fmt == "e4m3"),
-         gsets, 2 * L * O + lr * O),
+        ("hla_g", lambda g, m: HL.hla_quant(g, RANK, "1d", GW_BITS, stochastic=True, seed=seed,
+                                            transposed=True, pad_to=16, e4m3=bound,
+                                            row_max=m if bound else None),
+         msets, 2 * L * O + lr * O),
         ("abc_x", lambda x: F.abc_compress(x, RANK, "1d", GW_BITS, fmt=gw_fmt),
          [(x,) for x, _, _ in sets], 2 * L * I + lr * I),
     ]
