@@ -612,9 +612,9 @@ def token_block_bound_bits(g: torch.Tensor, seq_len: int = 0, seq_first: bool = 
     a row max turned the rotary-embedding backward (q and k's g) into a strided reduction
     kernel, 0.41 -> 0.68 ms per Llama step (H100, 2026-11-26), where the per-token HQ
     kernel, which reads every row whole anyway, maxes it for one instruction an element."""
-    if row_max is None:
-        return ref.token_block_bound(g, 16, seq_len, seq_first).reshape(1).view(torch.int32)
-    return ref.block_sum_bound(row_max, 16, seq_len, seq_first).reshape(1).view(torch.int32)
+    bound = ref.token_block_bound(g, 16, seq_len, seq_first) if row_max is None else \
+        ref.block_sum_bound(row_max, 16, seq_len, seq_first)
+    return bound.reshape(1).view(torch.int32)
 
 
 def hq_act_quant(g: torch.Tensor, bits: int, per_token: bool, seed, fp8: bool = False,

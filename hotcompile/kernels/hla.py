@@ -19,10 +19,11 @@ scale rule at Q = 448: ``hadamard.to_e4m3``, stochastic onto the e4m3 grid for g
 
 Per-tensor scales need the global amax first: phase 1 projects every tile and atomically
 maxes its amax into one word, phase 2 re-projects (tiles in reverse order, for L2 hits)
-and quantizes. The e4m3 operands skip phase 1, their scales coming from bounds computed
-by torch reductions Inductor compiles with the tensor's producer: the saved x's from
-max|x| / 28 (``reference.e4m3_bound_scale``), g's from ``reference.token_block_bound``
-/ 448 (``hadamard.token_block_bound_bits``). Only int8 levels run both phases.
+and quantizes. The e4m3 operands skip phase 1, their scales coming from bounds: the saved
+x's from max|x| / 28 (``reference.e4m3_bound_scale``; max|x| a reduction Inductor fuses
+with x's producer), g's from ``reference.token_block_bound`` / 448 (g's row maxima from
+the per-token HQ kernel, then two small reductions: ``hadamard.token_block_bound_bits``).
+Only int8 levels run both phases.
 L is padded with zero tokens to a multiple of 16, like the reference.
 
 Numerics: the reference projects with a dense fp32 ``einsum`` whose summation order is the
@@ -393,10 +394,9 @@ def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic:
         ldq = C
         q = torch.empty((rows_out, C), dtype=dtype, device=dev)
     s = scalar_buffer(dev)
-    # e4m3: one launch, the scale from a bound computed by torch reductions (Inductor
-    # compiles them with the tensor's producer): the saved x (nearest rounding) from
-    # max |x| (reference.abc_compress), g (stochastic) from its token blocks' row maxima
-    # (reference.token_block_bound)
+    # e4m3: one launch, the scale from a bound: the saved x (nearest rounding) from max |x|
+    # (reference.abc_compress), g (stochastic) from its token blocks' row maxima
+    # (reference.token_block_bound; ``row_max`` when the HQ kernel wrote them)
     bound = e4m3 and not stochastic
     if bound:
         amax = input_amax_bits(x)

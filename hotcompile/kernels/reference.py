@@ -311,9 +311,10 @@ def token_block_bound(g: torch.Tensor, block: int = 16, seq_len: int = 0,
 
     Why: a coefficient is a +-1 sum of its block's 16 values of one channel, so
     |coefficient| <= sum_t |g[t, c]| <= sum_t m_t. It takes g's HLA operand (stochastic
-    e4m3) from two passes over g (amax of the projected tile, then quantize) to one: m_t
-    is a row reduction Inductor compiles with g's producer, and the block sums and their
-    max one small kernel. Unlike 16 max|g| (``e4m3_bound_scale``'s rule, ~4x loose on
+    e4m3) from two passes over g (amax of the projected tile, then quantize) to one: the
+    per-token HQ kernel writes m_t as it reads g (``hadamard.hq_act_quant(row_max=True)``),
+    and the block sums and their max are two small reductions (``block_sum_bound``).
+    Unlike 16 max|g| (``e4m3_bound_scale``'s rule, ~4x loose on
     Gaussian rows and up to 16x where one token dominates its block, which is how text
     gradients look; it failed the byte-level GPT gate three times), this bound is tight
     where one token dominates: on a CPU byte-level GPT's g_y it was 1.00-2.09x the exact
