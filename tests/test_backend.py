@@ -1,4 +1,5 @@
 """The backend end to end on CPU: sites found, ops in the backward graph, saved bytes, fallbacks."""
+import operator
 import subprocess
 import sys
 
@@ -334,3 +335,61 @@ def test_the_lazy_backward_compiles_inside_the_launch_analysis_memo(monkeypatch)
     assert len(report.rewritten) == 2
     assert len(depths) == 2 and all(d >= 1 for d in depths), depths     # forward, backward
     assert KA._DEPTH == 0
+
+
+@pytest.mark.parametrize("model", ["mlp", "block"])
+def test_fp32_parameter_grads_come_from_the_gemm_without_a_cast(monkeypatch, model):
+    """Under bf16 autocast a rewritten g_W is only cast to its fp32 parameter's gradient:
+    the op writes fp32 itself (``passes/grad_cast.py``) and no cast of it is left in the
+    backward. The gradient is the unrounded GEMM result: rounded to bf16 it is bit-equal
+    to the graph's without the fold, and every other gradient is bit-equal."""
+    import hotcompile.passes.rewrite as RW
+
+    def step(fold):
+        torch._dynamo.reset()
+        if not fold:
+            monkeypatch.setattr(RW, "fold_gw_cast", lambda *a, **k: False)
+        torch.manual_seed(0)
+        m = MLP() if model == "mlp" else Block(d=64, heads=4)
+        x = torch.randn(64, 64) if model == "mlp" else torch.randn(2, 32, 64)
+        cm = torch.compile(m, backend=hotcompile.backend(ALL))
+        with capture_graphs() as graphs:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = cm(x)
+            torch.manual_seed(1)
+            out.float().square().mean().backward()
+        bw = [g for g in graphs if is_bw(g)]
+        return {k: p.grad for k, p in m.named_parameters()}, bw
+
+    folded, bw = step(True)
+    plain, bw_plain = step(False)
+    gw_ops = (HOT_OPS["hla"], HOT_OPS["unit"])
+    ops = [n for g in bw for n in g.nodes if n.target in gw_ops]
+    assert ops and all(n.kwargs.get("gw_fp32") for n in ops), [n.kwargs for n in ops]
+    assert not any(n.kwargs.get("gw_fp32") for g in bw_plain for n in g.nodes
+                   if n.target in gw_ops)
+
+    def casts(graphs):   # fp32 casts whose input is (a view of) a HOT op's g_W
+        out = 0
+        for g in graphs:
+            for n in g.nodes:
+                if n.target is torch.ops.prims.convert_element_type.default and \
+                        n.args[1] == torch.float32:
+                    src = n.args[0]
+                    while src.op == "call_function" and src.target in (
+                            torch.ops.aten.permute.default, torch.ops.aten.view.default,
+                            torch.ops.aten.reshape.default):
+                        src = src.args[0]
+                    if src.target is operator.getitem and src.args[1] == 1:
+                        src = src.args[0]
+                    out += src.target in gw_ops
+        return out
+    assert casts(bw) == 0 and casts(bw_plain) == len(ops)
+    for k in folded:
+        a, b = folded[k], plain[k]
+        assert a.dtype == b.dtype == torch.float32, k
+        if k.endswith("weight") and a.dim() == 2:
+            assert torch.equal(a.bfloat16().float(), b), k
+            assert not torch.equal(a, b), k        # the unrounded result
+        else:
+            assert torch.equal(a, b), k

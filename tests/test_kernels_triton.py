@@ -232,6 +232,17 @@ def test_gw_e4m3_path_matches_reference(poison, dtype, L, O, I, rank, seq_len):
     _, gw = F.linear_backward(g, w, xqr, xsr, rank, 4, 8, 8, True, seed, seq_len=seq_len)
     gw_sep = F.hla_grad_weight(g, xqr, xsr, rank, "1d", 8, seed + 1, seq_len=seq_len)
     assert torch.equal(gw, gw_sep)
+    # g_W written in fp32 (an fp32 parameter's gradient, passes/grad_cast.py): the same
+    # GEMM result unrounded, in the op, its twin, and the site's one-op backward
+    wide = F.hla_grad_weight(g, xqr, xsr, rank, "1d", 8, seed, seq_len=seq_len,
+                             out_dtype=torch.float32)
+    assert wide.dtype == torch.float32 and torch.equal(wide.to(dtype), out)
+    ref_wide = R.hla_grad_weight(g, xqr, xsr, rank, "1d", 8, seed, seq_len=seq_len,
+                                 out_dtype=torch.float32)
+    assert ref_wide.dtype == torch.float32 and rel(wide.double(), ref_wide.double()) < 1e-5
+    _, gw32 = F.linear_backward(g, w, xqr, xsr, rank, 4, 8, 8, True, seed, seq_len=seq_len,
+                                gw_dtype=torch.float32)
+    assert gw32.dtype == torch.float32 and torch.equal(gw32.to(dtype), gw)
     if rank == 16:
         exact = g.double().t() @ x.double()
         assert rel(out.double(), exact) < 0.1
@@ -344,6 +355,8 @@ def test_fused_ops_match_reference(poison, dtype, L, O, I):
     assert out.dtype == ref.dtype and out.shape == ref.shape == (O, I)
     tol = 1e-5 if dtype == torch.float32 else 1e-2        # one output rounding in bf16/fp16
     assert float((out.double() - ref.double()).norm() / ref.double().norm()) < tol
+    wide = F.hla_grad_weight(g, xqr, xsr, 8, "1d", 8, seed, out_dtype=torch.float32)
+    assert wide.dtype == torch.float32 and torch.equal(wide.to(dtype), out)   # INT8 GEMM too
 
 
 @cpu

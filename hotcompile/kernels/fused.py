@@ -120,12 +120,15 @@ def _k_major(q: torch.Tensor) -> torch.Tensor:
 
 
 def _gw(g, xt, x_scale, rank: int, select: str, bits: int, seed, lay, qg=None,
-        seed_add: int = 0, amax=None, row_max=None) -> torch.Tensor:
+        seed_add: int = 0, amax=None, row_max=None, out_dtype=None) -> torch.Tensor:
     """The fused g_W GEMM: g's projected levels (given as ``qg`` = transposed levels and
     scale, or computed with Philox key seed + ``seed_add``, written transposed by the HLA
     kernel: as fast as row-major plus a transpose, one launch fewer, layers_2026-11-24T030739)
     against the saved activation; cuBLAS FP8 when that is e4m3 (``formats.gw_rule``), else the
-    INT8 kernel. ``row_max``: g's row maxima, for the e4m3 operand's bound."""
+    INT8 kernel. ``row_max``: g's row maxima, for the e4m3 operand's bound. ``out_dtype``
+    (default g's): fp32 where the graph casts g_W to an fp32 parameter's gradient anyway
+    (``passes/grad_cast.py``): the GEMM writes it, and no cast kernel runs."""
+    out_dtype = out_dtype or g.dtype
     k = ref.hla_rows(g.shape[0], rank, _FUSED_BLOCK, lay["seq_len"])
     if xt.shape[0] != k:
         raise ValueError(f"g_W: the saved activation has {xt.shape[0]} rows, expected {k} "
@@ -140,32 +143,35 @@ def _gw(g, xt, x_scale, rank: int, select: str, bits: int, seed, lay, qg=None,
     if fp8:
         # bf16 and fp32 outputs are what the H100 runs measured; fp16 goes through fp32
         out = gemm.cublas_fp8_mm(qg[0], _k_major(xt), qg[1], xs,
-                                 torch.float32 if g.dtype == torch.float16 else g.dtype,
+                                 torch.float32 if out_dtype == torch.float16 else out_dtype,
                                  fast_accum=False)
-        return out.to(g.dtype)
-    return gemm.scaled_mm(qg[0], _k_major(xt), qg[1], xs, 1.0 / 16, g.dtype, k=k)
+        return out.to(out_dtype)
+    return gemm.scaled_mm(qg[0], _k_major(xt), qg[1], xs, 1.0 / 16, out_dtype, k=k)
 
 
 def hla_grad_weight(g: torch.Tensor, xt: torch.Tensor, x_scale: torch.Tensor, rank: int,
                     select: str = "1d", bits: int = 8, seed=0, block: int = 16, *,
-                    seq_len: int = 0, seq_first: bool = False) -> torch.Tensor:
-    """g_W ~= g_y^T x over the kept low-pass token coefficients. g: (L, O) -> (O, I).
-    ``xt``: ``abc_compress``'s buffer in either format."""
+                    seq_len: int = 0, seq_first: bool = False,
+                    out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """g_W ~= g_y^T x over the kept low-pass token coefficients. g: (L, O) -> (O, I), in
+    ``out_dtype`` (default g's). ``xt``: ``abc_compress``'s buffer in either format."""
     lay = dict(seq_len=seq_len, seq_first=seq_first)
     if (block != _FUSED_BLOCK or not _fused_bits(bits)
             or xt.dtype not in (torch.int8, torch.float8_e4m3fn)
             or g.numel() == 0 or xt.numel() == 0):
-        return ref.hla_grad_weight(g, xt, x_scale, rank, select, bits, seed, block, **lay)
-    return _gw(g, xt, x_scale, rank, select, bits, seed, lay)
+        return ref.hla_grad_weight(g, xt, x_scale, rank, select, bits, seed, block, **lay,
+                                   out_dtype=out_dtype)
+    return _gw(g, xt, x_scale, rank, select, bits, seed, lay, out_dtype=out_dtype)
 
 
 def linear_backward(g: torch.Tensor, w: torch.Tensor, xt: torch.Tensor, x_scale: torch.Tensor,
                     rank: int, gx_bits: int, w_bits: int, gw_bits: int, per_token: bool, seed=0,
                     block: int = 16, *, seq_len: int = 0, seq_first: bool = False,
-                    one_pass: bool = True, warm_other_scale: bool = False):
+                    one_pass: bool = True, warm_other_scale: bool = False,
+                    gw_dtype: torch.dtype | None = None):
     """One linear layer's whole HOT backward: (g_x, g_W), bit-equal to ``hq_grad_input(g, w,
     gx_bits, per_token, seed)`` and ``hla_grad_weight(g, xt, x_scale, rank, "1d", gw_bits,
-    seed + 1)``. One seed for the site (the HLA side adds 1 on the device). ``one_pass``:
+    seed + 1, out_dtype=gw_dtype)``. One seed for the site (the HLA side adds 1 on the device). ``one_pass``:
     g is read by one kernel pair for both operands (``grad_out``; int8 saved activations
     only), else by the two separate kernels (faster at rank 16: ``ops.ONE_PASS_MAX_RANK``)."""
     lay = dict(seq_len=seq_len, seq_first=seq_first)
@@ -173,7 +179,8 @@ def linear_backward(g: torch.Tensor, w: torch.Tensor, xt: torch.Tensor, x_scale:
             or xt.dtype not in (torch.int8, torch.float8_e4m3fn)
             or g.numel() == 0 or w.numel() == 0 or xt.numel() == 0):
         return (hq_grad_input(g, w, gx_bits, per_token, seed, block, warm_other_scale, w_bits),
-                hla_grad_weight(g, xt, x_scale, rank, "1d", gw_bits, seed + 1, block, **lay))
+                hla_grad_weight(g, xt, x_scale, rank, "1d", gw_bits, seed + 1, block, **lay,
+                                out_dtype=gw_dtype))
     path = gx_path(g, w, gx_bits, w_bits, per_token)
     fp8 = path[0] != "int8"
     qg_t, m = None, []
@@ -200,7 +207,8 @@ def linear_backward(g: torch.Tensor, w: torch.Tensor, xt: torch.Tensor, x_scale:
     if qg_t is None:    # g's HLA operand from its own kernel: Philox key seed + 1
         gw = _gw(g, xt, x_scale, rank, "1d", gw_bits, seed, lay, seed_add=1,
                  amax=ws.narrow(0, n_w, 1) if ws is not None and n_hla else None,
-                 row_max=m[0] if m else None)
+                 row_max=m[0] if m else None, out_dtype=gw_dtype)
     else:
-        gw = _gw(g, xt, x_scale, rank, "1d", gw_bits, seed, lay, qg=tuple(qg_t))
+        gw = _gw(g, xt, x_scale, rank, "1d", gw_bits, seed, lay, qg=tuple(qg_t),
+                 out_dtype=gw_dtype)
     return gx, gw

@@ -173,15 +173,21 @@ def _(x, rank, bits, block, seq_len, seq_first, kernels, fmt):
 
 
 # ----------------------------------------------------------------------- HLA (g_W)
+def _gw_dtype(g: Tensor, gw_fp32: bool) -> torch.dtype:
+    return torch.float32 if gw_fp32 else g.dtype
+
+
 def hla_grad_weight_body(g: Tensor, xq: Tensor, x_scale: Tensor, rank: int, bits: int,
                          block: int, seq_len: int, seq_first: bool, measure: str, kernels: str,
-                         seeds: Optional[Tensor] = None, seed_index: int = 0) -> Tensor:
+                         seeds: Optional[Tensor] = None, seed_index: int = 0,
+                         gw_fp32: bool = False) -> Tensor:
     """g_W ~= g^T x over the kept low-pass token coefficients. g: (L, O) -> (O, I).
 
     ``measure``: a rank-calibration key (``runtime.rank``): also measure, on this step's
-    real g and x, g_W's error at every rank against this full-rank result."""
+    real g and x, g_W's error at every rank against this full-rank result. ``gw_fp32``:
+    g_W in fp32 rather than g's dtype (``passes/grad_cast.py``)."""
     seed = _seed(g, seeds, seed_index)
-    lay = dict(seq_len=seq_len, seq_first=seq_first)
+    lay = dict(seq_len=seq_len, seq_first=seq_first, out_dtype=_gw_dtype(g, gw_fp32))
     if measure:
         RANK.measure(measure, g, xq, x_scale, block, seq_len, seq_first)
     if triton_usable(g, kernels):
@@ -195,10 +201,10 @@ hla_grad_weight = torch.library.custom_op("hot::hla_grad_weight", mutates_args=(
 
 @hla_grad_weight.register_fake
 def _(g, xq, x_scale, rank, bits, block, seq_len, seq_first, measure, kernels, seeds=None,
-      seed_index=0):
+      seed_index=0, gw_fp32=False):
     torch._check(xq.shape[0] == ref.hla_rows(g.shape[0], rank, block, seq_len),
                  lambda: "hla_grad_weight: compressed buffer rows disagree with g")
-    return g.new_empty((g.shape[1], xq.shape[1]))
+    return g.new_empty((g.shape[1], xq.shape[1]), dtype=_gw_dtype(g, gw_fp32))
 
 
 # ----------------------------------------------------------------------- both (one site)
@@ -215,20 +221,20 @@ longer fits the registers next to the HQ half."""
 def linear_backward_body(g: Tensor, xq: Tensor, x_scale: Tensor, rank: int, gw_bits: int,
                          block: int, seq_len: int, seq_first: bool, measure: str, kernels: str,
                          w: Tensor, gx_bits: int, w_bits: int, scale: str, site: str,
-                         seeds: Optional[Tensor] = None,
-                         seed_index: int = 0) -> tuple[Tensor, Tensor]:
+                         seeds: Optional[Tensor] = None, seed_index: int = 0,
+                         gw_fp32: bool = False) -> tuple[Tensor, Tensor]:
     """(g_x, g_W) of one linear site: ``hq_grad_input`` and ``hla_grad_weight`` in one op:
     one dispatch, one seed drawn (g_W's bits from seed + 1), and up to rank
     ``ONE_PASS_MAX_RANK`` one kernel pair reading g for both operands.
 
     The first ten arguments are ``hla_grad_weight``'s, in its order, and the rest are
     ``hq_grad_input``'s: tools that read a site's g_W op (its buffer, its rank-measure key)
-    read either op alike."""
+    read either op alike. ``gw_fp32``: g_W in fp32 (``hla_grad_weight``)."""
     per_token, warm_other = _hq_scaling(scale, site, g, gx_bits, block)
     seed = _seed(g, seeds, seed_index)
     if measure:
         RANK.measure(measure, g, xq, x_scale, block, seq_len, seq_first)
-    lay = dict(seq_len=seq_len, seq_first=seq_first)
+    lay = dict(seq_len=seq_len, seq_first=seq_first, gw_dtype=_gw_dtype(g, gw_fp32))
     if triton_usable(g, kernels):
         return _fused().linear_backward(g, w, xq, x_scale, rank, gx_bits, w_bits, gw_bits,
                                         per_token, seed, block, **lay,
@@ -245,11 +251,12 @@ linear_backward = torch.library.custom_op("hot::linear_backward", mutates_args=(
 
 @linear_backward.register_fake
 def _(g, xq, x_scale, rank, gw_bits, block, seq_len, seq_first, measure, kernels, w, gx_bits,
-      w_bits, scale, site, seeds=None, seed_index=0):
+      w_bits, scale, site, seeds=None, seed_index=0, gw_fp32=False):
     torch._check(g.shape[1] == w.shape[0], lambda: "linear_backward: g and w disagree on O")
     torch._check(xq.shape[0] == ref.hla_rows(g.shape[0], rank, block, seq_len),
                  lambda: "linear_backward: compressed buffer rows disagree with g")
-    return g.new_empty((g.shape[0], w.shape[1])), g.new_empty((g.shape[1], xq.shape[1]))
+    return g.new_empty((g.shape[0], w.shape[1])), \
+        g.new_empty((g.shape[1], xq.shape[1]), dtype=_gw_dtype(g, gw_fp32))
 
 
 OPS = (torch.ops.hot.hq_grad_input.default, torch.ops.hot.abc_compress.default,

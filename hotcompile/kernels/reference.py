@@ -469,8 +469,11 @@ def abc_compress(x: torch.Tensor, rank: int, select: str = "1d", bits: int = 8,
 
 def hla_grad_weight(g: torch.Tensor, xt: torch.Tensor, x_scale: torch.Tensor, rank: int,
                     select: str = "1d", bits: int = 8, seed=0, block: int = 16, *,
-                    seq_len: int = 0, seq_first: bool = False) -> torch.Tensor:
-    """g_W ~= g_y^T x over the low-pass token coefficients.
+                    seq_len: int = 0, seq_first: bool = False,
+                    out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """g_W ~= g_y^T x over the low-pass token coefficients, in ``out_dtype`` (default g's:
+    fp32 where the graph casts g_W to an fp32 parameter's gradient anyway,
+    ``passes/grad_cast.py``).
 
     ``xt`` is the projected x: int8 levels (with ``x_scale``), floats (x_scale = 1), or
     scaled e4m3 (``abc_compress(fmt="e4m3")``), in which case g's coefficients become
@@ -489,21 +492,22 @@ def hla_grad_weight(g: torch.Tensor, xt: torch.Tensor, x_scale: torch.Tensor, ra
         acc = (qg.double().t() @ xt.double()).float()
     elif bits == 0:
         xf = xt.double() * x_scale.double()
-        return (gt.double().t() @ xf / block).to(g.dtype)
+        return (gt.double().t() @ xf / block).to(out_dtype or g.dtype)
     else:
         qg, sg = quantize(gt, bits, per_row=False, stochastic=True, seed=seed)
         acc = int_matmul(qg.t(), xt) if xt.dtype == torch.int8 else \
             (qg.double().t() @ xt.double()).float()
-    return (acc * (sg * x_scale.float() / block)).to(g.dtype)
+    return (acc * (sg * x_scale.float() / block)).to(out_dtype or g.dtype)
 
 
 def linear_backward(g: torch.Tensor, w: torch.Tensor, xt: torch.Tensor, x_scale: torch.Tensor,
                     rank: int, gx_bits: int, w_bits: int, gw_bits: int, per_token: bool, seed=0,
                     block: int = 16, *, seq_len: int = 0, seq_first: bool = False,
-                    w_e4m3: bool = False):
+                    w_e4m3: bool = False, gw_dtype: torch.dtype | None = None):
     """A linear layer's whole HOT backward from one seed: (g_x, g_W). The g_x side draws
-    its bits from ``seed``, the g_W side from ``seed + 1`` (another Philox key)."""
+    its bits from ``seed``, the g_W side from ``seed + 1`` (another Philox key). g_W in
+    ``gw_dtype`` (default g's)."""
     gx = hq_grad_input(g, w, gx_bits, per_token, seed, block, w_bits=w_bits, w_e4m3=w_e4m3)
     gw = hla_grad_weight(g, xt, x_scale, rank, "1d", gw_bits, seed + 1, block,
-                         seq_len=seq_len, seq_first=seq_first)
+                         seq_len=seq_len, seq_first=seq_first, out_dtype=gw_dtype)
     return gx, gw

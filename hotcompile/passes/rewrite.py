@@ -29,6 +29,7 @@ from . import cost
 from .abc import compress_inputs, group_by_base, rebuild_chain, saved_format
 from .find import LinearSite, find_linear_sites, is_forward
 from .forward import rewrite_forward
+from .grad_cast import fold_gw_cast
 from .recompute import parameter_weight_chain, replay_without_cast
 from .graph_utils import add_node, fake_mode_of, fake_run
 from .splice import splice_ops
@@ -226,6 +227,8 @@ def rewrite_joint_graph(graph: Graph, config, params: Optional[Set[Node]] = None
         for old in (s.gx, s.gw):
             if old is not None and not old.users:
                 graph.erase_node(old)
+        if s.rewritten_gw is not None:
+            s.gw_fp32 = fold_gw_cast(graph, s.rewritten_gw, fake_mode)
     _splice(graph, todo, buffers, config, fake_mode)
     graph.eliminate_dead_code()
     graph.lint()

@@ -88,7 +88,7 @@ def trace_body(node: Node, fake_mode) -> torch.fx.GraphModule:
         args = list(consts)
         for i, t in zip(slots, tensors):
             args[i] = t
-        return body(*args)
+        return body(*args, **node.kwargs)
 
     from torch._inductor.decomposition import select_decomp_table
     from torch.fx.experimental.proxy_tensor import make_fx
