@@ -21,6 +21,8 @@ from typing import Optional
 import torch
 from torch.fx import Graph, Node
 
+from .graph_utils import fake_run
+
 aten = torch.ops.aten
 prims = torch.ops.prims
 
@@ -54,13 +56,6 @@ def _fp32_cast_through_views(out: Node) -> Optional[tuple]:
     return None
 
 
-def _refake(n: Node, fake_mode) -> None:
-    val = lambda a: a.meta["val"]  # noqa: E731
-    with fake_mode:
-        n.meta["val"] = n.target(*torch.fx.node.map_arg(n.args, val),
-                                 **torch.fx.node.map_arg(n.kwargs, val))
-
-
 def fold_gw_cast(graph: Graph, op: Node, fake_mode) -> bool:
     """If ``op``'s g_W (a ``hot::hla_grad_weight`` result, or output 1 of
     ``hot::linear_backward``) in bf16/fp16 is only cast to fp32, through views: have the op
@@ -88,8 +83,8 @@ def fold_gw_cast(graph: Graph, op: Node, fake_mode) -> bool:
         vals[1] = wide
         op.meta["val"] = type(op.meta["val"])(vals)
     out.meta["val"] = wide
-    for n in chain:
-        _refake(n, fake_mode)
+    for n in chain:     # views take no kwargs: their fake values from the args alone
+        n.meta["val"] = fake_run(n.target, n.args, fake_mode)
     last = chain[-1] if chain else out
     cast.replace_all_uses_with(last)
     graph.erase_node(cast)
