@@ -15,7 +15,11 @@ import torch
 
 
 def choose_interpreter() -> None:
-    if not torch.cuda.is_available():
+    """TRITON_INTERPRET=1 on a CPU-only machine, unless triton.language was imported already
+    (compiled): then the variable would no longer make the kernels interpreted, but Triton
+    reads it live in places (``constexpr_function``), and set process-wide it broke every
+    later test that traces compiled kernels (test_splice after this module's collection)."""
+    if not torch.cuda.is_available() and "triton.language" not in sys.modules:
         os.environ["TRITON_INTERPRET"] = "1"
 
 

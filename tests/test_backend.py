@@ -352,13 +352,17 @@ def test_fp32_parameter_grads_come_from_the_gemm_without_a_cast(monkeypatch, mod
         torch.manual_seed(0)
         m = MLP() if model == "mlp" else Block(d=64, heads=4)
         x = torch.randn(64, 64) if model == "mlp" else torch.randn(2, 32, 64)
-        cm = torch.compile(m, backend=hotcompile.backend(ALL))
+        be = hotcompile.backend(ALL)
+        cm = torch.compile(m, backend=be)
         with capture_graphs() as graphs:
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 out = cm(x)
             torch.manual_seed(1)
             out.float().square().mean().backward()
         bw = [g for g in graphs if is_bw(g)]
+        paths = [r.gw_path for r in be.report.layers]
+        assert paths and all(p.startswith("HLA") and p.endswith(" -> fp32") == fold
+                             for p in paths), paths          # the report says which write fp32
         return {k: p.grad for k, p in m.named_parameters()}, bw
 
     folded, bw = step(True)

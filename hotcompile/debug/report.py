@@ -107,6 +107,8 @@ def record_site(site: "LinearSite", graph_index: int, config, plan=None) -> Site
               else "- (x needs no grad)")
         fmt = "e4m3" if site.gw_format == "e4m3" else f"int{config.gw_bits}"
         gw = f"HLA r={rank}/{config.block} {fmt}" if site.gw is not None else "- (frozen weight)"
+        if site.gw_fp32:        # the GEMM writes the fp32 parameter's gradient (grad_cast.py)
+            gw += " -> fp32"
     else:
         gx = "exact" if site.gx is not None else "-"
         gw = "exact" if site.gw is not None else "-"

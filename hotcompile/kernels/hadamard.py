@@ -474,9 +474,20 @@ def _hq_weight_kernel(w_ptr, q_ptr, s_ptr, amax_ptr, scale_mul, O, I, O_pad, str
 # =========================================================================== launchers
 
 
+# how triton.jit made this module's kernels: TRITON_INTERPRET=1 when it was imported
+_INTERPRETED = not isinstance(_hq_weight_kernel, triton.runtime.jit.JITFunction)
+
+
 def interpreting() -> bool:
-    """Whether kernels run under Triton's CPU interpreter (TRITON_INTERPRET=1)."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
+    """Whether this package's kernels run under Triton's CPU interpreter.
+
+    Decided by what ``triton.jit`` made of them (TRITON_INTERPRET=1 when this module was
+    imported), not by the variable's value now. Set later in the process (by a test module
+    choosing the interpreter after triton was imported compiled, or by a user), it does not
+    change what the kernels are; following it sent compiled kernels down the interpreter's
+    launch paths (its tiles, INTERPRET=True, running them on the spot), so tracing a site
+    for splicing failed ("data pointer on an invalid python storage")."""
+    if not _INTERPRETED:
         return False
     _patch_interpreter_loop_bounds()
     return True
