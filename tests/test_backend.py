@@ -397,3 +397,53 @@ def test_fp32_parameter_grads_come_from_the_gemm_without_a_cast(monkeypatch, mod
             assert not torch.equal(a, b), k        # the unrounded result
         else:
             assert torch.equal(a, b), k
+
+
+@pytest.mark.parametrize("model", ["mlp", "block"])
+def test_autocast_weight_copies_come_with_their_column_maxima(monkeypatch, model):
+    """Under bf16 autocast each rewritten site's W is autocast's copy of an fp32 parameter:
+    the pass puts ``hot::weight_cast`` in the cast's place (the copy and its column maxima
+    in one kernel on the GPU, ``passes/weight_cast.py``), no cast of a weight is left in the
+    forward, and each site's backward op gets the maxima. The copy is the cast's bit for
+    bit, so every gradient is bit-equal to the graph's without it."""
+    import hotcompile.passes.rewrite as RW
+
+    def step(own):
+        torch._dynamo.reset()
+        if not own:
+            monkeypatch.setattr(RW, "own_weight_casts", lambda *a, **k: [])
+        torch.manual_seed(0)
+        m = MLP() if model == "mlp" else Block(d=64, heads=4)
+        x = torch.randn(64, 64) if model == "mlp" else torch.randn(2, 32, 64)
+        be = hotcompile.backend(ALL)
+        cm = torch.compile(m, backend=be)
+        with capture_graphs() as graphs:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = cm(x)
+            torch.manual_seed(1)
+            out.float().square().mean().backward()
+        return {k: p.grad for k, p in m.named_parameters()}, graphs, be.report
+
+    owned, graphs, report = step(True)
+    plain, graphs_plain, _ = step(False)
+    fw = [g for g in graphs if not is_bw(g)]
+    casts = [n for g in fw for n in g.nodes if n.target is torch.ops.hot.weight_cast.default]
+    n_sites = len(report.rewritten)
+    assert n_sites and 0 < len(casts) <= n_sites
+    units = [n for g in graphs for n in g.nodes if n.target is HOT_OPS["unit"]]
+    assert units and all(n.kwargs.get("w_col_max") is not None for n in units)
+    hq = [r for r in report.rewritten if r.gx_path.startswith("HQ")]      # one op per site
+    assert hq and all(r.w_operand == "hot::weight_cast copy" for r in hq)
+
+    def weight_casts(gs):     # autocast casts of an fp32 2-D placeholder to bf16
+        return sum(1 for g in gs for n in g.nodes
+                   if n.target is torch.ops.prims.convert_element_type.default
+                   and n.args[1] == torch.bfloat16 and n.args[0].op == "placeholder"
+                   and n.args[0].meta["val"].dim() == 2
+                   and n.args[0].meta["val"].dtype == torch.float32)
+    assert weight_casts(fw) + len(casts) == weight_casts(
+        [g for g in graphs_plain if not is_bw(g)])
+    assert not any(n.target is torch.ops.hot.weight_cast.default for g in graphs_plain
+                   for n in g.nodes)
+    for k in owned:
+        assert torch.equal(owned[k], plain[k]), k

@@ -232,7 +232,8 @@ def test_recompute_operands_bit_identical_and_lighter():
 
 # the package's kernels, as Inductor's output code names the launches it makes of them
 _HOT_KERNELS = ("_hq_token_kernel", "_hq_tensor_kernel", "_hq_weight_kernel", "_hla_kernel",
-                "_grad_out_kernel", "_transpose_kernel", "_scaled_mm_kernel")
+                "_grad_out_kernel", "_transpose_kernel", "_scaled_mm_kernel",
+                "_weight_cast_kernel")
 
 
 def _launches(code: str) -> dict:
@@ -305,6 +306,40 @@ def test_spliced_sites_launch_from_inductor_and_match_the_ops_bit_for_bit():
     repeats = [name for c in codes for name in _repeated_definitions(c)]
     assert not repeats, repeats
     assert "kernels launched by Inductor at 4/4" in str(be.report)
+
+
+def test_autocast_weight_casts_are_ours_and_change_no_bit(monkeypatch):
+    """Under bf16 autocast each site's W copy and its column maxima come from one
+    ``_weight_cast_kernel`` launch Inductor makes (``passes/weight_cast.py``), no hot:: op is
+    left, W's e4m3 operand reads those maxima (no reduction of W of its own), and every
+    gradient is bit-equal to the same step with autocast's cast left to Inductor."""
+    from torch._inductor.utils import run_and_get_code
+    import hotcompile.passes.rewrite as RW
+
+    def run():
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = Block(d=256, heads=4).cuda()
+        x = torch.randn(8, 256, 256, device="cuda")
+        be = hotcompile.backend(HOTConfig(min_features=0, min_speedup=0, exclude=()))
+        fn = torch.compile(model, backend=be)
+        torch.manual_seed(1)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = fn(x)
+        out.float().square().mean().backward()
+        return be, [p.grad.clone() for p in model.parameters()]
+
+    (be, ours), codes = run_and_get_code(run)
+    counts = _launches("\n".join(codes))
+    print("launches with our weight casts:", counts)
+    assert counts["hot_ops"] == 0, counts
+    assert counts["hot"].get("_weight_cast_kernel") == 4, counts
+    assert all(r.w_operand == "hot::weight_cast copy" for r in be.report.rewritten)
+    monkeypatch.setattr(RW, "own_weight_casts", lambda *a, **k: [])
+    (_, theirs), codes = run_and_get_code(run)
+    assert "_weight_cast_kernel" not in _launches("\n".join(codes))["hot"]
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a, b)
 
 
 def test_spliced_step_replays_under_cuda_graphs_with_fresh_bits():

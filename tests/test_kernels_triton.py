@@ -142,6 +142,38 @@ def test_hq_weight_e4m3_bit_exact(poison, O, I):
 
 
 @cpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("O,I", [(40, 24), (9, 130), (300, 5)])
+def test_weight_cast_is_autocasts_copy_with_its_column_maxima(poison, dtype, O, I):
+    """``weight_cast``: autocast's copy bit for bit, and max |copy| per column (int32 bits)
+    equal to ``reference.weight_cast``'s, over several programs in both directions; a
+    column's largest entry in W's last row; NaN (any payload) wins its column, an inf is
+    kept, and values that round up to inf in the copy count as inf. The e4m3 W operand made
+    from those maxima is the one made from its own reduction."""
+    p = _randn(O, I)
+    p[-1] = 4.0 * p.abs().amax(0)
+    p[3, 2] = float("nan")
+    p[5, 3] = torch.tensor(0x7FFFFFFF, dtype=torch.int32).view(torch.float32)
+    p[1, 4] = float("-inf")
+    p[2, 0] = 3.4e38                          # rounds to inf in bf16 and fp16
+    w, m = H.weight_cast(p, dtype)
+    wr, mr = R.weight_cast(p, dtype)
+    assert w.dtype == dtype and w.shape == (O, I) and w.is_contiguous()
+    assert torch.equal(w.isnan(), wr.isnan())
+    assert torch.equal(torch.nan_to_num(w.float()), torch.nan_to_num(wr.float()))
+    assert m.dtype == torch.int32 and torch.equal(m.view(torch.float32).isnan(),
+                                                  mr.view(torch.float32).isnan())
+    assert torch.equal(torch.nan_to_num(m.view(torch.float32)),
+                       torch.nan_to_num(mr.view(torch.float32)))
+    assert m.view(torch.float32)[4] == float("inf") and m.view(torch.float32)[0] == float("inf")
+    assert m.view(torch.float32)[2].isnan() and m.view(torch.float32)[3].isnan()
+    q, sc = H.hq_weight_quant(w, 8, e4m3=True, col_max=m)
+    qr, scr = H.hq_weight_quant(w, 8, e4m3=True)
+    assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
+    assert torch.allclose(sc, scr, rtol=0, atol=0, equal_nan=True)
+
+
+@cpu
 @pytest.mark.parametrize("e4m3", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_hq_weight_rounds_an_fp32_parameter_as_it_reads(poison, e4m3, dtype):
@@ -718,6 +750,32 @@ def test_gpu_hq_weight_rounds_an_fp32_parameter_as_it_reads(e4m3):
     qc, sc = H.hq_weight_quant(w.bfloat16(), 8, e4m3=e4m3)
     assert torch.equal(q.view(torch.uint8), qc.view(torch.uint8))
     assert torch.allclose(s, sc, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("O,I", [(11008, 4096), (4096, 11008), (1000, 777)])
+def test_gpu_weight_cast_is_autocasts_copy_with_its_column_maxima(O, I):
+    """On the GPU: the copy bit-equal to ``p.to(bf16)`` (the hardware cast autocast runs)
+    and the column maxima to the reference's, NaN payloads included; the e4m3 W operand
+    from them equals the one from its own reduction."""
+    torch.manual_seed(5)
+    p = _randn(O, I, device="cuda") * 0.02
+    p[3, 2] = float("nan")
+    p[5, 7] = torch.tensor(0x7FFFFFFF, dtype=torch.int32).view(torch.float32)
+    w, m = H.weight_cast(p, torch.bfloat16)
+    ref_w = p.to(torch.bfloat16)
+    keep = ~ref_w.isnan()
+    assert torch.equal(w.isnan(), ~keep)
+    assert torch.equal(w[keep].view(torch.int16), ref_w[keep].view(torch.int16))
+    mr = R.weight_cast(p, torch.bfloat16)[1]
+    assert torch.equal(m.view(torch.float32).isnan(), mr.view(torch.float32).isnan())
+    assert torch.equal(torch.nan_to_num(m.view(torch.float32)),
+                       torch.nan_to_num(mr.view(torch.float32)))
+    q, s = H.hq_weight_quant(w, 8, e4m3=True, col_max=m)
+    qr, sr = H.hq_weight_quant(w, 8, e4m3=True)
+    assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
+    assert torch.allclose(s, sr, rtol=0, atol=0, equal_nan=True)
 
 
 class _Launches(torch.utils._python_dispatch.TorchDispatchMode):

@@ -55,7 +55,9 @@ class SiteRecord:
     forward: str = "bf16"                  # forward GEMM: "bf16", "fp8" or "fp8_rowwise"
     forward_reason: str = ""               # why it stayed bf16 although FP8 was asked for
     forward_ms: Optional[list] = None      # forward cost gate: [bf16, FP8] ms (GPU only)
-    w_operand: str = ""                    # "fp32 parameter": g_x reads it (recompute_operands)
+    w_operand: str = ""                    # "fp32 parameter": g_x reads it (recompute_operands);
+    #                                        "hot::weight_cast copy": W and its column maxima
+    #                                        from one forward kernel (passes/weight_cast.py)
     launch: str = ""                       # "Inductor" (spliced) or "hot:: op (why not)"
 
     @property
@@ -119,7 +121,8 @@ def record_site(site: "LinearSite", graph_index: int, config, plan=None) -> Site
                      saved_after=after, reason=site.reason,
                      rank="auto (calibrating)" if measuring else rank,
                      forward=site.forward, forward_reason=site.forward_reason,
-                     w_operand="fp32 parameter" if site.eligible and site.w_chain else "",
+                     w_operand="fp32 parameter" if site.eligible and site.w_chain else
+                     "hot::weight_cast copy" if site.eligible and site.w_cast else "",
                      launch=site.launch if site.eligible else "",
                      forward_ms=[round(v, 4) for v in site.forward_ms]
                      if site.forward_ms else None,

@@ -63,20 +63,30 @@ def gx_path(g: torch.Tensor, w: torch.Tensor, bits: int, w_bits: int, per_token:
 
 
 def _gx(g, w, bits: int, w_bits: int, per_token: bool, seed, gq=None, path=None,
-        w_amax=None) -> torch.Tensor:
+        w_amax=None, w_col_max=None) -> torch.Tensor:
     """The fused g_x: W and (unless given as ``gq`` = (levels, scale)) g_y quantized for the
     GEMM path (``path``, else ``gx_path``'s), then that GEMM. ``w_amax``: W's zeroed
-    workspace (``hq_weight_quant``'s ``amax``)."""
+    workspace (``hq_weight_quant``'s ``amax``); ``w_col_max``: W's column maxima when the
+    forward computed them (``weight_cast``; used by a scaled-e4m3 W)."""
     fmt, e4m3 = path or gx_path(g, w, bits, w_bits, per_token)
     cublas = fmt == "cublas_fp8"
     qw, sw = hadamard.hq_weight_quant(w, w_bits, fp8=fmt == "fp8" or cublas, e4m3=e4m3,
                                       scale_mul=1.0 / 16 if cublas else 1.0, round_to=g.dtype,
-                                      amax=w_amax)
+                                      amax=w_amax, col_max=w_col_max if e4m3 else None)
     qg, sg = gq if gq is not None else hadamard.hq_act_quant(g, bits, per_token, seed,
                                                              fp8=fmt != "int8")
     if cublas:
         return gemm.cublas_fp8_mm(qg, qw, sg, sw, g.dtype, fast_accum=True)
     return gemm.scaled_mm(qg, qw, sg, sw, 1.0 / 16, g.dtype)
+
+
+def weight_cast(p: torch.Tensor, dtype: torch.dtype):
+    """The forward's copy of an fp32 parameter and its column maxima (``reference.weight_cast``)
+    in one kernel (``hadamard.weight_cast``); the reference for anything else."""
+    if p.dtype != torch.float32 or dtype not in (torch.bfloat16, torch.float16) \
+            or p.dim() != 2 or p.numel() == 0:
+        return ref.weight_cast(p, dtype)
+    return hadamard.weight_cast(p, dtype)
 
 
 def abc_compress(x: torch.Tensor, rank: int, select: str = "1d", bits: int = 8,
@@ -168,12 +178,13 @@ def linear_backward(g: torch.Tensor, w: torch.Tensor, xt: torch.Tensor, x_scale:
                     rank: int, gx_bits: int, w_bits: int, gw_bits: int, per_token: bool, seed=0,
                     block: int = 16, *, seq_len: int = 0, seq_first: bool = False,
                     one_pass: bool = True, warm_other_scale: bool = False,
-                    gw_dtype: torch.dtype | None = None):
+                    gw_dtype: torch.dtype | None = None, w_col_max=None):
     """One linear layer's whole HOT backward: (g_x, g_W), bit-equal to ``hq_grad_input(g, w,
     gx_bits, per_token, seed)`` and ``hla_grad_weight(g, xt, x_scale, rank, "1d", gw_bits,
     seed + 1, out_dtype=gw_dtype)``. One seed for the site (the HLA side adds 1 on the device). ``one_pass``:
     g is read by one kernel pair for both operands (``grad_out``; int8 saved activations
-    only), else by the two separate kernels (faster at rank 16: ``ops.ONE_PASS_MAX_RANK``)."""
+    only), else by the two separate kernels (faster at rank 16: ``ops.ONE_PASS_MAX_RANK``).
+    ``w_col_max``: W's column maxima from the forward (``weight_cast``), else reduced here."""
     lay = dict(seq_len=seq_len, seq_first=seq_first)
     if (block != _FUSED_BLOCK or not all(_fused_bits(b) for b in (gx_bits, w_bits, gw_bits))
             or xt.dtype not in (torch.int8, torch.float8_e4m3fn)
@@ -203,7 +214,8 @@ def linear_backward(g: torch.Tensor, w: torch.Tensor, xt: torch.Tensor, x_scale:
     ws = None if recording_launches() or not n_w + n_hla else \
         torch.zeros((n_w + n_hla,), dtype=torch.int32, device=g.device)
     gx = _gx(g, w, gx_bits, w_bits, per_token, seed, gq=(qg, sg), path=path,
-             w_amax=ws.narrow(0, 0, n_w) if ws is not None and n_w else None)
+             w_amax=ws.narrow(0, 0, n_w) if ws is not None and n_w else None,
+             w_col_max=w_col_max)
     if qg_t is None:    # g's HLA operand from its own kernel: Philox key seed + 1
         gw = _gw(g, xt, x_scale, rank, "1d", gw_bits, seed, lay, seed_add=1,
                  amax=ws.narrow(0, n_w, 1) if ws is not None and n_hla else None,

@@ -471,6 +471,32 @@ def _hq_weight_kernel(w_ptr, q_ptr, s_ptr, amax_ptr, scale_mul, O, I, O_pad, str
             tl.store(s_ptr + ins, s * scale_mul, mask=ins < I)
 
 
+@triton.jit
+def _weight_cast_kernel(p_ptr, w_ptr, amax_ptr, O, I, stride_po, stride_pi, BO: tl.constexpr,
+                        BI: tl.constexpr, BF16: tl.constexpr):
+    """Autocast's copy of an fp32 parameter (O, I), plus its column maxima: w = p rounded
+    to w's type (contiguous), and max |w[:, i]| atomically maxed into ``amax_ptr[i]``
+    (zeroed; int32 bits, ``abs_bits``: NaN wins), the e4m3 W kernel's scale input.
+
+    Why one kernel: the copy is written anyway (the forward GEMM reads it), and Inductor
+    fuses a column max into that cast only when the weight has enough columns not to split
+    the reduction (bench/colmax_fusion.py); otherwise the max was a whole extra read of W."""
+    pid = tl.program_id(0)
+    n_it = tl.cdiv(I, BI)
+    o = (pid // n_it) * BO + tl.arange(0, BO)
+    ins = (pid % n_it) * BI + tl.arange(0, BI)
+    mask = (o < O)[:, None] & (ins < I)[None, :]
+    x = tl.load(p_ptr + o.to(tl.int64)[:, None] * stride_po + ins.to(tl.int64)[None, :] * stride_pi,
+                mask=mask, other=0.0)
+    if BF16:        # in integer ops: the interpreter truncates its own fp32 -> bf16 cast
+        y = round_to_bf16(x)
+    else:
+        y = x.to(w_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(w_ptr + o.to(tl.int64)[:, None] * I + ins[None, :], y.to(w_ptr.dtype.element_ty),
+             mask=mask)
+    tl.atomic_max(amax_ptr + ins, tl.max(abs_bits(y), axis=0), mask=ins < I)
+
+
 # =========================================================================== launchers
 
 
@@ -689,9 +715,21 @@ def weight_tile(O_pad: int, interp: bool, e4m3: bool = False) -> tuple[int, int,
     return bi, min(bo, _pow2_at_least(O_pad)), warps
 
 
+def weight_cast(p: torch.Tensor, dtype: torch.dtype):
+    """``reference.weight_cast``: (p.to(dtype), max |that| per column as int32 bits) for an
+    fp32 parameter p (O, I), in one launch (``_weight_cast_kernel``: 32 x 256 tiles)."""
+    O, I = p.shape
+    w = torch.empty((O, I), dtype=dtype, device=p.device)
+    amax = torch.zeros((I,), dtype=torch.int32, device=p.device)
+    bo, bi = (8, 64) if interpreting() else (32, 256)
+    launch(_weight_cast_kernel, (triton.cdiv(O, bo) * triton.cdiv(I, bi),), p, w, amax, O, I,
+           p.stride(0), p.stride(1), BO=bo, BI=bi, BF16=dtype == torch.bfloat16)
+    return w, amax
+
+
 def hq_weight_quant(w: torch.Tensor, bits: int, fp8: bool = False, e4m3: bool = False,
                     scale_mul: float = 1.0, round_to: Optional[torch.dtype] = None,
-                    amax: Optional[torch.Tensor] = None):
+                    amax: Optional[torch.Tensor] = None, col_max: Optional[torch.Tensor] = None):
     """reference.hq_weight: W (O, I) -> (levels (I, O_pad), per-in-feature fp32 scale (I,)).
 
     ``fp8``: the levels stored as e4m3; ``e4m3``: scaled FP8 instead of levels (``bits``
@@ -701,15 +739,16 @@ def hq_weight_quant(w: torch.Tensor, bits: int, fp8: bool = False, e4m3: bool = 
     had been passed: an fp32 parameter stands for autocast's copy of it, which then need
     not be kept for backward (``HOTConfig.recompute_operands``). ``amax`` (levels only): a
     zeroed (I,) int32 workspace the caller made with others in one launch (default: its
-    own). In e4m3 the scale comes from W's column maxima (``reference.e4m3_bound_scale``,
-    a torch reduction) and the kernel runs once."""
+    own). In e4m3 the scale comes from W's column maxima (``reference.e4m3_bound_scale``):
+    ``col_max`` when the caller has them (int32 bits, ``weight_cast``'s), else a torch
+    reduction; the kernel runs once."""
     O, I = w.shape
     O_pad = -(-O // 16) * 16
     dev = w.device
     q = torch.empty((I, O_pad), dtype=level_dtype(fp8 or e4m3), device=dev)
     s = torch.empty((I,), dtype=torch.float32, device=dev)
     if e4m3:
-        amax = input_amax_bits(w, dim=0)
+        amax = input_amax_bits(w, dim=0) if col_max is None else col_max
     elif amax is None:
         amax = torch.zeros((I,), dtype=torch.int32, device=dev)
     interp = interpreting()

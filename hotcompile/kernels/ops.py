@@ -222,14 +222,17 @@ def linear_backward_body(g: Tensor, xq: Tensor, x_scale: Tensor, rank: int, gw_b
                          block: int, seq_len: int, seq_first: bool, measure: str, kernels: str,
                          w: Tensor, gx_bits: int, w_bits: int, scale: str, site: str,
                          seeds: Optional[Tensor] = None, seed_index: int = 0,
-                         gw_fp32: bool = False) -> tuple[Tensor, Tensor]:
+                         gw_fp32: bool = False,
+                         w_col_max: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """(g_x, g_W) of one linear site: ``hq_grad_input`` and ``hla_grad_weight`` in one op:
     one dispatch, one seed drawn (g_W's bits from seed + 1), and up to rank
     ``ONE_PASS_MAX_RANK`` one kernel pair reading g for both operands.
 
     The first ten arguments are ``hla_grad_weight``'s, in its order, and the rest are
     ``hq_grad_input``'s: tools that read a site's g_W op (its buffer, its rank-measure key)
-    read either op alike. ``gw_fp32``: g_W in fp32 (``hla_grad_weight``)."""
+    read either op alike. ``gw_fp32``: g_W in fp32 (``hla_grad_weight``). ``w_col_max``: W's
+    column maxima from the forward's ``weight_cast`` (the fused e4m3 W reads them instead of
+    reducing W again; the reference twin computes its own, the same values)."""
     per_token, warm_other = _hq_scaling(scale, site, g, gx_bits, block)
     seed = _seed(g, seeds, seed_index)
     if measure:
@@ -239,7 +242,7 @@ def linear_backward_body(g: Tensor, xq: Tensor, x_scale: Tensor, rank: int, gw_b
         return _fused().linear_backward(g, w, xq, x_scale, rank, gx_bits, w_bits, gw_bits,
                                         per_token, seed, block, **lay,
                                         one_pass=rank <= ONE_PASS_MAX_RANK,
-                                        warm_other_scale=warm_other)
+                                        warm_other_scale=warm_other, w_col_max=w_col_max)
     return ref.linear_backward(g, w, xq, x_scale, rank, gx_bits, w_bits, gw_bits, per_token,
                                seed, block, **lay,
                                w_e4m3=_twin_w_e4m3(g, w, gx_bits, w_bits, per_token, block))
@@ -251,7 +254,7 @@ linear_backward = torch.library.custom_op("hot::linear_backward", mutates_args=(
 
 @linear_backward.register_fake
 def _(g, xq, x_scale, rank, gw_bits, block, seq_len, seq_first, measure, kernels, w, gx_bits,
-      w_bits, scale, site, seeds=None, seed_index=0, gw_fp32=False):
+      w_bits, scale, site, seeds=None, seed_index=0, gw_fp32=False, w_col_max=None):
     torch._check(g.shape[1] == w.shape[0], lambda: "linear_backward: g and w disagree on O")
     torch._check(xq.shape[0] == ref.hla_rows(g.shape[0], rank, block, seq_len),
                  lambda: "linear_backward: compressed buffer rows disagree with g")
@@ -259,6 +262,25 @@ def _(g, xq, x_scale, rank, gw_bits, block, seq_len, seq_first, measure, kernels
         g.new_empty((g.shape[1], xq.shape[1]), dtype=_gw_dtype(g, gw_fp32))
 
 
+# ----------------------------------------------------------------------- W's cast (forward)
+def weight_cast_body(p: Tensor, dtype: torch.dtype, kernels: str) -> tuple[Tensor, Tensor]:
+    """Autocast's copy of an fp32 parameter (O, I) and its column maxima (int32 bits of
+    max |copy[:, i]|), ``reference.weight_cast``: put in place of autocast's cast of a
+    rewritten site's W (``passes/weight_cast.py``), so the e4m3 W operand's scale costs no
+    read of W of its own."""
+    if triton_usable(p, kernels):
+        return _fused().weight_cast(p, dtype)
+    return ref.weight_cast(p, dtype)
+
+
+weight_cast = torch.library.custom_op("hot::weight_cast", mutates_args=())(weight_cast_body)
+
+
+@weight_cast.register_fake
+def _(p, dtype, kernels):
+    return p.new_empty(p.shape, dtype=dtype), p.new_empty((p.shape[1],), dtype=torch.int32)
+
+
 OPS = (torch.ops.hot.hq_grad_input.default, torch.ops.hot.abc_compress.default,
        torch.ops.hot.hla_grad_weight.default, torch.ops.hot.linear_backward.default,
-       torch.ops.hot.draw_seeds.default)
+       torch.ops.hot.draw_seeds.default, torch.ops.hot.weight_cast.default)

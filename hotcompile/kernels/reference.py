@@ -401,6 +401,15 @@ def int_matmul(a: torch.Tensor, b: torch.Tensor, k_chunk: int | None = None) -> 
 
 
 # --------------------------------------------------------------------------- HOT ops
+def weight_cast(p: torch.Tensor, dtype: torch.dtype):
+    """Autocast's copy of an fp32 parameter p (O, I) and its column maxima: (p.to(dtype),
+    max |p.to(dtype)[:, i]| as the int32 bits of an fp32 value, NaN propagating): the input
+    of ``e4m3_bound_scale`` for the copy, which the e4m3 W operand is made from."""
+    w = p.to(dtype)
+    m = torch.linalg.vector_norm(w, float("inf"), dim=0, dtype=torch.float32)
+    return w, m.view(torch.int32)
+
+
 def hq_weight(w: torch.Tensor, bits: int, block: int = 16, e4m3: bool = False):
     """The W side of HQ: H along O (the reduction axis), RTN to ``bits`` levels (or, with
     ``e4m3``, to scaled FP8: ``quantize_e4m3``), one scale per column.

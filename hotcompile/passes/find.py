@@ -63,6 +63,7 @@ class LinearSite:
     rank: object = None           # HLA rank the rewrite used (int), set by the rewrite
     gw_format: str = "-"          # the saved activation's format ("int8" | "e4m3"), set there too
     group: str = ""               # key of the ABC group (sites sharing one compressed x)
+    w_cast: bool = False          # W and its column maxima from hot::weight_cast (weight_cast.py)
     forward: str = "bf16"         # the forward GEMM's format ("bf16" | "fp8"), passes/forward.py
     forward_reason: str = ""      # why a site asked for FP8 keeps a bf16 forward
     forward_ms: Optional[tuple] = None  # forward cost gate: (bf16 ms, FP8 ms) predicted

@@ -33,6 +33,7 @@ from .grad_cast import fold_gw_cast
 from .recompute import parameter_weight_chain, replay_without_cast
 from .graph_utils import add_node, fake_mode_of, fake_run
 from .splice import splice_ops
+from .weight_cast import own_weight_casts
 from .tokens import AxisLabels
 
 HQ_OP = torch.ops.hot.hq_grad_input.default
@@ -229,18 +230,22 @@ def rewrite_joint_graph(graph: Graph, config, params: Optional[Set[Node]] = None
                 graph.erase_node(old)
         if s.rewritten_gw is not None:
             s.gw_fp32 = fold_gw_cast(graph, s.rewritten_gw, fake_mode)
-    _splice(graph, todo, buffers, config, fake_mode)
+    casts = own_weight_casts(graph, todo, config.kernels, fake_mode)
+    _splice(graph, todo, buffers, config, fake_mode, casts)
     graph.eliminate_dead_code()
     graph.lint()
     register_runtime(config, registrations(sites))
     return sites
 
 
-def _splice(graph: Graph, sites: List[LinearSite], buffers, config, fake_mode) -> None:
+def _splice(graph: Graph, sites: List[LinearSite], buffers, config, fake_mode,
+            casts: List[Node]) -> None:
     """With ``config.splice``: every HOT op's fused body into the graph (``splice.py``), so
-    Inductor launches the kernels; each site records how its backward launches."""
+    Inductor launches the kernels; each site records how its backward launches. ``casts``:
+    the forward's ``hot::weight_cast`` ops (spliced too; how they launch is not recorded per
+    site: they stay correct ops either way)."""
     abc_ops = {k: v[0].args[0] for k, v in buffers.items()}
-    nodes: List[Node] = []
+    nodes: List[Node] = list(casts)
     for s in sites:
         for n in (abc_ops.get(s.group), s.rewritten_gx, s.rewritten_gw):
             if n is not None and n not in nodes:

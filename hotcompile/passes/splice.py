@@ -40,7 +40,14 @@ BODIES: Dict[object, Callable] = {
     torch.ops.hot.hq_grad_input.default: ops.hq_grad_input_body,
     torch.ops.hot.hla_grad_weight.default: ops.hla_grad_weight_body,
     torch.ops.hot.abc_compress.default: ops.abc_compress_body,
+    torch.ops.hot.weight_cast.default: ops.weight_cast_body,
 }
+
+
+def _inputs(node: Node) -> list:
+    """The op's tensor inputs in trace order: Node arguments, then Node keyword arguments."""
+    return [a for a in node.args if isinstance(a, Node)] + \
+        [v for v in node.kwargs.values() if isinstance(v, Node)]
 
 
 def _arg(node: Node, name: str, vals: list):
@@ -81,18 +88,21 @@ def trace_body(node: Node, fake_mode) -> torch.fx.GraphModule:
     """The op's fused body traced on its arguments' fake values: aten ops and one
     ``triton_kernel_wrapper_functional`` per kernel launch."""
     slots = [i for i, a in enumerate(node.args) if isinstance(a, Node)]
+    kslots = [k for k, v in node.kwargs.items() if isinstance(v, Node)]
     consts = list(node.args)
     body = BODIES[node.target]
 
     def run(*tensors):
-        args = list(consts)
+        args, kwargs = list(consts), dict(node.kwargs)
         for i, t in zip(slots, tensors):
             args[i] = t
-        return body(*args, **node.kwargs)
+        for k, t in zip(kslots, tensors[len(slots):]):
+            kwargs[k] = t
+        return body(*args, **kwargs)
 
     from torch._inductor.decomposition import select_decomp_table
     from torch.fx.experimental.proxy_tensor import make_fx
-    fakes = [node.args[i].meta["val"] for i in slots]
+    fakes = [n.meta["val"] for n in _inputs(node)]
     with recording(), fake_mode:    # decomposed as AOT decomposes the rest for Inductor
         gm = make_fx(torch.func.functionalize(run), decomposition_table=select_decomp_table(),
                      tracing_mode="fake")(*fakes)
@@ -135,7 +145,7 @@ def splice(graph: Graph, node: Node, fake_mode) -> None:
         raise RuntimeError("a user other than getitem reads the op's outputs")
     gm = trace_body(node, fake_mode)
     before = node.prev
-    slots = [_realized(graph, a, node, fake_mode) for a in node.args if isinstance(a, Node)]
+    slots = [_realized(graph, a, node, fake_mode) for a in _inputs(node)]
     places = [n for n in gm.graph.nodes if n.op == "placeholder"]
     val_map = dict(zip(places, slots))
     with graph.inserting_before(node):
