@@ -268,6 +268,35 @@ def bench_hq_w(old, new, rows):
         print(json.dumps(rows[-1]), flush=True)
 
 
+WCAST_TILES = ("32,32,256,4", "128,32,256,4", "128,32,256,8", "256,32,256,8", "128,16,512,4",
+               "128,16,512,8", "64,16,256,4", "256,16,256,4")
+
+
+def bench_weight_cast(old, new, rows):
+    """The forward's copy of an fp32 W with its column maxima (``hadamard.weight_cast``)
+    against the torch cast alone (what Inductor's cast kernel does at ~copy bandwidth) and
+    the cast followed by the column maxima as a torch reduction; tiles of the new kernel."""
+    inf = float("inf")
+    for label, O, I in W_SHAPES:
+        ps = [torch.randn(O, I, device="cuda") * 0.02 for _ in range(3)]
+        res = {"torch cast": time_ms(lambda p: p.to(torch.bfloat16), ps),
+               "torch cast + column max": time_ms(lambda p: torch.linalg.vector_norm(
+                   p.to(torch.bfloat16), inf, dim=0, dtype=torch.float32), ps)}
+        ref_w, ref_m = new.reference.weight_cast(ps[0], torch.bfloat16)
+        for tile in WCAST_TILES:
+            with env(HOT_WCAST_TILE=tile):
+                try:
+                    w, m = new.hadamard.weight_cast(ps[0], torch.bfloat16)
+                    res[f"new tile={tile} ok"] = bool(torch.equal(w, ref_w) and torch.equal(m, ref_m))
+                    res[f"new tile={tile}"] = time_ms(
+                        lambda p: new.hadamard.weight_cast(p, torch.bfloat16), ps)
+                except Exception as e:  # noqa: BLE001  (a tile that does not compile)
+                    res[f"new tile={tile}"] = f"failed: {type(e).__name__}: {str(e)[:120]}"
+        rows.append(dict(kernel="weight_cast", shape=label, O=O, I=I,
+                         copy_ms=copy_ms(6 * O * I), **res))
+        print(json.dumps(rows[-1]), flush=True)
+
+
 def bench_other_paths(old, new, rows):
     """The stochastic paths off Hopper's default, old against new: g's HLA operand in int8
     levels (GPUs without FP8), the grad_out pair at rank 8 (int8 saved activations) and
@@ -322,11 +351,12 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     old, new = load_rev(a.rev), importlib.import_module("hotcompile.kernels")
     for pkg in ("hot_rev_kernels", "hotcompile.kernels"):     # the submodules used below
-        for mod in ("fused", "hla", "hadamard", "grad_out"):
+        for mod in ("fused", "hla", "hadamard", "grad_out", "reference"):
             importlib.import_module(f"{pkg}.{mod}")
     rows: list = []
     for k in a.kernels.split(","):
         {"hla_g": bench_hla_g, "abc_x": bench_abc, "hq_w": bench_hq_w,
+         "weight_cast": bench_weight_cast,
          "hq_g": bench_hq_g, "hq_g_sweep": bench_hq_g_sweep,
          "other_paths": bench_other_paths}[k](old, new, rows)
     git = git_commit() or os.environ.get("HOT_GIT", "?")

@@ -298,11 +298,12 @@ def test_spliced_sites_launch_from_inductor_and_match_the_ops_bit_for_bit():
     counts = _launches("\n".join(codes))
     print("launches in the spliced step's output code:", counts)
     assert counts["hot_ops"] == 0, counts
-    # per site: ABC 1 (forward, its scale from max |x|, writing the K-major buffer the g_W
-    # GEMM reads), HQ g 1, W 1 (its e4m3 scale from W's column maxima), HLA g 1 (its
-    # scale from g's token-block bound) (backward); 4 sites
+    # per site: W's copy with its column maxima 1 (forward, in place of autocast's cast),
+    # ABC 1 (forward, its scale from max |x|, writing the K-major buffer the g_W GEMM
+    # reads), HQ g 1, W 1 (its e4m3 scale from the maxima), HLA g 1 (its scale from g's
+    # token-block bound); 4 sites
     assert counts["hot"] == {"_hla_kernel": 2 * 4, "_hq_token_kernel": 4,
-                             "_hq_weight_kernel": 4}, counts
+                             "_hq_weight_kernel": 4, "_weight_cast_kernel": 4}, counts
     repeats = [name for c in codes for name in _repeated_definitions(c)]
     assert not repeats, repeats
     assert "kernels launched by Inductor at 4/4" in str(be.report)

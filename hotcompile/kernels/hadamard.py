@@ -472,29 +472,34 @@ def _hq_weight_kernel(w_ptr, q_ptr, s_ptr, amax_ptr, scale_mul, O, I, O_pad, str
 
 
 @triton.jit
-def _weight_cast_kernel(p_ptr, w_ptr, amax_ptr, O, I, stride_po, stride_pi, BO: tl.constexpr,
-                        BI: tl.constexpr, BF16: tl.constexpr):
+def _weight_cast_kernel(p_ptr, w_ptr, amax_ptr, O, I, stride_po, stride_pi, ROWS: tl.constexpr,
+                        BO: tl.constexpr, BI: tl.constexpr, BF16: tl.constexpr):
     """Autocast's copy of an fp32 parameter (O, I), plus its column maxima: w = p rounded
     to w's type (contiguous), and max |w[:, i]| atomically maxed into ``amax_ptr[i]``
-    (zeroed; int32 bits, ``abs_bits``: NaN wins), the e4m3 W kernel's scale input.
+    (zeroed; int32 bits, ``abs_bits``: NaN wins), the e4m3 W kernel's scale input. A
+    program walks ROWS rows of BI columns, BO rows at a time, and maxes its columns once.
 
     Why one kernel: the copy is written anyway (the forward GEMM reads it), and Inductor
     fuses a column max into that cast only when the weight has enough columns not to split
     the reduction (bench/colmax_fusion.py); otherwise the max was a whole extra read of W."""
     pid = tl.program_id(0)
     n_it = tl.cdiv(I, BI)
-    o = (pid // n_it) * BO + tl.arange(0, BO)
+    r0 = (pid // n_it) * ROWS
     ins = (pid % n_it) * BI + tl.arange(0, BI)
-    mask = (o < O)[:, None] & (ins < I)[None, :]
-    x = tl.load(p_ptr + o.to(tl.int64)[:, None] * stride_po + ins.to(tl.int64)[None, :] * stride_pi,
-                mask=mask, other=0.0)
-    if BF16:        # in integer ops: the interpreter truncates its own fp32 -> bf16 cast
-        y = round_to_bf16(x)
-    else:
-        y = x.to(w_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(w_ptr + o.to(tl.int64)[:, None] * I + ins[None, :], y.to(w_ptr.dtype.element_ty),
-             mask=mask)
-    tl.atomic_max(amax_ptr + ins, tl.max(abs_bits(y), axis=0), mask=ins < I)
+    m = tl.zeros((BI,), dtype=tl.int32)
+    for o0 in range(r0, r0 + ROWS, BO):
+        o = o0 + tl.arange(0, BO)
+        mask = (o < O)[:, None] & (ins < I)[None, :]
+        x = tl.load(p_ptr + o.to(tl.int64)[:, None] * stride_po
+                    + ins.to(tl.int64)[None, :] * stride_pi, mask=mask, other=0.0)
+        if BF16:    # in integer ops: the interpreter truncates its own fp32 -> bf16 cast
+            y = round_to_bf16(x)
+        else:
+            y = x.to(w_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(w_ptr + o.to(tl.int64)[:, None] * I + ins[None, :],
+                 y.to(w_ptr.dtype.element_ty), mask=mask)
+        m = tl.maximum(m, tl.max(abs_bits(y), axis=0))
+    tl.atomic_max(amax_ptr + ins, m, mask=ins < I)
 
 
 # =========================================================================== launchers
@@ -717,14 +722,25 @@ def weight_tile(O_pad: int, interp: bool, e4m3: bool = False) -> tuple[int, int,
 
 def weight_cast(p: torch.Tensor, dtype: torch.dtype):
     """``reference.weight_cast``: (p.to(dtype), max |that| per column as int32 bits) for an
-    fp32 parameter p (O, I), in one launch (``_weight_cast_kernel``: 32 x 256 tiles)."""
+    fp32 parameter p (O, I), in one launch (``_weight_cast_kernel``; tile: ``cast_tile``)."""
     O, I = p.shape
     w = torch.empty((O, I), dtype=dtype, device=p.device)
     amax = torch.zeros((I,), dtype=torch.int32, device=p.device)
-    bo, bi = (8, 64) if interpreting() else (32, 256)
-    launch(_weight_cast_kernel, (triton.cdiv(O, bo) * triton.cdiv(I, bi),), p, w, amax, O, I,
-           p.stride(0), p.stride(1), BO=bo, BI=bi, BF16=dtype == torch.bfloat16)
+    rows, bo, bi, warps = cast_tile(interpreting())
+    launch(_weight_cast_kernel, (triton.cdiv(O, rows) * triton.cdiv(I, bi),), p, w, amax, O, I,
+           p.stride(0), p.stride(1), ROWS=rows, BO=bo, BI=bi, BF16=dtype == torch.bfloat16,
+           num_warps=warps)
     return w, amax
+
+
+def cast_tile(interp: bool) -> tuple[int, int, int, int]:
+    """(ROWS per program, BO rows per step, BI columns, warps) of ``_weight_cast_kernel``:
+    PENDING MEASUREMENT. HOT_WCAST_TILE="ROWS,BO,BI,WARPS" overrides (tuning)."""
+    if interp:
+        return 16, 8, 64, 4
+    if "HOT_WCAST_TILE" in os.environ:
+        return tuple(int(v) for v in os.environ["HOT_WCAST_TILE"].split(","))
+    return 128, 32, 256, 4
 
 
 def hq_weight_quant(w: torch.Tensor, bits: int, fp8: bool = False, e4m3: bool = False,
