@@ -734,13 +734,19 @@ def weight_cast(p: torch.Tensor, dtype: torch.dtype):
 
 
 def cast_tile(interp: bool) -> tuple[int, int, int, int]:
-    """(ROWS per program, BO rows per step, BI columns, warps) of ``_weight_cast_kernel``:
-    PENDING MEASUREMENT. HOT_WCAST_TILE="ROWS,BO,BI,WARPS" overrides (tuning)."""
+    """(ROWS per program, BO rows per step, BI columns, warps) of ``_weight_cast_kernel``.
+
+    32 x 256 tiles (one step per program) on 4 warps: the fastest summed over Llama d4096's
+    three W shapes of 8 tiles (H100, bench/results/kernel_ab_2026-11-26T142204.json): 0.047 /
+    0.102 / 0.116 ms at 4096x4096 / 11008x4096 / 4096x11008, against 0.036 / 0.094 / 0.092
+    ms for the bare torch cast and 0.056 / 0.138 / 0.133 ms for cast plus column maxima; 8
+    warps were 20-40% slower, taller programs (fewer atomics) no faster except at 4096x11008
+    (128 x 16 x 512: 0.111 ms). HOT_WCAST_TILE="ROWS,BO,BI,WARPS" overrides (tuning)."""
     if interp:
         return 16, 8, 64, 4
     if "HOT_WCAST_TILE" in os.environ:
         return tuple(int(v) for v in os.environ["HOT_WCAST_TILE"].split(","))
-    return 128, 32, 256, 4
+    return 32, 32, 256, 4
 
 
 def hq_weight_quant(w: torch.Tensor, bits: int, fp8: bool = False, e4m3: bool = False,
