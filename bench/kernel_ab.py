@@ -329,8 +329,11 @@ def markdown(rows, meta) -> str:
     for r in rows:
         times = {k: v for k, v in r.items() if isinstance(v, float) and k != "copy_ms"
                  and "mismatch" not in k}
-        out.append(f"- **{r['kernel']} {r['shape']}** (bytes differing from old: "
-                   f"{r['mismatch_vs_old']:.2e}"
+        diff = (f"bytes differing from old: {r['mismatch_vs_old']:.2e}"
+                if "mismatch_vs_old" in r else "no old kernel: against torch; bit-equal to "
+                "the reference at every tile: " + str(all(v for k, v in r.items()
+                                                          if k.endswith(" ok"))))
+        out.append(f"- **{r['kernel']} {r['shape']}** ({diff}"
                    + (f"; K-major written vs transposed row-major: "
                       f"{r['kmajor_mismatch_vs_transpose']:.2e}"
                       if "kmajor_mismatch_vs_transpose" in r else "")
