@@ -405,8 +405,10 @@ def test_autocast_weight_copies_come_with_their_column_maxima(monkeypatch, model
     the pass puts ``hot::weight_cast`` in the cast's place (the copy and its column maxima
     in one kernel on the GPU, ``passes/weight_cast.py``), no cast of a weight is left in the
     forward, and each site's backward op gets the maxima. The copy is the cast's bit for
-    bit, so every gradient is bit-equal to the graph's without it."""
+    bit, so every gradient is bit-equal to the graph's without it. (Only where the site's op
+    will be spliced, i.e. on CUDA: the CPU sites stand in for those here.)"""
     import hotcompile.passes.rewrite as RW
+    monkeypatch.setattr(RW, "will_splice", lambda op, config: True)
 
     def step(own):
         torch._dynamo.reset()
@@ -447,3 +449,20 @@ def test_autocast_weight_copies_come_with_their_column_maxima(monkeypatch, model
                    for n in g.nodes)
     for k in owned:
         assert torch.equal(owned[k], plain[k]), k
+
+
+def test_weight_casts_stay_autocasts_where_the_op_is_not_spliced():
+    """A site whose op stays opaque (here: CPU) keeps autocast's cast: the opaque op reads
+    the copy in backward, where the partitioner recomputes a cast but would keep our op's
+    2-byte copy."""
+    torch._dynamo.reset()
+    m = Block(d=64, heads=4)
+    be = hotcompile.backend(ALL)
+    cm = torch.compile(m, backend=be)
+    with capture_graphs() as graphs:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = cm(torch.randn(2, 32, 64))
+        out.float().square().mean().backward()
+    assert be.report.rewritten
+    assert not any(n.target is torch.ops.hot.weight_cast.default for g in graphs for n in g.nodes)
+    assert all(r.w_operand == "" for r in be.report.rewritten)

@@ -32,7 +32,7 @@ from .forward import rewrite_forward
 from .grad_cast import fold_gw_cast
 from .recompute import parameter_weight_chain, replay_without_cast
 from .graph_utils import add_node, fake_mode_of, fake_run
-from .splice import splice_ops
+from .splice import refusal, splice_ops
 from .weight_cast import own_weight_casts
 from .tokens import AxisLabels
 
@@ -230,12 +230,18 @@ def rewrite_joint_graph(graph: Graph, config, params: Optional[Set[Node]] = None
                 graph.erase_node(old)
         if s.rewritten_gw is not None:
             s.gw_fp32 = fold_gw_cast(graph, s.rewritten_gw, fake_mode)
-    casts = own_weight_casts(graph, todo, config.kernels, fake_mode)
+    casts = own_weight_casts(graph, todo, config.kernels, fake_mode,
+                             lambda op: will_splice(op, config))
     _splice(graph, todo, buffers, config, fake_mode, casts)
     graph.eliminate_dead_code()
     graph.lint()
     register_runtime(config, registrations(sites))
     return sites
+
+
+def will_splice(op: Node, config) -> bool:
+    """Whether ``_splice`` will try to splice ``op`` (a trace can still fail: the op stays)."""
+    return bool(config.splice) and refusal(op) is None
 
 
 def _splice(graph: Graph, sites: List[LinearSite], buffers, config, fake_mode,

@@ -10,15 +10,17 @@ and the column maxima from the same pass over the parameter, handed to the site'
 op (``w_col_max``), whose W kernel then reads W once.
 
 A cast is taken over only where that is all it changes: the site's backward is one
-``hot::linear_backward`` op reading the copy through views that keep its (O, I) layout, the
-copy comes from an fp32 graph input, nothing in backward reads the copy otherwise (the
-partitioner would keep our copy where it could recompute a cast), and no activation
+``hot::linear_backward`` op reading the copy through views that keep its (O, I) layout, and
+that op will be spliced (``spliced``: its W kernel then reads only forward values and the
+partitioner runs it in the forward; an opaque op would read the copy in backward, and the
+partitioner keeps our op's copy, 2 bytes per weight, where it recomputes a cast); the copy
+comes from an fp32 graph input, nothing in backward reads it otherwise, and no activation
 checkpointing policy covers the cast. Weights shared by several sites get one op.
 """
 from __future__ import annotations
 
 import operator
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Tuple
 
 import torch
 from torch.fx import Graph, Node
@@ -60,11 +62,13 @@ def _castable(cast: Node, ops: set) -> bool:
             and cast.meta.get("recompute") is None and not needed_in_backward(cast, ops))
 
 
-def own_weight_casts(graph: Graph, sites: List[LinearSite], kernels: str, fake_mode) -> List[Node]:
+def own_weight_casts(graph: Graph, sites: List[LinearSite], kernels: str, fake_mode,
+                     spliced: Callable[[Node], bool]) -> List[Node]:
     """Replace the autocast cast behind each eligible site's W by ``hot::weight_cast`` and
-    give the site's op its column maxima; returns the new ops (for splicing)."""
+    give the site's op its column maxima; returns the new ops (for splicing). ``spliced``:
+    whether a site's op will be spliced (``splice.refusal``)."""
     units = [s for s in sites if s.rewritten_gx is not None and s.rewritten_gx.target is UNIT_OP
-             and not s.w_chain and s.forward == "bf16"]
+             and not s.w_chain and s.forward == "bf16" and spliced(s.rewritten_gx)]
     ops = {s.rewritten_gx for s in units}
     owned: Dict[Node, Tuple[Node, Node, Node]] = {}     # weight_cast -> (op, copy, maxima)
     for s in units:
