@@ -337,6 +337,23 @@ def test_the_lazy_backward_compiles_inside_the_launch_analysis_memo(monkeypatch)
     assert KA._DEPTH == 0
 
 
+def _autocast_step(model: str):
+    """One compiled bf16-autocast training step of the MLP or the block under ``ALL`` (fp32
+    parameters): (parameter grads, captured graphs, report)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    m = MLP() if model == "mlp" else Block(d=64, heads=4)
+    x = torch.randn(64, 64) if model == "mlp" else torch.randn(2, 32, 64)
+    be = hotcompile.backend(ALL)
+    cm = torch.compile(m, backend=be)
+    with capture_graphs() as graphs:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = cm(x)
+        torch.manual_seed(1)
+        out.float().square().mean().backward()
+    return {k: p.grad for k, p in m.named_parameters()}, graphs, be.report
+
+
 @pytest.mark.parametrize("model", ["mlp", "block"])
 def test_fp32_parameter_grads_come_from_the_gemm_without_a_cast(monkeypatch, model):
     """Under bf16 autocast a rewritten g_W is only cast to its fp32 parameter's gradient:
@@ -346,24 +363,14 @@ def test_fp32_parameter_grads_come_from_the_gemm_without_a_cast(monkeypatch, mod
     import hotcompile.passes.rewrite as RW
 
     def step(fold):
-        torch._dynamo.reset()
         if not fold:
             monkeypatch.setattr(RW, "fold_gw_cast", lambda *a, **k: False)
-        torch.manual_seed(0)
-        m = MLP() if model == "mlp" else Block(d=64, heads=4)
-        x = torch.randn(64, 64) if model == "mlp" else torch.randn(2, 32, 64)
-        be = hotcompile.backend(ALL)
-        cm = torch.compile(m, backend=be)
-        with capture_graphs() as graphs:
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                out = cm(x)
-            torch.manual_seed(1)
-            out.float().square().mean().backward()
+        grads, graphs, report = _autocast_step(model)
         bw = [g for g in graphs if is_bw(g)]
-        paths = [r.gw_path for r in be.report.layers]
+        paths = [r.gw_path for r in report.layers]
         assert paths and all(p.startswith("HLA") and p.endswith(" -> fp32") == fold
                              for p in paths), paths          # the report says which write fp32
-        return {k: p.grad for k, p in m.named_parameters()}, bw
+        return grads, bw
 
     folded, bw = step(True)
     plain, bw_plain = step(False)
@@ -411,20 +418,9 @@ def test_autocast_weight_copies_come_with_their_column_maxima(monkeypatch, model
     monkeypatch.setattr(RW, "will_splice", lambda op, config: True)
 
     def step(own):
-        torch._dynamo.reset()
         if not own:
             monkeypatch.setattr(RW, "own_weight_casts", lambda *a, **k: [])
-        torch.manual_seed(0)
-        m = MLP() if model == "mlp" else Block(d=64, heads=4)
-        x = torch.randn(64, 64) if model == "mlp" else torch.randn(2, 32, 64)
-        be = hotcompile.backend(ALL)
-        cm = torch.compile(m, backend=be)
-        with capture_graphs() as graphs:
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                out = cm(x)
-            torch.manual_seed(1)
-            out.float().square().mean().backward()
-        return {k: p.grad for k, p in m.named_parameters()}, graphs, be.report
+        return _autocast_step(model)
 
     owned, graphs, report = step(True)
     plain, graphs_plain, _ = step(False)
