@@ -635,8 +635,10 @@ def input_amax_bits(x: torch.Tensor, dim=None):
     """max |x| (of all of x, or along ``dim``) as the int32 bits of an fp32 value, the form
     the kernels read (``abs_bits``): the input of ``reference.e4m3_bound_scale``. A plain
     torch reduction: one kernel when a ``hot::`` op runs it, and when a site is spliced
-    (``kernels/launch.py``) a reduction Inductor compiles with the graph around it (for W,
-    fused with autocast's cast of the parameter: H100 step profile 2026-11-25). NaN
+    (``kernels/launch.py``) a reduction Inductor compiles with the graph around it (for x,
+    fused with x's producer; for W, autocast's copy of a parameter, ``weight_cast`` gives
+    the maxima instead where the site is spliced: Inductor split W's reduction into kernels
+    of its own, bench/colmax_fusion.py). NaN
     propagates (torch's max does). The kernels round the word to the type they read x as
     (``input_max_bits``)."""
     m = torch.linalg.vector_norm(x, float("inf"), dim=dim, dtype=torch.float32)

@@ -283,9 +283,9 @@ def e4m3_bound_scale(x: torch.Tensor, per_row: bool) -> torch.Tensor:
     Why a bound and not the transformed values' own amax: every coefficient of a block-16
     Sylvester transform (entries +-1) is a sum of 16 inputs, so |coefficient| <= 16 max|x|
     = 448 s and nothing overflows e4m3. The input's max needs no transform, so it comes
-    from a plain reduction Inductor compiles (fused with autocast's cast of the parameter)
-    and the W kernel reads W once, in one launch, instead of transforming it twice (amax,
-    then quantize). e4m3 keeps the same relative step in every normal binade, so a loose
+    from the pass that makes W anyway (``weight_cast``, in place of autocast's cast, where
+    a site is spliced; else a plain reduction) and the W kernel reads W once, in one launch,
+    instead of transforming it twice (amax, then quantize). e4m3 keeps the same relative step in every normal binade, so a loose
     scale only shifts values down its range: on Gaussian data the bound is ~4x the
     coefficients' amax, and values below ~amax / 2**12.8 (instead of 2**14.8) reach the
     subnormals. The saved x: ABC then runs one kernel (the max is a reduction Inductor
