@@ -313,3 +313,51 @@ def test_unkeyable_launches_go_to_the_original_analysis():
     assert KA._key(object(), {"n": _Sym()}, None) is None
     assert KA._key(len, {"x": torch.empty(2, dtype=torch.bfloat16), "B": 4}, None) == \
         (len, (("B", "int", 4), ("x", "tensor", torch.bfloat16)), "")
+
+
+@compiled
+def test_a_weight_cast_and_its_maxima_splice_into_the_sites_kernels(hopper):
+    """``hot::weight_cast`` (the forward's W copy and its column maxima, in place of
+    autocast's cast) splices into one kernel node, and the site's op, given the maxima as a
+    keyword argument (``w_col_max``), splices with them as an input: its W kernel reads
+    them, and no reduction of W's columns is left (only x's and g's maxima)."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    g, x = _fakes(mode, (256, 512), (256, 384))
+    (p,) = _fakes(mode, (512, 384), dtype=torch.float32)
+
+    def f(g, x, p):
+        w, col_max = hot.weight_cast(p, torch.bfloat16, "auto")
+        seeds = hot.draw_seeds(g, 1)
+        xq, xs = hot.abc_compress(x, 16, 8, 16, 0, False, "auto", "e4m3")
+        return w, col_max, hot.linear_backward(g, xq, xs, 16, 8, 16, 0, False, "", "auto", w,
+                                               4, 8, "token", "k", seeds, 0)
+
+    with mode:
+        gm = make_fx(f, tracing_mode="fake")(g, x, p)
+    for n in gm.graph.nodes:
+        n.meta["partitioner_tag"] = "is_backward"
+    unit = _nodes(gm, {hot.linear_backward.default})[0]
+    col_max = gm.graph.output_node().args[0][1]
+    unit.kwargs = {"w_col_max": col_max}          # as passes/weight_cast.py gives it
+    how = SP.splice_ops(gm.graph, _nodes(gm, SP.BODIES), mode)
+    assert sorted(how.values()) == ["Inductor"] * 3, how
+    gm.graph.eliminate_dead_code()
+    gm.graph.lint()
+    kernels = _nodes(gm, {WRAPPER})
+    names = sorted(_kernel_name(k) for k in kernels)
+    assert names.count("_weight_cast_kernel") == 1 and names.count("_hq_weight_kernel") == 1
+    cast = next(k for k in kernels if _kernel_name(k) == "_weight_cast_kernel")
+    wk = next(k for k in kernels if _kernel_name(k) == "_hq_weight_kernel")
+    # the W kernel's amax input is the cast kernel's amax output (a getitem of it)
+    src = wk.kwargs["kwargs"]["amax_ptr"]
+    while src.target is not WRAPPER:
+        src = src.args[0]
+    assert src is cast
+    assert len(_nodes(gm, {torch.ops.aten.amax.default})) == 2     # x's and g's, not W's
+
+
+def _kernel_name(node) -> str:
+    """The Triton kernel a ``triton_kernel_wrapper_functional`` node launches."""
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+    k = kernel_side_table.get_kernel(node.kwargs["kernel_idx"])
+    return getattr(k, "__name__", None) or k.fn.__name__

@@ -247,10 +247,11 @@ def will_splice(op: Node, config) -> bool:
 def _splice(graph: Graph, sites: List[LinearSite], buffers, config, fake_mode,
             casts: List[Node]) -> None:
     """With ``config.splice``: every HOT op's fused body into the graph (``splice.py``), so
-    Inductor launches the kernels; each site records how its backward launches. ``casts``:
-    the forward's ``hot::weight_cast`` ops (spliced too; how they launch is not recorded per
-    site: they stay correct ops either way)."""
+    Inductor launches the kernels; each site records how its backward launches, and its ABC
+    and W cast (``casts``: the forward's ``hot::weight_cast`` ops) where those differ."""
     abc_ops = {k: v[0].args[0] for k, v in buffers.items()}
+    w_casts = {id(s): s.rewritten_gx.kwargs["w_col_max"].args[0] for s in sites
+               if s.w_cast and s.rewritten_gx is not None}       # before splicing rewires them
     nodes: List[Node] = list(casts)
     for s in sites:
         for n in (abc_ops.get(s.group), s.rewritten_gx, s.rewritten_gw):
@@ -263,6 +264,9 @@ def _splice(graph: Graph, sites: List[LinearSite], buffers, config, fake_mode,
         comp = abc_ops.get(s.group)
         if comp is not None and how.get(comp) != s.launch:
             s.launch += f"; its ABC: {how.get(comp)}"
+        cast = w_casts.get(id(s))
+        if cast is not None and how.get(cast) != s.launch.split(";")[0]:
+            s.launch += f"; its W cast: {how.get(cast)}"
 
 
 def _share_seeds(graph: Graph, sites: List[LinearSite], fake_mode) -> None:
