@@ -285,10 +285,10 @@ def e4m3_bound_scale(x: torch.Tensor, per_row: bool) -> torch.Tensor:
     = 448 s and nothing overflows e4m3. The input's max needs no transform, so it comes
     from the pass that makes W anyway (``weight_cast``, in place of autocast's cast, where
     a site is spliced; else a plain reduction) and the W kernel reads W once, in one launch,
-    instead of transforming it twice (amax, then quantize). e4m3 keeps the same relative step in every normal binade, so a loose
-    scale only shifts values down its range: on Gaussian data the bound is ~4x the
-    coefficients' amax, and values below ~amax / 2**12.8 (instead of 2**14.8) reach the
-    subnormals. The saved x: ABC then runs one kernel (the max is a reduction Inductor
+    instead of transforming it twice (amax, then quantize). e4m3 keeps the same relative
+    step in every normal binade, so a loose scale only shifts values down its range: on
+    Gaussian data the bound is ~4x the coefficients' amax, and values below ~amax /
+    2**12.8 (instead of 2**14.8) reach the subnormals. The saved x: ABC then runs one kernel (the max is a reduction Inductor
     fuses with x's producer); the byte-level GPT gate at 4 seeds gave -0.17, +1.26, +0.11,
     +0.41%, mean +0.40%, as the exact amax's 4-7-seed means (+0.26..+0.75%), and digits
     +0.45 points at 8 seeds (H100, 2026-11-26). Its one-seed +1.10% of the twelfth stop
