@@ -288,8 +288,8 @@ def e4m3_bound_scale(x: torch.Tensor, per_row: bool) -> torch.Tensor:
     instead of transforming it twice (amax, then quantize). e4m3 keeps the same relative
     step in every normal binade, so a loose scale only shifts values down its range: on
     Gaussian data the bound is ~4x the coefficients' amax, and values below ~amax /
-    2**12.8 (instead of 2**14.8) reach the subnormals. The saved x: ABC then runs one kernel (the max is a reduction Inductor
-    fuses with x's producer); the byte-level GPT gate at 4 seeds gave -0.17, +1.26, +0.11,
+    2**12.8 (instead of 2**14.8) reach the subnormals. The saved x: ABC then runs one
+    kernel (the max is a reduction Inductor fuses with x's producer); the byte-level GPT gate at 4 seeds gave -0.17, +1.26, +0.11,
     +0.41%, mean +0.40%, as the exact amax's 4-7-seed means (+0.26..+0.75%), and digits
     +0.45 points at 8 seeds (H100, 2026-11-26). Its one-seed +1.10% of the twelfth stop
     was the gate's noise (two Inductor runs of one seed differ by up to 1.5%). Not for
