@@ -281,22 +281,22 @@ def e4m3_bound_scale(x: torch.Tensor, per_row: bool) -> torch.Tensor:
     for the saved x (ABC).
 
     Why a bound and not the transformed values' own amax: every coefficient of a block-16
-    Sylvester transform (entries +-1) is a sum of 16 inputs, so |coefficient| <= 16 max|x|
-    = 448 s and nothing overflows e4m3. The input's max needs no transform, so it comes
-    from the pass that makes W anyway (``weight_cast``, in place of autocast's cast, where
-    a site is spliced; else a plain reduction) and the W kernel reads W once, in one launch,
+    Sylvester transform (entries +-1) is a sum of 16 inputs, so |coefficient| <= 16 max|x| =
+    448 s and nothing overflows e4m3. The input's max needs no transform, so it comes from
+    the pass that makes W anyway (``weight_cast``, in place of autocast's cast, where a site
+    is spliced; else a plain reduction) and the W kernel reads W once, in one launch,
     instead of transforming it twice (amax, then quantize). e4m3 keeps the same relative
     step in every normal binade, so a loose scale only shifts values down its range: on
-    Gaussian data the bound is ~4x the coefficients' amax, and values below ~amax /
-    2**12.8 (instead of 2**14.8) reach the subnormals. The saved x: ABC then runs one
-    kernel (the max is a reduction Inductor fuses with x's producer); the byte-level GPT gate at 4 seeds gave -0.17, +1.26, +0.11,
-    +0.41%, mean +0.40%, as the exact amax's 4-7-seed means (+0.26..+0.75%), and digits
-    +0.45 points at 8 seeds (H100, 2026-11-26). Its one-seed +1.10% of the twelfth stop
-    was the gate's noise (two Inductor runs of one seed differ by up to 1.5%). Not for
-    g's HLA operand: three one-seed runs with g bounded this way all read +1.2..+1.6%
-    (fifth and eleventh stops), and a CPU measurement of the fifth stop found, where
-    channel magnitudes spread over e**(+-3), a g_W error 17% larger, small channels'
-    coefficients falling into e4m3's subnormals; g takes the tighter
+    Gaussian data the bound is ~4x the coefficients' amax, and values below ~amax / 2**12.8
+    (instead of 2**14.8) reach the subnormals. The saved x: ABC then runs one kernel (the
+    max is a reduction Inductor fuses with x's producer); the byte-level GPT gate at 4 seeds
+    gave -0.17, +1.26, +0.11, +0.41%, mean +0.40%, as the exact amax's 4-7-seed means
+    (+0.26..+0.75%), and digits +0.45 points at 8 seeds (H100, 2026-11-26). Its one-seed
+    +1.10% of the twelfth stop was the gate's noise (two Inductor runs of one seed differ by
+    up to 1.5%). Not for g's HLA operand: three one-seed runs with g bounded this way all
+    read +1.2..+1.6% (fifth and eleventh stops), and a CPU measurement of the fifth stop
+    found, where channel magnitudes spread over e**(+-3), a g_W error 17% larger, small
+    channels' coefficients falling into e4m3's subnormals; g takes the tighter
     ``token_block_bound``. Integer levels keep the exact amax (``absmax_scale``)."""
     return absmax_scale(x.float(), 8, per_row, q=E4M3_BOUND_Q)
 
