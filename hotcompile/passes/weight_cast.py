@@ -25,14 +25,13 @@ from typing import Callable, Dict, List, Tuple
 import torch
 from torch.fx import Graph, Node
 
-from .find import LinearSite
+from .find import CASTS, LinearSite
 from .graph_utils import add_node
 from .recompute import needed_in_backward
 
 aten = torch.ops.aten
 WEIGHT_CAST_OP = torch.ops.hot.weight_cast.default
 UNIT_OP = torch.ops.hot.linear_backward.default
-_CASTS = (torch.ops.prims.convert_element_type.default, aten._to_copy.default)
 _VIEWS = (aten.permute.default, aten.t.default, aten.transpose.int, aten.view.default,
           aten._unsafe_view.default, aten.reshape.default, aten.alias.default)
 _W_ARG = 10          # hot::linear_backward's w
@@ -70,15 +69,15 @@ def own_weight_casts(graph: Graph, sites: List[LinearSite], kernels: str, fake_m
     units = [s for s in sites if s.rewritten_gx is not None and s.rewritten_gx.target is UNIT_OP
              and not s.w_chain and s.forward == "bf16" and spliced(s.rewritten_gx)]
     ops = {s.rewritten_gx for s in units}
-    owned: Dict[Node, Tuple[Node, Node, Node]] = {}     # weight_cast -> (op, copy, maxima)
+    owned: Dict[Node, Tuple[Node, Node]] = {}     # weight_cast op -> (copy, maxima)
     for s in units:
         unit = s.rewritten_gx
         w = unit.args[_W_ARG]
         src = _source(w)
         if src.op == "call_function" and src.target is operator.getitem \
                 and src.args[0] in owned and src.args[1] == 0:
-            op, copy, col_max = owned[src.args[0]]          # a weight another site owns
-        elif src.op == "call_function" and src.target in _CASTS and _same_layout(w, src) \
+            copy, col_max = owned[src.args[0]]          # a weight another site owns
+        elif src.op == "call_function" and src.target in CASTS and _same_layout(w, src) \
                 and _castable(src, ops):
             op = add_node(graph, WEIGHT_CAST_OP, (src.args[0], src.meta["val"].dtype, kernels),
                           before=src, tag="is_forward", like=src, fake_mode=fake_mode)
@@ -87,7 +86,7 @@ def own_weight_casts(graph: Graph, sites: List[LinearSite], kernels: str, fake_m
                              for i in range(2))
             src.replace_all_uses_with(copy)
             graph.erase_node(src)
-            owned[op] = (op, copy, col_max)
+            owned[op] = (copy, col_max)
         else:
             continue
         if _same_layout(w, copy):       # W is the copy itself, not a transpose of it
