@@ -143,11 +143,14 @@ def bench_hla_g(old, new, rows):
         kw = dict(stochastic=True, seed=seed, seed_add=1, transposed=True, pad_to=16, e4m3=True,
                   scale_mul=1 / 16)
         kw.update(over)
-        if "row_max" not in inspect.signature(mod.hla.hla_quant).parameters:
-            return lambda g: mod.hla.hla_quant(g, 16, "1d", 8, **kw)
-        # the bound from the row maxima, as in a site (two small reductions), not from a
-        # reduction over all of g, which the site does not run
-        return lambda g: mod.hla.hla_quant(g, 16, "1d", 8, row_max=row_max[id(g)], **kw)
+        # the bound from the row maxima, as in a site (its block-sum kernel, or two small
+        # reductions before it), not from a reduction over all of g, which the site does not run
+        if hasattr(mod.hla, "token_block_bound_bits"):
+            return lambda g: mod.hla.hla_quant(g, 16, "1d", 8, amax=mod.hla.token_block_bound_bits(
+                g, row_max=row_max[id(g)]), **kw)
+        if "row_max" in inspect.signature(mod.hla.hla_quant).parameters:
+            return lambda g: mod.hla.hla_quant(g, 16, "1d", 8, row_max=row_max[id(g)], **kw)
+        return lambda g: mod.hla.hla_quant(g, 16, "1d", 8, **kw)
     for label, L, C in G_SHAPES:
         xs = inputs_of((L, C))
         row_max.update({id(x): torch.linalg.vector_norm(x, float("inf"), dim=1,
@@ -268,8 +271,8 @@ def bench_hq_w(old, new, rows):
         print(json.dumps(rows[-1]), flush=True)
 
 
-WCAST_TILES = ("32,32,256,4", "128,32,256,4", "128,32,256,8", "256,32,256,8", "128,16,512,4",
-               "128,16,512,8", "64,16,256,4", "256,16,256,4")
+WCAST_TILES = ("64,64,128,4", "32,32,256,4", "128,128,64,4", "64,64,64,4", "128,64,128,4",
+               "64,32,128,4", "128,128,128,8", "256,256,32,4", "64,64,128,2", "32,32,128,4")
 
 
 def bench_weight_cast(old, new, rows):

@@ -325,8 +325,7 @@ def run_layer(group, name, L, I, O, args, copies):
     kern = {}
     gsets = [(g,) for _, _, g in sets]
     # as a site runs them: with an e4m3 g_W the HQ kernel also writes g's row maxima, and
-    # the HLA kernel takes its bound from them (the small reductions over L values timed
-    # with it)
+    # the HLA kernel takes its bound from them (the block-sum kernel timed with it)
     bound = gw_fmt == "e4m3"
     msets = [(g, torch.linalg.vector_norm(g, float("inf"), dim=1, dtype=torch.float32))
              for _, _, g in sets]
@@ -347,7 +346,8 @@ def run_layer(group, name, L, I, O, args, copies):
         # g's K-major operand as the site makes it: written transposed by the HLA kernel
         ("hla_g", lambda g, m: HL.hla_quant(g, RANK, "1d", GW_BITS, stochastic=True, seed=seed,
                                             transposed=True, pad_to=16, e4m3=bound,
-                                            row_max=m if bound else None),
+                                            amax=HL.token_block_bound_bits(g, row_max=m)
+                                            if bound else None),
          msets, 2 * L * O + lr * O),
         ("abc_x", lambda x: F.abc_compress(x, RANK, "1d", GW_BITS, fmt=gw_fmt),
          [(x,) for x, _, _ in sets], 2 * L * I + lr * I),

@@ -40,6 +40,9 @@ HOT_KERNELS = {
     "_scaled_mm_kernel": "hot: int8/fp8 GEMM",
     "_transpose_kernel": "hot: transpose x~",
     "_combined_kernel": "hot: combined g_y pass",
+    "_grad_out_kernel": "hot: combined g_y pass",
+    "_block_bound_kernel": "hot: g's HLA bound",
+    "_weight_cast_kernel": "hot: W cast + column maxima",
 }
 
 

@@ -233,7 +233,7 @@ def test_recompute_operands_bit_identical_and_lighter():
 # the package's kernels, as Inductor's output code names the launches it makes of them
 _HOT_KERNELS = ("_hq_token_kernel", "_hq_tensor_kernel", "_hq_weight_kernel", "_hla_kernel",
                 "_grad_out_kernel", "_transpose_kernel", "_scaled_mm_kernel",
-                "_weight_cast_kernel")
+                "_weight_cast_kernel", "_block_bound_kernel")
 
 
 def _launches(code: str) -> dict:
@@ -300,10 +300,12 @@ def test_spliced_sites_launch_from_inductor_and_match_the_ops_bit_for_bit():
     assert counts["hot_ops"] == 0, counts
     # per site: W's copy with its column maxima 1 (forward, in place of autocast's cast),
     # ABC 1 (forward, its scale from max |x|, writing the K-major buffer the g_W GEMM
-    # reads), HQ g 1, W 1 (its e4m3 scale from the maxima), HLA g 1 (its scale from g's
-    # token-block bound); 4 sites
+    # reads), HQ g 1 (writing g's row maxima, zeroing the bound's word), the bound 1 (the
+    # largest block sum of those maxima), W 1 (its e4m3 scale from the column maxima), HLA
+    # g 1 (its scale from the bound); 4 sites
     assert counts["hot"] == {"_hla_kernel": 2 * 4, "_hq_token_kernel": 4,
-                             "_hq_weight_kernel": 4, "_weight_cast_kernel": 4}, counts
+                             "_hq_weight_kernel": 4, "_weight_cast_kernel": 4,
+                             "_block_bound_kernel": 4}, counts
     repeats = [name for c in codes for name in _repeated_definitions(c)]
     assert not repeats, repeats
     assert "kernels launched by Inductor at 4/4" in str(be.report)

@@ -98,13 +98,42 @@ def test_hq_per_token_levels_bit_exact(poison, L, O, bits):
                         seed=2024)
     assert torch.equal(q, qr) and torch.equal(s, sr)
     # with the row maxima (g's HLA bound): the same levels, and max |g| of every row
-    q2, s2, m = H.hq_act_quant(g, bits, per_token=True, seed=2024, row_max=True)
+    q2, s2, m, z = H.hq_act_quant(g, bits, per_token=True, seed=2024, row_max=True)
     assert torch.equal(q2, qr) and torch.equal(s2, sr)
     assert torch.equal(m, torch.linalg.vector_norm(g, float("inf"), dim=1))
+    assert z.shape == (1,) and z.dtype == torch.int32 and int(z) == 0   # zeroed (poisoned)
     g[min(2, L - 1), O // 2] = float("nan")
     g[0, 0] = float("-inf")
     m = H.hq_act_quant(g, bits, per_token=True, seed=2024, row_max=True)[2]
     assert torch.isnan(m[min(2, L - 1)]) and (L < 3 or m[0] == float("inf"))
+
+
+@cpu
+@pytest.mark.parametrize("L,layout", [(2080, {}), (37, {}), (4 * 37, dict(seq_len=37)),
+                                      (3 * 400, dict(seq_len=400, seq_first=True)),
+                                      (2 * 1040, dict(seq_len=1040))])
+def test_block_bound_kernel_equals_its_twin(poison, L, layout):
+    """g's HLA bound from its row maxima in one kernel (``hla.token_block_bound_bits``):
+    the word ``reference.block_sum_bound`` gives, in every token layout (flat, padded
+    sequences, sequence-first; several programs at 2080 rows), into the word the HQ kernel
+    zeroed; a NaN row maximum wins, an inf one gives inf."""
+    torch.manual_seed(L)
+    m = torch.rand(L) * torch.exp(torch.randn(L) * 3)     # maxima spread over e**(+-9)
+    m[L // 3] *= 1e4                                        # one dominant token
+    _, _, _, z = H.hq_act_quant(_randn(L, 32), 4, per_token=True, seed=1, row_max=True)
+    word = HL.token_block_bound_bits(m, row_max=m, word=z, **layout)
+    assert word is z
+    ref = R.block_sum_bound(m, 16, **layout)
+    assert torch.equal(word.view(torch.float32), ref.reshape(1))
+    # the fallback without a zeroed word, and the torch reduction over g itself
+    assert torch.equal(HL.token_block_bound_bits(m, row_max=m, **layout), word)
+    g = torch.diag_embed(m)[:, :64] if L <= 64 else None
+    if g is not None:
+        assert torch.equal(HL.token_block_bound_bits(g, **layout), word)
+    m[L - 1] = float("inf")
+    assert HL.token_block_bound_bits(m, row_max=m, **layout).view(torch.float32) == float("inf")
+    m[1] = float("nan")
+    assert torch.isnan(HL.token_block_bound_bits(m, row_max=m, **layout).view(torch.float32))
 
 
 @cpu
@@ -528,12 +557,33 @@ def test_gpu_hq_token_tiles_bit_exact(O):
     g = _randn(8192, O, dtype=torch.bfloat16, device="cuda")
     g[5] *= 1e4
     seed = torch.tensor(91, device="cuda")
-    q, s, m = H.hq_act_quant(g, 4, True, seed, fp8=True, row_max=True)
+    q, s, m, z = H.hq_act_quant(g, 4, True, seed, fp8=True, row_max=True)
+    assert int(z) == 0
     gh = R.block_fwht(R.pad_cols(g.float(), 16))
     assert torch.equal(s, _ieee_scale(gh, 4, True))
     qr, _ = R.quantize(gh, 4, per_row=True, stochastic=True, seed=seed, scale=s)
     assert torch.equal(q.float(), qr.float())
     assert torch.equal(m, torch.linalg.vector_norm(g, float("inf"), dim=1, dtype=torch.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("L,layout", [(8192, dict(seq_len=2048)), (12608, dict(seq_len=197)),
+                                      (8192, dict(seq_len=2048, seq_first=True)), (1000, {})])
+def test_gpu_block_bound_from_the_hq_kernels_row_maxima(L, layout):
+    """g's HLA bound as a site computes it (the HQ kernel's row maxima and zeroed word, then
+    ``_block_bound_kernel``) equals ``reference.token_block_bound`` of g, at Llama's and
+    ViT's token layouts; a NaN in g makes it NaN."""
+    torch.manual_seed(L)
+    g = _randn(L, 4096, dtype=torch.bfloat16, device="cuda") * torch.exp(
+        torch.randn(L, 1, device="cuda") * 2).to(torch.bfloat16)
+    seed = torch.tensor(5, device="cuda")
+    _, _, m, z = H.hq_act_quant(g, 4, True, seed, fp8=True, row_max=True)
+    word = HL.token_block_bound_bits(g, row_max=m, word=z, **layout)
+    assert torch.equal(word.view(torch.float32), R.token_block_bound(g, 16, **layout).reshape(1))
+    g[L // 2, 7] = float("nan")
+    _, _, m, z = H.hq_act_quant(g, 4, True, seed, fp8=True, row_max=True)
+    assert torch.isnan(HL.token_block_bound_bits(g, row_max=m, word=z, **layout).view(torch.float32))
 
 
 @pytest.mark.gpu
@@ -800,11 +850,12 @@ class _Launches(torch.utils._python_dispatch.TorchDispatchMode):
 @cpu
 def test_site_backward_launch_budget(monkeypatch):
     """The launches of one site's backward on the H100's default path (per-token g_y, W as
-    scaled e4m3, e4m3 g_W, rank 16: the split path): 3 kernels, W's (its e4m3 scale
-    from a column-max reduction) and g's HLA operand (its scale from the token-block
-    bound) in one each, none of them a seed draw when the graph hands the seed
-    over, and no transpose (ABC's buffer is K-major already). A guard: a change that adds
-    a launch must say so here."""
+    scaled e4m3, e4m3 g_W, rank 16: the split path): 4 kernels, HQ g (also writing g's
+    row maxima and zeroing the bound's word), the bound (their largest block sum), W's (its
+    e4m3 scale from a column-max reduction, which the forward's weight cast gives where it
+    runs) and g's HLA operand (its scale from the bound), none of them a seed draw when the
+    graph hands the seed over, and no transpose (ABC's buffer is K-major already). A
+    guard: a change that adds a launch must say so here."""
     from triton.runtime.interpreter import InterpretedFunction
     kernels = []
     real = InterpretedFunction.run
@@ -826,9 +877,8 @@ def test_site_backward_launch_budget(monkeypatch):
     kernels.clear()
     with mode:
         F.linear_backward(g, w, xq, xs, 16, 4, 8, 8, True, seed, one_pass=False)
-    assert kernels == ["_hq_token_kernel", "_hq_weight_kernel", "_hla_kernel"], kernels
-    # W's column maxima (its e4m3 scale); g's token-block bound (its row maxima from the
-    # HQ kernel; block sums in fp64 and their max, small reductions); two GEMMs. No
-    # zeroing: no kernel maxes into a word.
-    assert mode.ops == ["linalg_vector_norm", "_scaled_mm", "_to_copy", "sum", "amax",
-                        "_to_copy", "_scaled_mm"], mode.ops
+    assert kernels == ["_hq_token_kernel", "_block_bound_kernel", "_hq_weight_kernel",
+                       "_hla_kernel"], kernels
+    # W's column maxima (its e4m3 scale); two GEMMs. No zeroing: the bound's word is
+    # zeroed by the HQ kernel.
+    assert mode.ops == ["linalg_vector_norm", "_scaled_mm", "_scaled_mm"], mode.ops

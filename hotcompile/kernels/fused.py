@@ -130,12 +130,12 @@ def _k_major(q: torch.Tensor) -> torch.Tensor:
 
 
 def _gw(g, xt, x_scale, rank: int, select: str, bits: int, seed, lay, qg=None,
-        seed_add: int = 0, amax=None, row_max=None, out_dtype=None) -> torch.Tensor:
+        seed_add: int = 0, amax=None, out_dtype=None) -> torch.Tensor:
     """The fused g_W GEMM: g's projected levels (given as ``qg`` = transposed levels and
     scale, or computed with Philox key seed + ``seed_add``, written transposed by the HLA
     kernel: as fast as row-major plus a transpose, one launch fewer, layers_2026-11-24T030739)
     against the saved activation; cuBLAS FP8 when that is e4m3 (``formats.gw_rule``), else the
-    INT8 kernel. ``row_max``: g's row maxima, for the e4m3 operand's bound. ``out_dtype``
+    INT8 kernel. ``amax``: the HLA kernel's word (``hla.hla_quant``). ``out_dtype``
     (default g's): fp32 where the graph casts g_W to an fp32 parameter's gradient anyway
     (``passes/grad_cast.py``): the GEMM writes it, and no cast kernel runs."""
     out_dtype = out_dtype or g.dtype
@@ -149,7 +149,7 @@ def _gw(g, xt, x_scale, rank: int, select: str, bits: int, seed, lay, qg=None,
     qg = qg or hla.hla_quant(g, rank, select, bits, stochastic=True, seed=seed,
                              seed_add=seed_add, transposed=True, pad_to=16, e4m3=fp8,
                              scale_mul=1.0 / _FUSED_BLOCK if fp8 else 1.0, amax=amax,
-                             row_max=row_max, **lay)
+                             **lay)
     if fp8:
         # bf16 and fp32 outputs are what the H100 runs measured; fp16 goes through fp32
         out = gemm.cublas_fp8_mm(qg[0], _k_major(xt), qg[1], xs,
@@ -194,15 +194,18 @@ def linear_backward(g: torch.Tensor, w: torch.Tensor, xt: torch.Tensor, x_scale:
                                 out_dtype=gw_dtype))
     path = gx_path(g, w, gx_bits, w_bits, per_token)
     fp8 = path[0] != "int8"
-    qg_t, m = None, []
+    qg_t, bound = None, None
     if one_pass and xt.dtype == torch.int8:
         qg, sg, *qg_t = grad_out.grad_out_quant(g, gx_bits, per_token, seed, rank, "1d",
                                                 gw_bits, seed, fp8, hla_seed_add=1, **lay)
     else:
-        # per token, the HQ kernel also writes g's row maxima: the e4m3 HLA operand's bound
+        # per token, the HQ kernel also writes g's row maxima and zeroes a word: the e4m3
+        # HLA operand's bound, their largest block sum, is maxed into it by one kernel
         row_max = per_token and xt.dtype == torch.float8_e4m3fn
-        qg, sg, *m = hadamard.hq_act_quant(g, gx_bits, per_token, seed, fp8=fp8,
-                                           row_max=row_max)
+        qg, sg, *rm = hadamard.hq_act_quant(g, gx_bits, per_token, seed, fp8=fp8,
+                                            row_max=row_max)
+        if rm:
+            bound = hla.token_block_bound_bits(g, seq_len, seq_first, *rm)
     if warm_other_scale:
         hq_grad_input(g, w, gx_bits, not per_token, seed, block, False, w_bits)
     # the amax words of the W kernel (levels; an e4m3 W takes its column maxima from a
@@ -218,8 +221,9 @@ def linear_backward(g: torch.Tensor, w: torch.Tensor, xt: torch.Tensor, x_scale:
              w_col_max=w_col_max)
     if qg_t is None:    # g's HLA operand from its own kernel: Philox key seed + 1
         gw = _gw(g, xt, x_scale, rank, "1d", gw_bits, seed, lay, seed_add=1,
-                 amax=ws.narrow(0, n_w, 1) if ws is not None and n_hla else None,
-                 row_max=m[0] if m else None, out_dtype=gw_dtype)
+                 amax=bound if bound is not None else
+                 ws.narrow(0, n_w, 1) if ws is not None and n_hla else None,
+                 out_dtype=gw_dtype)
     else:
         gw = _gw(g, xt, x_scale, rank, "1d", gw_bits, seed, lay, qg=tuple(qg_t),
                  out_dtype=gw_dtype)

@@ -293,7 +293,7 @@ def _quantize_row_chunks(g_ptr, q_ptr, s, inv_s, seed, rows, L, O, O_pad, stride
 
 
 @triton.jit
-def _hq_token_kernel(g_ptr, q_ptr, s_ptr, seed_ptr, m_ptr, L, O, O_pad, stride_g, ldq,
+def _hq_token_kernel(g_ptr, q_ptr, s_ptr, seed_ptr, m_ptr, z_ptr, L, O, O_pad, stride_g, ldq,
                      groups_per_row, BR: tl.constexpr, BC: tl.constexpr, ONE_TILE: tl.constexpr,
                      Q: tl.constexpr, FP8: tl.constexpr, INTERPRET: tl.constexpr,
                      ROW_MAX: tl.constexpr):
@@ -304,10 +304,14 @@ def _hq_token_kernel(g_ptr, q_ptr, s_ptr, seed_ptr, m_ptr, L, O, O_pad, stride_g
     keeps an elementwise running max (reduced across lanes once, at the end) and a second
     sweep, which re-reads the chunks while they are still in L1/L2, quantizes them.
     ``ROW_MAX``: also store max |g[row, :]| (fp32, NaN if the row has one) at ``m_ptr``,
-    the input of g's HLA bound (``token_block_bound_bits``).
+    the input of g's HLA bound (``hla.token_block_bound_bits``), and zero the int32 word at
+    ``z_ptr``, which the bound's kernel then maxes into: no fill launch of its own.
     """
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     seed = tl.load(seed_ptr)
+    if ROW_MAX:
+        if tl.program_id(0) == 0:
+            tl.store(z_ptr, 0)
     if ONE_TILE:
         x = _load_rows(g_ptr, rows, 0, L, O, stride_g, BC)
         if ROW_MAX:
@@ -645,28 +649,14 @@ def input_amax_bits(x: torch.Tensor, dim=None):
     return m.reshape(-1).view(torch.int32)
 
 
-def token_block_bound_bits(g: torch.Tensor, seq_len: int = 0, seq_first: bool = False,
-                           row_max: Optional[torch.Tensor] = None):
-    """``reference.token_block_bound`` of g (L, C) as the int32 bits of its fp32 word (the
-    form the HLA kernel reads its amax in), from g's row maxima ``row_max`` when a kernel
-    that read g wrote them (``hq_act_quant``), else from a torch reduction over g. The
-    block sums and their max are plain torch (small reductions over L values).
-
-    Why the HQ kernel and not Inductor computes the row maxima: fused into g's producer,
-    a row max turned the rotary-embedding backward (q and k's g) into a strided reduction
-    kernel, 0.41 -> 0.68 ms per Llama step (H100, 2026-11-26), where the per-token HQ
-    kernel, which reads every row whole anyway, maxes it for one instruction an element."""
-    bound = ref.token_block_bound(g, 16, seq_len, seq_first) if row_max is None else \
-        ref.block_sum_bound(row_max, 16, seq_len, seq_first)
-    return bound.reshape(1).view(torch.int32)
-
-
 def hq_act_quant(g: torch.Tensor, bits: int, per_token: bool, seed, fp8: bool = False,
                  row_max: bool = False):
     """Transform g (L, O) along O (zero-padded to O_pad), quantize with stochastic rounding.
 
     Returns (levels (L, O_pad) int8 or e4m3, fp32 scale (L,) if per_token else ()), and
-    with ``row_max`` (per token only) a third output, max |g| of each row (L,) fp32.
+    with ``row_max`` (per token only) two more outputs: max |g| of each row (L,) fp32, and a
+    (1,) int32 word the kernel zeroed, the accumulator of g's HLA bound
+    (``hla.token_block_bound_bits``).
     """
     if g.stride(-1) != 1:
         g = g.contiguous()
@@ -681,12 +671,13 @@ def hq_act_quant(g: torch.Tensor, bits: int, per_token: bool, seed, fp8: bool = 
     if per_token:
         s = torch.empty((L,), dtype=torch.float32, device=dev)
         m = torch.empty((L,), dtype=torch.float32, device=dev) if row_max else s  # s: unread
+        z = torch.empty((1,), dtype=torch.int32, device=dev) if row_max else seed_t
         bc, one, br, warps = token_tile(O_pad, interp)
         launch(_hq_token_kernel, (triton.cdiv(L, br),),
-            g, q, s, seed_t, m, L, O, O_pad, g.stride(0), O_pad, groups,
+            g, q, s, seed_t, m, z, L, O, O_pad, g.stride(0), O_pad, groups,
             BR=br, BC=bc, ONE_TILE=one, Q=Q, FP8=fp8, INTERPRET=interp, ROW_MAX=row_max,
             num_warps=warps)
-        return (q, s, m) if row_max else (q, s)
+        return (q, s, m, z) if row_max else (q, s)
     if row_max:
         raise ValueError("hq_act_quant: row_max needs per_token")
     s = scalar_buffer(dev)
@@ -738,17 +729,19 @@ def weight_cast(p: torch.Tensor, dtype: torch.dtype):
 def cast_tile(interp: bool) -> tuple[int, int, int, int]:
     """(ROWS per program, BO rows per step, BI columns, warps) of ``_weight_cast_kernel``.
 
-    32 x 256 tiles (one step per program) on 4 warps: the fastest summed over Llama d4096's
-    three W shapes of 8 tiles (H100, bench/results/kernel_ab_2026-11-26T142204.json): 0.047 /
-    0.102 / 0.116 ms at 4096x4096 / 11008x4096 / 4096x11008, against 0.036 / 0.094 / 0.092
-    ms for the bare torch cast and 0.056 / 0.138 / 0.133 ms for cast plus column maxima; 8
-    warps were 20-40% slower, taller programs (fewer atomics) no faster except at 4096x11008
-    (128 x 16 x 512: 0.111 ms). HOT_WCAST_TILE="ROWS,BO,BI,WARPS" overrides (tuning)."""
+    128 x 64 tiles (one step per program) on 4 warps: the fastest summed over Llama d4096's
+    three W shapes in two sweeps of 10 tiles (H100, bench/results/kernel_ab_2026-11-26T163434
+    and ..T163539): 0.0395 / 0.0958 / 0.0958 ms at 4096x4096 / 11008x4096 / 4096x11008
+    (95-98% of copy bandwidth), against 0.036 / 0.093 / 0.093 ms for the bare torch cast and
+    0.056 / 0.138 / 0.134 ms for cast plus column maxima. Narrow, tall tiles win: 64 x 64 and
+    32 x 256 rows were within 1%, 64 x 128 1-5% slower, 32 x 256 (the first pick) 10-16%;
+    rows of 512 or 1024 columns, 8 warps, 2 warps and row loops (BO < ROWS) all slower
+    (kernel_ab_2026-11-26T142204 too). HOT_WCAST_TILE="ROWS,BO,BI,WARPS" overrides (tuning)."""
     if interp:
         return 16, 8, 64, 4
     if "HOT_WCAST_TILE" in os.environ:
         return tuple(int(v) for v in os.environ["HOT_WCAST_TILE"].split(","))
-    return 32, 32, 256, 4
+    return 128, 128, 64, 4
 
 
 def hq_weight_quant(w: torch.Tensor, bits: int, fp8: bool = False, e4m3: bool = False,

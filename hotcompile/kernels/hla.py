@@ -22,7 +22,7 @@ maxes its amax into one word, phase 2 re-projects (tiles in reverse order, for L
 and quantizes. The e4m3 operands skip phase 1, their scales coming from bounds: the saved
 x's from max|x| / 28 (``reference.e4m3_bound_scale``; max|x| a reduction Inductor fuses
 with x's producer), g's from ``reference.token_block_bound`` / 448 (g's row maxima from
-the per-token HQ kernel, then two small reductions: ``hadamard.token_block_bound_bits``).
+the per-token HQ kernel, their block sums and max from ``_block_bound_kernel``).
 Only int8 levels run both phases.
 L is padded with zero tokens to a multiple of 16, like the reference.
 
@@ -43,7 +43,7 @@ from .launch import launch
 from . import reference as ref
 from .hadamard import (abs_bits, fwht16, input_amax_bits, input_max_bits, interpreting,
                        philox_uniform8, quantize, scalar_buffer, scale_from_amax_bits,
-                       seed_pointer, to_e4m3, token_block_bound_bits)
+                       seed_pointer, to_e4m3)
 
 
 @triton.jit
@@ -281,7 +281,51 @@ def _phase2_tiles(x_ptr, q_ptr, s, inv_s, seed, pid, n_tiles, n_ct, S, n_sblk, s
                              INTERPRET, IEEE_DIV, E4M3)
 
 
+@triton.jit
+def _block_bound_kernel(m_ptr, out_ptr, S, n_sblk, stride_b, stride_s, n_blk, BB: tl.constexpr):
+    """``reference.block_sum_bound`` of row maxima m, maxed into the int32 word ``out_ptr``
+    (zeroed: the per-token HQ kernel zeroes it as it writes m): each program sums BB token
+    blocks of 16 rows (positions past S count 0, as the reference's padding tokens) and
+    maxes the sums' fp32 bits (``abs_bits``: NaN wins, as the reference's ``amax``).
+
+    The sums are fp64, like the reference's: 16 fp32 terms within 2**25 of each other add
+    exactly, so the tree order here gives the reference's word; rounding each sum to fp32
+    before the max gives the max's rounding (rounding is monotone). Why a kernel: as torch
+    ops the block sums and their max were two Inductor reductions (one does not fuse into
+    the other: their shapes differ), two launches per site instead of one."""
+    blk = tl.program_id(0) * BB + tl.arange(0, BB)
+    pos = (blk % n_sblk)[:, None] * 16 + tl.arange(0, 16)[None, :]
+    rows = (blk // n_sblk).to(tl.int64)[:, None] * stride_b + pos.to(tl.int64) * stride_s
+    m = tl.load(m_ptr + rows, mask=(blk < n_blk)[:, None] & (pos < S), other=0.0)
+    sums = tl.sum(m.to(tl.float64), axis=1).to(tl.float32)
+    tl.atomic_max(out_ptr, tl.max(abs_bits(sums), axis=0))
+
+
 # =========================================================================== launcher
+
+
+def token_block_bound_bits(g: torch.Tensor, seq_len: int = 0, seq_first: bool = False,
+                           row_max: torch.Tensor | None = None,
+                           word: torch.Tensor | None = None) -> torch.Tensor:
+    """``reference.token_block_bound`` of g (L, C) as the (1,) int32 bits of its fp32 word
+    (the form the HLA kernel reads its amax in). From g's row maxima ``row_max`` when a
+    kernel that read g wrote them (``hadamard.hq_act_quant(row_max=True)``, which also
+    zeroes ``word``), in one launch (``_block_bound_kernel``); else a torch reduction.
+
+    Why the HQ kernel and not Inductor computes the row maxima: fused into g's producer,
+    a row max turned the rotary-embedding backward (q and k's g) into a strided reduction
+    kernel, 0.41 -> 0.68 ms per Llama step (H100, 2026-11-26), where the per-token HQ
+    kernel, which reads every row whole anyway, maxes it for one instruction an element."""
+    if row_max is None:
+        return ref.token_block_bound(g, 16, seq_len, seq_first).reshape(1).view(torch.int32)
+    if word is None:
+        word = torch.zeros((1,), dtype=torch.int32, device=g.device)
+    S, n_sblk, stride_b, stride_s, n_blk = token_layout(g.shape[0], seq_len, seq_first)
+    bb = 64
+    launch(_block_bound_kernel, (triton.cdiv(n_blk, bb),), row_max, word, S, n_sblk,
+           stride_b, stride_s, n_blk, BB=bb)
+    return word
+
 
 
 def _packed_rows(rank: int, select: str) -> int:
@@ -360,8 +404,7 @@ def token_layout(L: int, seq_len: int = 0, seq_first: bool = False):
 def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic: bool, seed=0,
               transposed: bool = False, pad_to: int = 1, seq_len: int = 0,
               seq_first: bool = False, seed_add: int = 0, e4m3: bool = False,
-              scale_mul: float = 1.0, amax: torch.Tensor | None = None,
-              row_max: torch.Tensor | None = None):
+              scale_mul: float = 1.0, amax: torch.Tensor | None = None):
     """Project x (L, C) along its tokens onto ``rank`` kept rows per block of 16
     neighbouring tokens of one sequence (``reference.sequence_blocks``) and quantize.
 
@@ -372,11 +415,12 @@ def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic:
     Levels are (L', C) row-major, or with ``transposed`` a (C, L'_pad) buffer
     (L'_pad = L' rounded up to ``pad_to``) holding the transpose; its columns past L'
     are left unwritten (consumers must mask them), except in e4m3, where they are zeroed:
-    the cuBLAS GEMM reads all L'_pad columns. ``amax``: a zeroed (1,) int32 workspace the
-    caller made with others in one launch (default: its own), for int8 levels only: e4m3
-    levels run phase 2 alone, their scale from a bound (the saved x, nearest rounding:
-    max |x| / 28; g, stochastic: ``token_block_bound`` / 448, from x's row maxima
-    ``row_max`` when given: ``hadamard.hq_act_quant(row_max=True)``).
+    the cuBLAS GEMM reads all L'_pad columns. ``amax``, int8 levels: a zeroed (1,) int32
+    workspace the caller made with others in one launch (default: its own). e4m3 levels run
+    phase 2 alone, their scale from a bound: the saved x (nearest rounding) from max |x| /
+    28; g (stochastic) from ``token_block_bound`` / 448, ``amax`` holding it when the
+    caller has it (``token_block_bound_bits`` from the HQ kernel's row maxima), else a torch
+    reduction here.
     """
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -396,12 +440,12 @@ def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic:
     s = scalar_buffer(dev)
     # e4m3: one launch, the scale from a bound: the saved x (nearest rounding) from max |x|
     # (reference.abc_compress), g (stochastic) from its token blocks' row maxima
-    # (reference.token_block_bound; ``row_max`` when the HQ kernel wrote them)
+    # (reference.token_block_bound)
     bound = e4m3 and not stochastic
     if bound:
         amax = input_amax_bits(x)
-    elif e4m3:
-        amax = token_block_bound_bits(x, seq_len, seq_first, row_max)
+    elif e4m3 and amax is None:
+        amax = token_block_bound_bits(x, seq_len, seq_first)
     elif amax is None:
         amax = torch.zeros((1,), dtype=torch.int32, device=dev)
     rp = _pow2_at_least(rank)

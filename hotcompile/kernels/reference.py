@@ -313,7 +313,8 @@ def token_block_bound(g: torch.Tensor, block: int = 16, seq_len: int = 0,
     |coefficient| <= sum_t |g[t, c]| <= sum_t m_t. It takes g's HLA operand (stochastic
     e4m3) from two passes over g (amax of the projected tile, then quantize) to one: the
     per-token HQ kernel writes m_t as it reads g (``hadamard.hq_act_quant(row_max=True)``),
-    and the block sums and their max are two small reductions (``block_sum_bound``).
+    and one small kernel takes the block sums and their max (``block_sum_bound``'s twin,
+    ``hla.token_block_bound_bits``).
     Unlike 16 max|g| (``e4m3_bound_scale``'s rule, ~4x loose on
     Gaussian rows and up to 16x where one token dominates its block, which is how text
     gradients look; it failed the byte-level GPT gate three times), this bound is tight
