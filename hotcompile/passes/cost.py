@@ -167,7 +167,10 @@ class CostModel:
 # before ABC wrote K-major) over-priced a Llama d4096 attention site 0.830 vs 0.799 ms and
 # left two of them exact; measured, HOT runs it 0.64 vs 0.80 ms. Host times from the
 # 2026-11-23T201819 run: the eager HOT backward of the smallest layer (ViT-B proj, GPU
-# 0.14 ms) took 0.275 ms, the exact one is GPU-bound.
+# 0.14 ms) took 0.275 ms, the exact one is GPU-bound. Splicing did not make it smaller: with
+# every ViT-B layer forced and spliced, the step's host time was 0.30 ms per site above
+# Inductor's (docs/BENCHMARKS.md, sixth-stop ViT-B run: Inductor's wrapper launches a user
+# Triton kernel through Triton's own Python launcher).
 H100 = CostModel(
     name="H100 (layers_2026-11-24T200300)",
     kernels={
