@@ -92,9 +92,15 @@ def kernels_for(L: int, I: int, O: int, rank: int):
     bc, one, br, warps = H.token_tile(o_pad, False)
     rows.append(("hq g per token", H._hq_token_kernel,
                  {"g_ptr": "*bf16", "q_ptr": "*i8", "s_ptr": "*fp32", "seed_ptr": "*i64",
-                  "m_ptr": "*fp32"},
+                  "m_ptr": "*fp32", "z_ptr": "*i32"},
                  dict(BR=br, BC=bc, ONE_TILE=one, Q=7, FP8=False, INTERPRET=False,
                       ROW_MAX=True), warps))
+    rows.append(("hla g bound", hla._block_bound_kernel, {"m_ptr": "*fp32", "out_ptr": "*i32"},
+                 dict(BB=64), 4))
+    rows.append(("W cast", H._weight_cast_kernel, {"p_ptr": "*fp32", "w_ptr": "*bf16",
+                                                   "amax_ptr": "*i32"},
+                 dict(zip(("ROWS", "BO", "BI"), H.cast_tile(False)[:3]), BF16=True),
+                 H.cast_tile(False)[3]))
     bc, _ = H.column_tile(o_pad, max_tile=512)
     wbi, wbo, wwarps = H.weight_tile(o_pad, False)
     for phase in (1, 2):
