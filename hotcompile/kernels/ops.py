@@ -280,7 +280,3 @@ weight_cast = torch.library.custom_op("hot::weight_cast", mutates_args=())(weigh
 def _(p, dtype, kernels):
     return p.new_empty(p.shape, dtype=dtype), p.new_empty((p.shape[1],), dtype=torch.int32)
 
-
-OPS = (torch.ops.hot.hq_grad_input.default, torch.ops.hot.abc_compress.default,
-       torch.ops.hot.hla_grad_weight.default, torch.ops.hot.linear_backward.default,
-       torch.ops.hot.draw_seeds.default, torch.ops.hot.weight_cast.default)
