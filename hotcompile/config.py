@@ -61,6 +61,10 @@ class HOTConfig:
     ``self_attn.in_proj`` too). Decided per compiled graph: where Dynamo reuses one graph
     for several modules (a graph break inside repeated blocks), the first one's names
     decide, and the report says so.
+    exact_gx: layers (named as for ``exclude``) whose g_x stays exact: only their g_W (HLA)
+    and the saved activation (ABC) are HOT's. For an output head, whose g_x carries the
+    loss's gradient to every layer below it (HOT on the whole head failed the byte-level
+    GPT gate: docs/BENCHMARKS.md).
     min_features: a linear with in- or out-features below this stays exact (too small to win).
     min_speedup: the cost gate (``passes/cost.py``): on a GPU, a site is rewritten only when
     its predicted exact backward time is at least this multiple of HOT's (1.0: never
@@ -98,6 +102,7 @@ class HOTConfig:
     kernels: str = "auto"
     include: Optional[Tuple[str, ...]] = None
     exclude: Tuple[str, ...] = ("head", "lm_head")
+    exact_gx: Tuple[str, ...] = ()
     min_features: int = 256
     min_speedup: float = 1.0
     abc: bool = True
@@ -143,14 +148,14 @@ class HOTConfig:
             bad("forward", f"must be one of {_FORWARDS}")
         if self.kernels not in _KERNELS:
             bad("kernels", f"must be one of {_KERNELS}")
-        for f in ("include", "exclude"):
+        for f in ("include", "exclude", "exact_gx"):
             v = getattr(self, f)
             if v is None and f == "include":
                 continue
             if (v is None or isinstance(v, str) or not hasattr(v, "__iter__")
                     or not all(isinstance(s, str) for s in v)):
-                bad(f, "must be a tuple of strings" + (" (use () for none)" if f == "exclude"
-                                                      else " or None (every layer)"))
+                bad(f, "must be a tuple of strings" + (" or None (every layer)" if f == "include"
+                                                      else " (use () for none)"))
             object.__setattr__(self, f, tuple(v))
         if self.min_features < 0:
             bad("min_features", "must be >= 0")

@@ -462,3 +462,37 @@ def test_weight_casts_stay_autocasts_where_the_op_is_not_spliced():
     assert be.report.rewritten
     assert not any(n.target is torch.ops.hot.weight_cast.default for g in graphs for n in g.nodes)
     assert all(r.w_operand == "" for r in be.report.rewritten)
+
+
+def test_exact_gx_keeps_a_layers_input_gradient_and_rewrites_its_weight_gradient():
+    """``exact_gx``: the named layer's g_x GEMM stays in the graph as Inductor would compile
+    it (so every gradient below it is the exact one), while its g_W is HLA's and its x is
+    saved compressed; the report says why its g_x is exact."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 32, 64, requires_grad=True)
+
+    def grads(config):
+        torch._dynamo.reset()
+        torch.manual_seed(1)
+        m = MLP()
+        report, fw, bw = run_step(m, x, config)
+        g = (x.grad.clone(), m.fc1.weight.grad.clone(), m.fc2.weight.grad.clone())
+        x.grad = None
+        return report, bw, g
+
+    cfg = dict(min_features=0, exclude=(), include=("fc2",))
+    report, bw, (gx, gw1, gw2) = grads(HOTConfig(**cfg, exact_gx=("fc2",)))
+    _, _, (gx_e, gw1_e, gw2_e) = grads(HOTConfig(min_features=0, exclude=("fc1", "fc2")))
+    _, _, (gx_h, _, gw2_h) = grads(HOTConfig(**cfg))
+    rec = {r.name: r for r in report.layers}
+    assert rec["fc2"].rewritten and rec["fc2"].gx_path == "exact (exact_gx pattern 'fc2')"
+    assert rec["fc2"].gw_path.startswith("HLA") and rec["fc2"].abc != "-"
+    assert count_ops(bw[0], HOT_OPS["hla"]) == 1 and count_ops(bw[0], HOT_OPS["hq"]) == 0
+    # g_x of fc2 exact: fc1's weight gradient and x's gradient are the exact ones
+    assert torch.equal(gx, gx_e) and torch.equal(gw1, gw1_e)
+    assert not torch.equal(gx_h, gx_e)         # (with HQ on fc2 they are not)
+    # fc2's g_W is HLA's (its own Philox key, so not bit-equal to the whole site's), not
+    # the exact one, and as close to it as the whole site's
+    assert not torch.equal(gw2, gw2_e) and rel(gw2, gw2_e) < 2 * rel(gw2_h, gw2_e) + 1e-3
+    with pytest.raises(ValueError, match="exact_gx"):
+        HOTConfig(exact_gx="head")

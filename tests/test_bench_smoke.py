@@ -220,6 +220,8 @@ def test_accuracy_cli_helpers():
         ("hot", {"exclude": ("head", "lm_head")})
     assert C.split_mode("inductor") == ("inductor", {})
     assert C.split_mode("hot[exclude=]") == ("hot", {"exclude": ()})
+    assert C.split_mode("hot[exclude=,exact_gx=head,lm_head]") == \
+        ("hot", {"exclude": (), "exact_gx": ("head", "lm_head")})
     # the mode's variant wins over the workload's / --hot's keys (hot[exclude=] raised once)
     _, be = C.compile_model(torch.nn.Linear(4, 4), "hot[exclude=,rank=8]",
                             {"exclude": ("head", "lm_head"), "rank": 4})

@@ -110,14 +110,18 @@ def site_cost(rec, config) -> Optional[dict]:
     by = {"hla_gy": L * O * e + Lc * O * q, "gemm_gw": Lc * O * q + Lc * I * q + O * I * e}
     if not r["abc"].split(" (")[-1].startswith("shares"):
         by["abc_x"] = L * I * e + Lc * I * q
-    if has_gx:
+    hq_gx = r["gx_path"].startswith("HQ")          # else exact (exact_gx) or none
+    if hq_gx:
         fl.update(gemm_gx=2 * L * O * I, hq_gx=2 * L * O * logn + 2 * I * O * logn + 2 * L * O
                   + 2 * I * O, dequant_gx=2 * L * I)
         by.update(hq_gy=L * O * e + L * O * q, hq_w=O * I * e + O * I * q,
                   gemm_gx=L * O * q + O * I * q + L * I * e)
+    elif has_gx:
+        fl.update(gemm_gx_exact=2 * L * O * I)
+        by.update(gemm_gx_exact=(L * O + O * I + L * I) * e)
     fl = {k: int(v) for k, v in fl.items()}
     cost.update(flops_after=sum(fl.values()), bytes_after=sum(by.values()), flops_detail=fl,
-                bytes_detail=by, gy_fused_saving=L * O * e if has_gx else 0)
+                bytes_detail=by, gy_fused_saving=L * O * e if hq_gx else 0)
     return cost
 
 

@@ -69,6 +69,7 @@ class LinearSite:
     forward_ms: Optional[tuple] = None  # forward cost gate: (bf16 ms, FP8 ms) predicted
     w_chain: Optional[list] = None  # views + cast from the fp32 parameter to W (recompute.py)
     launch: str = ""              # how its HOT kernels launch: "Inductor" or "hot:: op (why)"
+    gx_kept: str = ""             # why its g_x mm stays exact while g_W is HOT's (exact_gx)
     gw_fp32: bool = False         # g_W written in fp32, its cast folded (grad_cast.py)
     rewritten_gx: Optional[Node] = None
     rewritten_gw: Optional[Node] = None
@@ -341,6 +342,10 @@ def find_linear_sites(graph: Graph, config, params: Optional[Set[Node]] = None,
         site.name = site_name(site, params)
         if site.reason is None:
             site.reason = _verdict(site, config, params) or claims.get(site.index)
+        if site.reason is None and site.gx is not None and site.gw is not None:
+            hit = next((p for p in config.exact_gx if _matches(site.name, p)), None)
+            if hit is not None:     # its g_x mm is left in the graph as it is
+                site.gx, site.gx_kept = None, f"exact_gx pattern {hit!r}"
         if site.reason is None and site.gw is not None and labels is not None:
             site.layout = labels.layout(site.x)
     _assign_keys(sites)
