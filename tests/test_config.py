@@ -16,6 +16,7 @@ from hotcompile import HOTConfig
     ({"rank": 4.0}, "rank"), ({"abc": 1}, "abc"), ({"recompute_operands": "yes"}, "recompute_operands"), ({"exclude": None}, "exclude"),
     ({"exclude": 3}, "exclude"), ({"dump_dir": 123}, "dump_dir"), ({"lqs_file": 3}, "lqs_file"),
     ({"dump_dir": ""}, "dump_dir"), ({"gw_format": "fp8"}, "gw_format"),
+    ({"exact_gx": "head"}, "exact_gx"), ({"exact_gx": None}, "exact_gx"),
 ])
 def test_bad_values_name_the_field(kw, field):
     with pytest.raises(ValueError, match=rf"HOTConfig\.{field}\b"):
@@ -31,6 +32,8 @@ def test_defaults_and_frozen():
     with pytest.raises(Exception):
         c.rank = 4
     assert HOTConfig(exclude=["a", "b"]).exclude == ("a", "b")
+    assert c.exact_gx == () and HOTConfig(exact_gx=["head"]).exact_gx == ("head",)
+    assert HOTConfig(exact_gx=("head",)).digest() != c.digest()
     assert c.digest() == HOTConfig().digest() != HOTConfig(rank=4).digest()
 
 
