@@ -30,7 +30,6 @@ import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
 from .launch import launch
-from . import reference as ref
 from .reference import E4M3_BOUND_Q, PHILOX_ROUNDS, philox_counters
 
 _ROUNDS = tl.constexpr(PHILOX_ROUNDS)
