@@ -327,7 +327,6 @@ def token_block_bound_bits(g: torch.Tensor, seq_len: int = 0, seq_first: bool = 
     return word
 
 
-
 def _packed_rows(rank: int, select: str) -> int:
     """The kept H_16 row indices, in the reference's order, packed 4 bits each."""
     return sum(r << (4 * j) for j, r in enumerate(ref.low_pass_rows(rank, select, 16)))

@@ -169,8 +169,8 @@ class CostModel:
 # 2026-11-23T201819 run: the eager HOT backward of the smallest layer (ViT-B proj, GPU
 # 0.14 ms) took 0.275 ms, the exact one is GPU-bound. Splicing did not make it smaller: with
 # every ViT-B layer forced and spliced, the step's host time was 0.30 ms per site above
-# Inductor's (docs/BENCHMARKS.md, sixth-stop ViT-B run: Inductor's wrapper launches a user
-# Triton kernel through Triton's own Python launcher).
+# Inductor's (docs/BENCHMARKS.md, seventh stop, train_2026-11-24T162004_*_vit-memo: Inductor's
+# wrapper launches a user Triton kernel through Triton's own Python launcher).
 H100 = CostModel(
     name="H100 (layers_2026-11-24T200300)",
     kernels={
