@@ -122,8 +122,11 @@ def kernels_for(L: int, I: int, O: int, rank: int):
                               ROUND=H.tl.bfloat16 if param else None), wwarps))
     for what, C, stochastic in (("hla g", O, True), ("abc x", I, False)):
         for e4m3 in (False, True):     # int8 levels (INT8 GEMM) or scaled e4m3 (cuBLAS FP8)
-            bt, bcc, warps, cpt = hla._tile_shape(C, False, hla._pow2_at_least(rank),
-                                                  stochastic and e4m3)
+            rp = hla._pow2_at_least(rank)
+            bt, bcc, warps, cpt = hla._tile_shape(C, False, rp, stochastic and e4m3)
+            step = 0
+            if stochastic and e4m3:      # g's operand: blocks in steps (hla._stepped_blocks)
+                bt, step = hla._stepped_blocks(bt, rp)
             ptrs = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv" if e4m3 else "*i8", "s_ptr": "*fp32",
                     "amax_ptr": "*i32", "seed_ptr": "*i64"}
             bound = e4m3 and not stochastic     # the saved x's bound scale: phase 2 alone
@@ -134,7 +137,7 @@ def kernels_for(L: int, I: int, O: int, rank: int):
                                   Q=(28 if bound else 448) if e4m3 else 127,
                                   STOCHASTIC=stochastic, TRANSPOSED=stochastic or e4m3,
                                   INTERPRET=False, E4M3=e4m3, CPT=cpt, FLAT=True,
-                                  EVEN_C=C % bcc == 0, BOUND=bound),
+                                  EVEN_C=C % bcc == 0, BOUND=bound, STEP=step),
                              warps))
     bt, bcc, warps, hr = grad_out.tile_shape(o_pad, False)
     for phase in (1, 2):

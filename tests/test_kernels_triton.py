@@ -269,6 +269,34 @@ def test_hla_e4m3_bit_exact(poison, L, C, rank, stochastic):
 
 
 @cpu
+@pytest.mark.parametrize("rank", [16, 8])
+def test_hla_stepped_tiles_write_the_same_bytes(monkeypatch, rank):
+    """g's stochastic e4m3 operand (``hla._stepped_blocks``): a program's token blocks taken
+    one 32-byte run per step (the default at rank 16), in one step, or in two-run steps
+    write the same bytes and scale (the levels follow the element, not the tile), on
+    sequences whose length is not a multiple of 16; a STEP that does not divide BT, or
+    that splits a Philox counter's 16 uniforms, is an error naming the knob."""
+    g = _randn(200, 40, dtype=torch.bfloat16) * torch.exp(torch.randn(1, 40)).bfloat16()
+    seed = torch.tensor(5)
+
+    def run():
+        return HL.hla_quant(g, rank, "1d", 8, stochastic=True, seed=seed, seed_add=1,
+                            transposed=True, pad_to=16, e4m3=True, seq_len=100)
+    q0, s0 = run()
+    k = max(1, 16 // rank)                  # blocks per Philox counter
+    for knob in (f"{4 * k},{k}", f"{2 * k},{2 * k}", f"{8 * k},{2 * k}"):
+        monkeypatch.setenv("HOT_HLA_STEP", knob)
+        q, s = run()
+        assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8)), knob
+        assert float(s) == float(s0), knob
+    bad = [f"{4 * k},{3 * k}"] + ([f"{4 * k},{k // 2}"] if k > 1 else [])
+    for knob in bad:
+        monkeypatch.setenv("HOT_HLA_STEP", knob)
+        with pytest.raises(ValueError, match="HOT_HLA_STEP"):
+            run()
+
+
+@cpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("L,O,I,rank,seq_len", [(64, 48, 32, 16, 0), (96, 32, 48, 8, 0),
                                                 (39, 40, 24, 16, 13)])
@@ -606,12 +634,17 @@ def test_gpu_hla_e4m3_channel_major_bit_exact(monkeypatch, L, C, rank, seq_len):
     bound = R.absmax_scale(R.token_block_bound(x, 16, seq_len), 8, False, q=R.E4M3_MAX)
     qr, sr = R.quantize_e4m3(proj, per_row=False, stochastic=True, scale=bound,
                              u=R.hla_uniforms(43, C, n_blk, rank, device="cuda"))
-    for cpt in ("1", "2", "4"):
-        monkeypatch.setenv("HOT_HLA_CPT", cpt)
+    k = max(1, 16 // HL._pow2_at_least(rank))          # blocks per Philox counter
+    knobs = [("HOT_HLA_CPT", c) for c in ("1", "2", "4")] + \
+        [("HOT_HLA_STEP", f"{n * k},{k}") for n in (1, 2, 4)]     # one-step and stepped tiles
+    for name, val in knobs:
+        monkeypatch.delenv("HOT_HLA_CPT", raising=False)
+        monkeypatch.delenv("HOT_HLA_STEP", raising=False)
+        monkeypatch.setenv(name, val)
         qt, s = HL.hla_quant(x, rank, "1d", 8, stochastic=True, seed=seed, seed_add=2,
                              transposed=True, pad_to=16, e4m3=True, seq_len=seq_len)
-        assert float(s) == float(sr), cpt
-        assert torch.equal(qt[:, :rows].view(torch.uint8), qr.t().view(torch.uint8)), cpt
+        assert float(s) == float(sr), (name, val)
+        assert torch.equal(qt[:, :rows].view(torch.uint8), qr.t().view(torch.uint8)), (name, val)
         assert not qt[:, rows:].float().any()
     x[7, 5] = float("nan")
     qt, s = HL.hla_quant(x, rank, "1d", 8, stochastic=True, seed=seed, transposed=True,

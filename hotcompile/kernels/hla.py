@@ -215,7 +215,7 @@ def _hla_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, seed_ptr, seed_add, scale_mul, S,
                 KEPT: tl.constexpr, Q: tl.constexpr, STOCHASTIC: tl.constexpr,
                 TRANSPOSED: tl.constexpr, INTERPRET: tl.constexpr, E4M3: tl.constexpr,
                 CPT: tl.constexpr, FLAT: tl.constexpr, EVEN_C: tl.constexpr,
-                BOUND: tl.constexpr):
+                BOUND: tl.constexpr, STEP: tl.constexpr = 0):
     """One tile of BT token blocks x BC channels per program (phase 2: ``_phase2_tiles``).
 
     Phase 1: project, atomically max the amax of the kept coefficients into ``amax_ptr``
@@ -251,12 +251,12 @@ def _hla_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, seed_ptr, seed_add, scale_mul, S,
             _phase2_tiles(x_ptr, q_ptr, s, inv_s, seed, pid, n_tiles, n_ct, S, n_sblk, stride_b,
                           stride_s, C, stride_x, ldq, n_blk, groups_per_row, BT, BC, RP, RANK,
                           KEPT, Q, STOCHASTIC, TRANSPOSED, INTERPRET, False, E4M3, CPT, FLAT,
-                          EVEN_C)
+                          EVEN_C, STEP)
         else:
             _phase2_tiles(x_ptr, q_ptr, s, inv_s, seed, pid, n_tiles, n_ct, S, n_sblk, stride_b,
                           stride_s, C, stride_x, ldq, n_blk, groups_per_row, BT, BC, RP, RANK,
                           KEPT, Q, STOCHASTIC, TRANSPOSED, INTERPRET, True, E4M3, CPT, FLAT,
-                          EVEN_C)
+                          EVEN_C, STEP)
 
 
 @triton.jit
@@ -265,7 +265,8 @@ def _phase2_tiles(x_ptr, q_ptr, s, inv_s, seed, pid, n_tiles, n_ct, S, n_sblk, s
                   BC: tl.constexpr, RP: tl.constexpr, RANK: tl.constexpr, KEPT: tl.constexpr,
                   Q: tl.constexpr, STOCHASTIC: tl.constexpr, TRANSPOSED: tl.constexpr,
                   INTERPRET: tl.constexpr, IEEE_DIV: tl.constexpr, E4M3: tl.constexpr,
-                  CPT: tl.constexpr, FLAT: tl.constexpr, EVEN_C: tl.constexpr):
+                  CPT: tl.constexpr, FLAT: tl.constexpr, EVEN_C: tl.constexpr,
+                  STEP: tl.constexpr):
     """Phase 2's tile(s) of this program, in reverse order: the tiles phase 1 read last
     come first (L2). The grid covers every tile, so the loop runs once; written as a loop
     (scale, seed and branch settled before it) it measured 4-14% faster than the same
@@ -274,11 +275,19 @@ def _phase2_tiles(x_ptr, q_ptr, s, inv_s, seed, pid, n_tiles, n_ct, S, n_sblk, s
     slower (kernel_ab_2026-11-24T164302_h100.md)."""
     for t in tl.range(pid, n_tiles, tl.num_programs(0), num_stages=1):
         blk0, col0 = _tile_origin(n_tiles - 1 - t, n_ct, BT, BC)
-        v = _load_project(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C,
-                          stride_x, BT, BC, RP, RANK, KEPT, CPT, FLAT, EVEN_C)
-        _quantize_store_tile(q_ptr, v, s, inv_s, seed, blk0, col0, n_blk, C, ldq,
-                             groups_per_row, BT, BC, RP, RANK, Q, STOCHASTIC, TRANSPOSED,
-                             INTERPRET, IEEE_DIV, E4M3)
+        if STEP == 0 or STEP == BT:
+            v = _load_project(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C,
+                              stride_x, BT, BC, RP, RANK, KEPT, CPT, FLAT, EVEN_C)
+            _quantize_store_tile(q_ptr, v, s, inv_s, seed, blk0, col0, n_blk, C, ldq,
+                                 groups_per_row, BT, BC, RP, RANK, Q, STOCHASTIC, TRANSPOSED,
+                                 INTERPRET, IEEE_DIV, E4M3)
+        else:   # STEP blocks at a time: the registers of a STEP-block tile
+            for i in tl.range(0, BT, STEP, num_stages=1):
+                v = _load_project(x_ptr, blk0 + i, col0, n_blk, S, n_sblk, stride_b, stride_s,
+                                  C, stride_x, STEP, BC, RP, RANK, KEPT, CPT, FLAT, EVEN_C)
+                _quantize_store_tile(q_ptr, v, s, inv_s, seed, blk0 + i, col0, n_blk, C, ldq,
+                                     groups_per_row, STEP, BC, RP, RANK, Q, STOCHASTIC,
+                                     TRANSPOSED, INTERPRET, IEEE_DIV, E4M3)
 
 
 @triton.jit
@@ -380,6 +389,31 @@ def _tile_shape(C: int, interp: bool, rp: int = 16,
     return 1, 256 * warps, warps, 8
 
 
+def _stepped_blocks(bt: int, rp: int) -> tuple[int, int]:
+    """(BT, STEP) of g's stochastic e4m3 operand: a program covers at least 4 token blocks
+    (64 tokens), ``bt`` blocks (``_tile_shape``'s: a 32-byte run per channel) at a time.
+
+    Why: at rank 16 the 2-block tile runs at 61-67% of copy bandwidth, issue- and
+    latency-bound at 167 registers (3 programs per SM; ncu, ``ncu_2026-11-26T1925_h100``).
+    4 blocks in one step need 235-255 registers and are slower; 1-block steps (96
+    registers) store 16-byte half-sector runs and are 60% slower. 4 blocks in 2-block
+    steps of a loop keep the 2-block tile's registers and were 6-8% faster at Llama's and
+    ViT's widths (``hla_step_2026-11-26T1931_h100``, ``..T1933_h100_r16``); at rank 8 the 4-block
+    tile is already one step (the fastest there). ``HOT_HLA_BT`` (tuning) runs as one step;
+    ``HOT_HLA_STEP="BT,STEP"`` sets both (tuning: ``bench/hla_step.py``). The levels do not
+    depend on the tile (Philox counters follow the element)."""
+    if "HOT_HLA_STEP" in os.environ:
+        total, step = (int(v) for v in os.environ["HOT_HLA_STEP"].split(","))
+        per_counter = max(1, ref.UNIFORMS_PER_COUNTER // rp)
+        if total % step or step % per_counter:
+            raise ValueError(f"HOT_HLA_STEP={total},{step}: STEP must divide BT and be a "
+                             f"multiple of {per_counter} at this rank")
+        return total, step
+    if "HOT_HLA_BT" in os.environ:
+        return bt, 0
+    return max(bt, 4), bt
+
+
 def _blocks_are_row_runs(S: int, stride_b: int, stride_s: int) -> bool:
     """Whether block b's tokens are rows 16 b .. 16 b + 15 (``_load_project``'s ``FLAT``),
     for a ``token_layout``: one token axis (stride_b 0), or sequences whose positions are
@@ -452,13 +486,17 @@ def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic:
     # every K-major store of nearest levels (ABC): runs of BT * RANK bytes per channel
     channel_major = (stochastic and e4m3) or (transposed and not stochastic)
     bt, bc, warps, cpt = _tile_shape(C, interpreting(), rp, channel_major)
+    step = 0
+    if stochastic and e4m3:
+        bt, step = _stepped_blocks(bt, rp)
     grid = (triton.cdiv(n_blk, bt) * triton.cdiv(C, bc),)
     meta = dict(BT=bt, BC=bc, RP=rp, RANK=rank, KEPT=_packed_rows(rank, select),
                 Q=(int(ref.E4M3_BOUND_Q) if bound else 448) if e4m3 else 2 ** (bits - 1) - 1,
                 STOCHASTIC=stochastic, BOUND=bound,
                 TRANSPOSED=transposed, INTERPRET=interpreting(), E4M3=e4m3, CPT=cpt,
                 FLAT=_blocks_are_row_runs(S, stride_b, stride_s), EVEN_C=C % bc == 0,
-                num_warps=warps)
+                STEP=step, num_warps=warps)
+
     groups = ref.philox_counters(n_blk * rp if channel_major else C)   # per row of uniforms
     seed_t = seed_pointer(seed, dev) if stochastic else amax    # amax: an unread placeholder
     args = (x, q, s, amax, seed_t, int(seed_add), float(scale_mul), S, n_sblk, stride_b,
