@@ -94,6 +94,8 @@ SUITES = {
 CORPORA = {
     "stdlib": "the Python standard library's .py sources",
     "torchsrc": "the installed torch package's .py sources",
+    "stdlib-words": "the standard library's .py sources as word-level tokens: a "
+                    f"{C.WORD_VOCAB}-token vocabulary (a large LM head, as Llama's 32000)",
 }
 
 # Seconds on one H100 (torch 2.11), measured 2026-11-22 with the suite's full sizes; the
@@ -102,7 +104,7 @@ CORPORA = {
 H100_S = {
     "lm": {"fp32": 48.0, "bf16": 70.0, "inductor": 40.0, "hot": 100.0, "hot_ref": 160.0},
     "lm_compile": 12.0,           # part of the above that does not scale with the steps
-    "corpus_load": {"stdlib": 2.0, "torchsrc": 3.0},
+    "corpus_load": {"stdlib": 2.0, "torchsrc": 3.0, "stdlib-words": 20.0},
     "digits_seed": {"fp32": 6.5, "inductor": 12.0, "hot": 38.0, "hot_ref": 60.0},
     "fidelity": {"bytegpt": 25.0, "vit_b16": 50.0, "gpt2_linear": 60.0, "gpt2": 60.0,
                  "llama_d2048": 60.0},
@@ -253,7 +255,7 @@ def _py_sources(root: str, skip=("__pycache__",), val_every: int = 10):
 
 def corpus_sources(name: str):
     """(root, train files, validation files) of a named corpus."""
-    if name == "stdlib":
+    if name in ("stdlib", "stdlib-words"):
         return C.stdlib_sources()
     if name == "torchsrc":
         root = os.path.dirname(os.path.abspath(torch.__file__))
@@ -261,11 +263,19 @@ def corpus_sources(name: str):
     raise ValueError(f"unknown corpus {name!r} (one of {', '.join(CORPORA)})")
 
 
+def _lm_kind(corpus: str) -> str:
+    return "word-level" if corpus.endswith("-words") else "byte-level"
+
+
 def lm_data(cfg: dict, device, corpus: str = "stdlib") -> dict:
     root, train_files, val_files = corpus_sources(corpus)
     limit = cfg.get("max_bytes")
-    train = C.read_bytes(train_files, limit)
-    val = C.read_bytes(val_files, limit // 10 if limit else None)
+    vocab = 256
+    if corpus.endswith("-words"):
+        train, val, vocab = C.word_tokens(train_files, val_files, C.WORD_VOCAB, limit)
+    else:
+        train = C.read_bytes(train_files, limit)
+        val = C.read_bytes(val_files, limit // 10 if limit else None)
     need = cfg["seq"] + 2
     if train.numel() <= need or val.numel() <= need:
         raise ValueError(f"corpus {corpus}: {train.numel()} train / {val.numel()} val bytes, "
@@ -273,7 +283,7 @@ def lm_data(cfg: dict, device, corpus: str = "stdlib") -> dict:
     meta = {"corpus": corpus, "root": root, "python": sys.version.split()[0],
             "torch": torch.__version__, "max_bytes": limit,
             "train_files": len(train_files), "val_files": len(val_files),
-            "train_bytes": int(train.numel()), "val_bytes": int(val.numel())}
+            "train_bytes": int(train.numel()), "val_bytes": int(val.numel()), "vocab": vocab}
     if corpus == "stdlib":
         meta["stdlib"] = root
     return {"train": train.to(device), "val": val.to(device), "meta": meta}
@@ -285,8 +295,8 @@ def train_lm(mode: str, cfg: dict, data: dict, device, amp: Optional[str], hot_e
     torch.manual_seed(seed)
     base_mode, variant = C.split_mode(mode)
     with torch.device(device):
-        gpt = C.GPT(vocab=256, d=cfg["d"], layers=cfg["layers"], heads=cfg["heads"],
-                    seq=cfg["seq"])
+        gpt = C.GPT(vocab=data["meta"].get("vocab", 256), d=cfg["d"], layers=cfg["layers"],
+                    heads=cfg["heads"], seq=cfg["seq"])
     wrapper = C.LMLoss(gpt)
     amp = amp if C.MODE_INFO[base_mode][1] else None
     small = cfg["d"] < 256
@@ -872,7 +882,8 @@ def run_suite(args) -> dict:
                 entry["data"] = data["meta"]
                 m = data["meta"]
                 C.log(f"lm      corpus {corpus}: {m['train_files']} / {m['val_files']} files, "
-                      f"{m['train_bytes']} / {m['val_bytes']} bytes (train / val)")
+                      f"{m['train_bytes']} / {m['val_bytes']} "
+                      f"{'tokens' if m['vocab'] > 256 else 'bytes'} (train / val)")
             except Exception as e:  # noqa: BLE001
                 data = None
                 entry["error"] = f"{type(e).__name__}: {e}"
@@ -1101,7 +1112,7 @@ def targets(result: dict) -> List[dict]:
         measured = None if v is None else f"{v * 100:+.2f}%"
         if sp and measured:
             measured += f" (mean of {sp['n']} seeds, each vs its Inductor run; +-{sp['sem'] * 100:.2f}% s.e.)"
-        out.append({"what": f"byte-level GPT on {corpus}: final val loss, hot vs Inductor "
+        out.append({"what": f"{_lm_kind(corpus)} GPT on {corpus}: final val loss, hot vs Inductor "
                             "(same autocast)",
                     "goal": "within 1%", "measured": measured,
                     "verdict": "n/a" if v is None else ("PASS" if v <= 0.01 else "FAIL")})
@@ -1395,7 +1406,7 @@ def charts(result: dict, base: str) -> List[str]:
                 ax.plot(xs, ys, marker="o", ms=3, label=f"{r['mode']} ({ys[-1]:.4f})")
             ax.set_xlabel("step")
             ax.set_ylabel("validation loss (nats/byte)")
-            ax.set_title(f"byte-level GPT on {c}")
+            ax.set_title(f"{_lm_kind(c)} GPT on {c}")
             ax.legend(fontsize=7)
         fig.tight_layout()
         paths.append(f"{base}_lm.png")

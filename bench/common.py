@@ -568,6 +568,33 @@ def read_bytes(paths: Sequence[str], limit: Optional[int] = None) -> torch.Tenso
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).clone()
 
 
+WORD_VOCAB = 32000
+_WORD_RE = re.compile(rb"[A-Za-z_][A-Za-z0-9_]*|[0-9]+|[ \t]+|\n|[^A-Za-z0-9_\s]")
+
+
+def word_tokens(train_paths: Sequence[str], val_paths: Sequence[str], vocab: int = WORD_VOCAB,
+                limit: Optional[int] = None):
+    """(train ids, validation ids, vocabulary size) of source files as word-level tokens:
+    identifiers, digit runs, runs of spaces/tabs, newlines and single other characters. The
+    vocabulary is the ``vocab - 1`` most frequent tokens of the training files (ties by
+    bytes: deterministic) plus one unknown token (id ``vocab - 1``). ``limit``: bytes read
+    from the training files (a tenth from the validation files), as ``read_bytes``.
+
+    Why: a byte-level LM's head has 256 outputs; Llama's has 32000, and a large head's
+    gradient is mostly tiny logit gradients, a different regime for its quantizers."""
+    from collections import Counter
+    train = _WORD_RE.findall(read_bytes(train_paths, limit).numpy().tobytes())
+    val = _WORD_RE.findall(read_bytes(val_paths, limit // 10 if limit else None).numpy().tobytes())
+    counts = Counter(train)
+    kept = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:vocab - 1]
+    ids = {tok: i for i, (tok, _) in enumerate(kept)}
+    unk = vocab - 1
+
+    def encode(toks):
+        return torch.tensor([ids.get(t, unk) for t in toks], dtype=torch.int32)
+    return encode(train), encode(val), vocab
+
+
 def load_digits_images(size: int = 32, seed: int = 0):
     """scikit-learn's bundled digits, upsampled to ``size``x``size``, normalized, 80/20 split."""
     try:

@@ -515,3 +515,24 @@ def test_accuracy_lm_seeds_pair_each_hot_run_with_its_inductor_run():
     cmds = A.resume_commands(args, {"lm": {"corpora": {"stdlib": {"runs": cut}}}})
     assert len(cmds) == 1 and "--seed 2 --lm-seeds 1" in cmds[0] and cmds[0].count("--seed ") == 1
     assert "--lm-modes inductor,hot" in cmds[0]
+
+
+def test_word_level_corpus_tokens(tmp_path):
+    """bench/accuracy.py's ``stdlib-words`` corpus (``common.word_tokens``): the vocabulary is
+    the training files' most frequent tokens plus one unknown id, deterministic, and the
+    validation files' unseen tokens map to it; ``lm_data`` gives the LM that vocabulary."""
+    C = _load("common")
+    a, b, v = tmp_path / "a.py", tmp_path / "b.py", tmp_path / "v.py"
+    a.write_text("def foo(x):\n    return x + 1\n")
+    b.write_text("foo(foo(2))\n")
+    v.write_text("bar = foo(3)\n")
+    train, val, vocab = C.word_tokens([str(a), str(b)], [str(v)], vocab=6)
+    assert vocab == 6 and train.dtype == torch.int32
+    assert int(train.max()) <= 5 and int(val.max()) == 5         # 'bar' is unknown
+    again, _, _ = C.word_tokens([str(a), str(b)], [str(v)], vocab=6)
+    assert torch.equal(train, again)
+    # the most frequent training token (the newline: 3 + 1 + the one read_bytes adds per
+    # file) gets id 0
+    assert int((train == 0).sum()) == 5
+    acc = _load("accuracy")
+    assert "stdlib-words" in acc.CORPORA and acc._lm_kind("stdlib-words") == "word-level"
