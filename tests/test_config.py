@@ -32,8 +32,10 @@ def test_defaults_and_frozen():
     with pytest.raises(Exception):
         c.rank = 4
     assert HOTConfig(exclude=["a", "b"]).exclude == ("a", "b")
-    assert c.exact_gx == () and HOTConfig(exact_gx=["head"]).exact_gx == ("head",)
-    assert HOTConfig(exact_gx=("head",)).digest() != c.digest()
+    # the output head: its g_W under HOT, its g_x exact (the LM gates: docs/BENCHMARKS.md)
+    assert c.exclude == () and c.exact_gx == ("head", "lm_head")
+    assert HOTConfig(exact_gx=["out"]).exact_gx == ("out",)
+    assert HOTConfig(exact_gx=()).digest() != c.digest()
     assert c.digest() == HOTConfig().digest() != HOTConfig(rank=4).digest()
 
 

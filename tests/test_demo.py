@@ -23,7 +23,7 @@ def test_demo_runs_backend_hot_with_the_defaults_and_shows_the_report():
     assert out.returncode == 0, text[-3000:]
     # hot's own log line for the graph backend="hot" compiled
     assert ("hot: graph 0: 2/4 linear layers rewritten (2 exact: 1 features 64 < "
-            "min_features=256, 1 excluded by name)") in text, text
+            "min_features=256, 1 features 10 < min_features=256)") in text, text
     # the report of backend="hot": the two 256 -> 256 layers rewritten, the others say why
     rows = {m.group(1): m.group(0) for m in re.finditer(r"^0\s+(\w+)\s+64\s.*$", out.stdout,
                                                           re.M)}
@@ -31,7 +31,7 @@ def test_demo_runs_backend_hot_with_the_defaults_and_shows_the_report():
     for k in ("fc1", "fc2"):
         assert "HQ g4/w8 (token)" in rows[k] and "HLA r=16/16 int8" in rows[k], rows[k]
     assert rows["inp"].endswith("features 64 < min_features=256 (in 64, out 256)")
-    assert rows["head"].endswith("excluded by name: matches exclude pattern 'head'")
+    assert rows["head"].endswith("features 10 < min_features=256 (in 256, out 10)")
     assert "2/4 linear layers rewritten" in out.stdout
     acc = dict(re.findall(r"(inductor|hot): final train loss [\d.]+\s+test accuracy ([\d.]+)%",
                           out.stdout))
