@@ -230,3 +230,18 @@ def test_h100_table_is_the_fit_of_its_run():
         (c, sl), (c0, sl0) = cost.H100.kernels[k], table[k]
         assert c == pytest.approx(c0, rel=0.01, abs=5e-5), (k, c, c0)
         assert sl == pytest.approx(sl0, rel=1e-4), (k, sl, sl0)
+
+
+def test_default_head_gate_at_the_benchmark_shapes():
+    """The default names output heads in ``exact_gx``: only their g_W and saved x are HOT's.
+    The gate (default ``min_speedup`` 1.0) takes Llama d4096's 4096 -> 32000 head (8192
+    tokens) and leaves GPT-2's 768 -> 50257 head (16384 tokens) and ViT-B's class-token
+    heads exact, so those two models compile as before the default named the head."""
+    def ratio(L, I, O):
+        e, h = cost.H100.predict(L, I, O, 16, 16, gx=False, gw=True, abc_share=1.0,
+                                 graphs=False, gw_gemm="hla_cublas")
+        return e / h
+    assert ratio(8192, 4096, 32000) > 1.2
+    assert ratio(16384, 768, 50257) < 0.8
+    assert ratio(64, 768, 1000) < 0.1 and ratio(128, 768, 1000) < 0.1
+    assert HOTConfig().min_speedup == 1.0 and HOTConfig().exact_gx == ("head", "lm_head")
