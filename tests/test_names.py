@@ -13,7 +13,7 @@ from hotcompile.passes.find import Naming
 from hotcompile.debug.report import Report
 from helpers import Cross
 
-ALL = dict(min_features=0, exclude=(), kernels="reference")
+ALL = dict(min_features=0, exclude=(), exact_gx=(), kernels="reference")
 
 
 class Attn(nn.Module):
@@ -151,15 +151,19 @@ class TiedLM(nn.Module):
         return self.lm_head(self.fc(self.emb(idx)))
 
 
-def test_tied_head_is_named_after_the_calling_module_and_excluded_by_default():
+def test_tied_head_is_named_after_the_calling_module_and_keeps_its_gx_by_default():
+    """A head tied to the embedding is named ``lm_head`` (not after the weight's first
+    alias), so the default ``exact_gx`` finds it: its g_W under HOT, its g_x exact."""
     torch.manual_seed(0)
     model = TiedLM()
     assert [n for n, _ in model.named_parameters()][0] == "emb.weight"   # the first alias
     be = hotcompile.backend(HOTConfig(min_features=0, kernels="reference"))
     torch.compile(model, backend=be)(torch.randint(0, 64, (2, 16))).sum().backward()
-    why = {r.key: r.reason for r in be.report.layers}
-    assert set(why) == {"fc", "lm_head"}, why
-    assert why["lm_head"].startswith("excluded by name") and why["fc"] is None, why
+    rec = {r.key: r for r in be.report.layers}
+    assert set(rec) == {"fc", "lm_head"}, rec
+    assert rec["lm_head"].reason is None and rec["fc"].reason is None, str(be.report)
+    assert "exact_gx pattern 'lm_head'" in rec["lm_head"].gx_path, rec["lm_head"].gx_path
+    assert "HLA" in rec["lm_head"].gw_path and "HQ" in rec["fc"].gx_path, str(be.report)
 
 
 def test_compiled_function_keeps_dynamo_names():
