@@ -2,7 +2,8 @@
 
 Nothing is downloaded: the model comes from a ``LlamaConfig`` (random init), the data are
 random token ids (no tokenizer). Hidden size 256 so that the default config
-(``min_features=256``) rewrites the projections; ``lm_head`` stays exact (excluded by default).
+(``min_features=256``) rewrites the projections and ``lm_head`` (256 -> 256): the head's g_W
+under HOT, its g_x exact (the default ``exact_gx``).
 What each run must show: trainer_checks.py.
 
 - ``model.compile(backend="hot")`` before ``Trainer(...)``: the way that works today.
@@ -68,8 +69,8 @@ def _train(tmp_path, init, compile_backend=None, **args):
 
 
 def _check(tmp_path, init, caplog, hot_weights, hot_losses):
-    # the Llama has 7 projections per layer and lm_head; lm_head is excluded by default
-    assert hot_log_counts(caplog.records) == [(14, 15)], caplog.text
+    # the Llama has 7 projections per layer and lm_head, whose g_x stays exact (exact_gx)
+    assert hot_log_counts(caplog.records) == [(15, 15)], caplog.text
     eager_weights, eager_losses = _train(tmp_path / "eager", init)
     names = [n for n in hot_weights if n.endswith(".weight") and n.split(".")[-2] in PROJ]
     assert len(names) == 14, names
