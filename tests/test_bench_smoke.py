@@ -535,4 +535,6 @@ def test_word_level_corpus_tokens(tmp_path):
     # file) gets id 0
     assert int((train == 0).sum()) == 5
     acc = _load("accuracy")
-    assert "stdlib-words" in acc.CORPORA and acc._lm_kind("stdlib-words") == "word-level"
+    for name in ("stdlib-words", "torchsrc-words"):
+        assert name in acc.CORPORA and acc._lm_kind(name) == "word-level"
+        assert acc.corpus_sources(name) == acc.corpus_sources(name.split("-")[0])
