@@ -398,10 +398,10 @@ def _stepped_blocks(bt: int, rp: int) -> tuple[int, int]:
     4 blocks in one step need 235-255 registers and are slower; 1-block steps (96
     registers) store 16-byte half-sector runs and are 60% slower. 4 blocks in 2-block
     steps of a loop keep the 2-block tile's registers and were 6-8% faster at Llama's and
-    ViT's widths (``hla_step_2026-11-26T1931_h100``, ``..T1933_h100_r16``); at rank 8 the 4-block
-    tile is already one step (the fastest there). ``HOT_HLA_BT`` (tuning) runs as one step;
-    ``HOT_HLA_STEP="BT,STEP"`` sets both (tuning: ``bench/hla_step.py``). The levels do not
-    depend on the tile (Philox counters follow the element)."""
+    ViT's widths (``hla_step_2026-11-26T1931_h100``, ``..T1933_h100_r16``); at rank 8 the
+    4-block tile is already one step (the fastest there). ``HOT_HLA_BT`` (tuning) runs as
+    one step; ``HOT_HLA_STEP="BT,STEP"`` sets both (tuning: ``bench/hla_tile_sweep.py``).
+    The levels do not depend on the tile (Philox counters follow the element)."""
     if "HOT_HLA_STEP" in os.environ:
         total, step = (int(v) for v in os.environ["HOT_HLA_STEP"].split(","))
         per_counter = max(1, ref.UNIFORMS_PER_COUNTER // rp)
@@ -496,7 +496,6 @@ def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic:
                 TRANSPOSED=transposed, INTERPRET=interpreting(), E4M3=e4m3, CPT=cpt,
                 FLAT=_blocks_are_row_runs(S, stride_b, stride_s), EVEN_C=C % bc == 0,
                 STEP=step, num_warps=warps)
-
     groups = ref.philox_counters(n_blk * rp if channel_major else C)   # per row of uniforms
     seed_t = seed_pointer(seed, dev) if stochastic else amax    # amax: an unread placeholder
     args = (x, q, s, amax, seed_t, int(seed_add), float(scale_mul), S, n_sblk, stride_b,
