@@ -281,7 +281,8 @@ def lm_data(cfg: dict, device, corpus: str = "stdlib") -> dict:
         val = C.read_bytes(val_files, limit // 10 if limit else None)
     need = cfg["seq"] + 2
     if train.numel() <= need or val.numel() <= need:
-        raise ValueError(f"corpus {corpus}: {train.numel()} train / {val.numel()} val bytes, "
+        raise ValueError(f"corpus {corpus}: {train.numel()} train / {val.numel()} val "
+                         f"{'tokens' if vocab > 256 else 'bytes'}, "
                          f"fewer than a window of {need}")
     meta = {"corpus": corpus, "root": root, "python": sys.version.split()[0],
             "torch": torch.__version__, "max_bytes": limit,
