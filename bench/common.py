@@ -183,7 +183,7 @@ def parse_overrides(items: Optional[Sequence[str]]) -> dict:
         if "=" not in item:
             raise SystemExit(f"--hot expects key=value, got {item!r}")
         k, v = item.split("=", 1)
-        if k in ("include", "exclude", "exact_gx", "gx8"):
+        if k in ("include", "exclude", "exact_gx"):
             out[k] = tuple(s for s in v.split(",") if s)
         elif v.lower() in ("true", "false"):
             out[k] = v.lower() == "true"

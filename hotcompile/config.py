@@ -69,12 +69,6 @@ class HOTConfig:
     both ``exclude`` and ``exact_gx`` stays exact; like every site, the head is rewritten
     only where the cost gate predicts it faster (Llama's 4096 -> 32000 head yes, GPT-2's
     768 -> 50257 and ViT's heads no).
-    gx8: layers (named as for ``exclude``) whose g_y takes 8 bits on the g_x path instead of
-    ``gx_bits``: on the cuBLAS FP8 GEMM (Ada, Hopper) scaled e4m3, stochastically rounded
-    after the block Hadamard (``formats.g_is_e4m3``), at the 4-bit GEMM's speed; elsewhere
-    8-bit levels. For a layer whose g_x needs more than 4 bits, the output head: its g_y
-    are the logits' gradients, spread over orders of magnitude within each token. A
-    layer also named in ``exact_gx`` keeps its g_x exact.
     min_features: a linear with in- or out-features below this stays exact (too small to win).
     min_speedup: the cost gate (``passes/cost.py``): on a GPU, a site is rewritten only when
     its predicted exact backward time is at least this multiple of HOT's (1.0: never
@@ -113,7 +107,6 @@ class HOTConfig:
     include: Optional[Tuple[str, ...]] = None
     exclude: Tuple[str, ...] = ()
     exact_gx: Tuple[str, ...] = ("head", "lm_head")
-    gx8: Tuple[str, ...] = ()
     min_features: int = 256
     min_speedup: float = 1.0
     abc: bool = True
@@ -159,7 +152,7 @@ class HOTConfig:
             bad("forward", f"must be one of {_FORWARDS}")
         if self.kernels not in _KERNELS:
             bad("kernels", f"must be one of {_KERNELS}")
-        for f in ("include", "exclude", "exact_gx", "gx8"):
+        for f in ("include", "exclude", "exact_gx"):
             v = getattr(self, f)
             if v is None and f == "include":
                 continue

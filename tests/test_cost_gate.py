@@ -125,9 +125,7 @@ def test_gx_gemm_follows_the_run_time_path():
     assert cost.gx_gemm_kernel(HOTConfig(), fp32, 768) == "hq_int8"
     assert cost.gx_gemm_kernel(HOTConfig(gx_scale="lqs"), bf16, 768) == "hq_int8"
     assert cost.gx_gemm_kernel(HOTConfig(gx_scale="tensor"), bf16, 768) == "hq_int8"
-    assert cost.gx_gemm_kernel(HOTConfig(gx_bits=8), bf16, 768) == "hq_cublas"   # e4m3 g
-    assert cost.gx_gemm_kernel(HOTConfig(gx_bits=8, gx_scale="tensor"), bf16, 768) == "hq_int8"
-    assert cost.gx_gemm_kernel(HOTConfig(), bf16, 768, bits=8) == "hq_cublas"       # gx8 site
+    assert cost.gx_gemm_kernel(HOTConfig(gx_bits=8), bf16, 768) == "hq_int8"
     dims = (16384, 4096, 16384, 16, 16, True, True, 1.0, True)
     _, hot_fp8 = cost.H100.predict(*dims, gx_gemm="hq_cublas")
     _, hot_int8 = cost.H100.predict(*dims, gx_gemm="hq_int8")

@@ -105,8 +105,7 @@ def record_site(site: "LinearSite", graph_index: int, config, plan=None) -> Site
     measuring = bool(site.rewritten_gw is not None and site.rewritten_gw.args[8])
     if site.eligible:
         scale = "lqs" if config.gx_scale == "lqs" else config.gx_scale
-        gx8 = "; gx8" if site.gx_bits != config.gx_bits else ""
-        gx = (f"HQ g{site.gx_bits}/w{config.gx_w_bits} ({scale}{gx8})" if site.gx is not None
+        gx = (f"HQ g{config.gx_bits}/w{config.gx_w_bits} ({scale})" if site.gx is not None
               else f"exact ({site.gx_kept})" if site.gx_kept else "- (x needs no grad)")
         fmt = "e4m3" if site.gw_format == "e4m3" else f"int{config.gw_bits}"
         gw = f"HLA r={rank}/{config.block} {fmt}" if site.gw is not None else "- (frozen weight)"

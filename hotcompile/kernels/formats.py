@@ -16,8 +16,8 @@ def gx_rule(g_bits: int, w_bits: int, per_token: bool, dtype: torch.dtype, n: in
     condition, with the measurements: ``gemm.gx_format``, which applies it at run time."""
     if forced in ("int8", "fp8"):
         return "fp8" if forced == "fp8" and max(g_bits, w_bits) <= 5 else "int8"
-    if ((g_bits <= 5 or g_bits == 8) and per_token and dtype == torch.bfloat16
-            and n % 16 == 0 and capability >= (8, 9)):
+    if (g_bits <= 5 and per_token and dtype == torch.bfloat16 and n % 16 == 0
+            and capability >= (8, 9)):
         return "cublas_fp8"
     return "int8"
 
@@ -26,16 +26,6 @@ def w_is_e4m3(fmt: str, w_bits: int) -> bool:
     """HQ's W operand is scaled FP8 (reference.quantize_e4m3) instead of ``w_bits`` levels:
     on the cuBLAS FP8 GEMM when the levels do not fit e4m3 exactly (8-bit W)."""
     return fmt == "cublas_fp8" and w_bits > 5
-
-
-def g_is_e4m3(fmt: str, g_bits: int) -> bool:
-    """HQ's g_y operand is scaled FP8, stochastically rounded onto the e4m3 grid
-    (reference.quantize_e4m3), instead of ``g_bits`` levels: on the cuBLAS FP8 GEMM with
-    8-bit g_y (``HOTConfig.gx8``). Why e4m3 and not 8-bit levels there: the GEMM reads e4m3,
-    and e4m3 keeps a relative step per value (an output head's logit gradients span
-    orders of magnitude within one token: integer levels put most of them on zero or one
-    level, e4m3 keeps ~2**-4 of each down to max / 2**17.8), at 4-bit g's GEMM speed."""
-    return fmt == "cublas_fp8" and g_bits > 5
 
 
 GW_FORMATS = ("auto", "int8", "e4m3")

@@ -56,11 +56,10 @@ def hq_grad_input(g: torch.Tensor, w: torch.Tensor, bits: int, per_token: bool, 
 
 
 def gx_path(g: torch.Tensor, w: torch.Tensor, bits: int, w_bits: int, per_token: bool):
-    """(GEMM path, W as scaled FP8?, g as scaled FP8?) of a fused g_x: ``gemm.gx_format``,
-    ``formats.w_is_e4m3``, ``formats.g_is_e4m3`` (the reference twin takes the last two as
-    ``w_e4m3`` and ``g_e4m3``)."""
+    """(GEMM path, W as scaled FP8?) of a fused g_x: ``gemm.gx_format``, ``formats.w_is_e4m3``
+    (the reference twin takes the second as ``w_e4m3``)."""
     fmt = gemm.gx_format(g, w.shape[1], bits, w_bits, per_token)
-    return fmt, formats.w_is_e4m3(fmt, w_bits), formats.g_is_e4m3(fmt, bits)
+    return fmt, formats.w_is_e4m3(fmt, w_bits)
 
 
 def _gx(g, w, bits: int, w_bits: int, per_token: bool, seed, gq=None, path=None,
@@ -69,15 +68,15 @@ def _gx(g, w, bits: int, w_bits: int, per_token: bool, seed, gq=None, path=None,
     GEMM path (``path``, else ``gx_path``'s), then that GEMM. ``w_amax``: W's zeroed
     workspace (``hq_weight_quant``'s ``amax``); ``w_col_max``: W's column maxima when the
     forward computed them (``weight_cast``; used by a scaled-e4m3 W)."""
-    fmt, e4m3, g_e4m3 = path or gx_path(g, w, bits, w_bits, per_token)
+    fmt, e4m3 = path or gx_path(g, w, bits, w_bits, per_token)
     cublas = fmt == "cublas_fp8"
     qw, sw = hadamard.hq_weight_quant(w, w_bits, fp8=fmt == "fp8" or cublas, e4m3=e4m3,
                                       scale_mul=1.0 / 16 if cublas else 1.0, round_to=g.dtype,
                                       amax=w_amax, col_max=w_col_max if e4m3 else None)
     qg, sg = gq if gq is not None else hadamard.hq_act_quant(g, bits, per_token, seed,
-                                                             fp8=fmt != "int8", e4m3=g_e4m3)
-    if cublas:     # an e4m3 g's products are not exact in the fast accumulator: fp32 sums
-        return gemm.cublas_fp8_mm(qg, qw, sg, sw, g.dtype, fast_accum=not g_e4m3)
+                                                             fp8=fmt != "int8")
+    if cublas:
+        return gemm.cublas_fp8_mm(qg, qw, sg, sw, g.dtype, fast_accum=True)
     return gemm.scaled_mm(qg, qw, sg, sw, 1.0 / 16, g.dtype)
 
 
@@ -196,7 +195,7 @@ def linear_backward(g: torch.Tensor, w: torch.Tensor, xt: torch.Tensor, x_scale:
     path = gx_path(g, w, gx_bits, w_bits, per_token)
     fp8 = path[0] != "int8"
     qg_t, bound = None, None
-    if one_pass and xt.dtype == torch.int8 and not path[2]:   # its pair writes levels
+    if one_pass and xt.dtype == torch.int8:
         qg, sg, *qg_t = grad_out.grad_out_quant(g, gx_bits, per_token, seed, rank, "1d",
                                                 gw_bits, seed, fp8, hla_seed_add=1, **lay)
     else:
@@ -204,7 +203,7 @@ def linear_backward(g: torch.Tensor, w: torch.Tensor, xt: torch.Tensor, x_scale:
         # HLA operand's bound, their largest block sum, is maxed into it by one kernel
         row_max = per_token and xt.dtype == torch.float8_e4m3fn
         qg, sg, *rm = hadamard.hq_act_quant(g, gx_bits, per_token, seed, fp8=fp8,
-                                            row_max=row_max, e4m3=path[2])
+                                            row_max=row_max)
         if rm:
             bound = hla.token_block_bound_bits(g, seq_len, seq_first, *rm)
     if warm_other_scale:

@@ -30,7 +30,7 @@ import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
 from .launch import launch
-from .reference import E4M3_BOUND_Q, E4M3_MAX, PHILOX_ROUNDS, philox_counters
+from .reference import E4M3_BOUND_Q, PHILOX_ROUNDS, philox_counters
 
 _ROUNDS = tl.constexpr(PHILOX_ROUNDS)
 
@@ -268,45 +268,35 @@ def _load_fwht_rows(g_ptr, rows, col0, L, O, stride_g, BC: tl.constexpr):
 @triton.jit
 def _quantize_store_rows(q_ptr, v, s, inv_s, seed, rows, col0, L, O_pad, ldq, groups_per_row,
                          BC: tl.constexpr, Q: tl.constexpr, STOCHASTIC: tl.constexpr,
-                         FP8: tl.constexpr, INTERPRET: tl.constexpr, IEEE_DIV: tl.constexpr,
-                         E4M3: tl.constexpr = False):
-    """Quantize a transformed (BR, BC) tile at (rows, col0) and store its levels, or with
-    E4M3 its scaled FP8 values (``to_e4m3``, stochastic onto the e4m3 grid; s = amax / 448)."""
+                         FP8: tl.constexpr, INTERPRET: tl.constexpr, IEEE_DIV: tl.constexpr):
+    """Quantize a transformed (BR, BC) tile at (rows, col0) and store its levels."""
     if STOCHASTIC:
         u = philox_uniform8(seed, rows, col0, groups_per_row, BC)
     else:
         u = 0.5
+    q = quantize(v, s, inv_s, u, Q, IEEE_DIV or INTERPRET, not INTERPRET)
     cols = col0 + tl.arange(0, BC)
     mask = (rows < L)[:, None] & (cols < O_pad)[None, :]
-    ptrs = q_ptr + rows.to(tl.int64)[:, None] * ldq + cols[None, :]
-    if E4M3:
-        tl.store(ptrs, to_e4m3(v, s, inv_s, IEEE_DIV or INTERPRET, INTERPRET, u, STOCHASTIC),
-                 mask=mask)
-    else:
-        q = quantize(v, s, inv_s, u, Q, IEEE_DIV or INTERPRET, not INTERPRET)
-        store_levels(ptrs, q, mask, FP8)
+    store_levels(q_ptr + rows.to(tl.int64)[:, None] * ldq + cols[None, :], q, mask, FP8)
 
 
 @triton.jit
 def _quantize_row_chunks(g_ptr, q_ptr, s, inv_s, seed, rows, L, O, O_pad, stride_g, ldq,
                          groups_per_row, BC: tl.constexpr, Q: tl.constexpr, FP8: tl.constexpr,
-                         INTERPRET: tl.constexpr, IEEE_DIV: tl.constexpr, E4M3: tl.constexpr):
+                         INTERPRET: tl.constexpr, IEEE_DIV: tl.constexpr):
     """Second sweep of a row set: re-read, re-transform and quantize each column chunk."""
     for col0 in range(0, O_pad, BC):
         v = _load_fwht_rows(g_ptr, rows, col0, L, O, stride_g, BC)
         _quantize_store_rows(q_ptr, v, s, inv_s, seed, rows, col0, L, O_pad, ldq, groups_per_row,
-                             BC, Q, True, FP8, INTERPRET, IEEE_DIV, E4M3)
+                             BC, Q, True, FP8, INTERPRET, IEEE_DIV)
 
 
 @triton.jit
 def _hq_token_kernel(g_ptr, q_ptr, s_ptr, seed_ptr, m_ptr, z_ptr, L, O, O_pad, stride_g, ldq,
                      groups_per_row, BR: tl.constexpr, BC: tl.constexpr, ONE_TILE: tl.constexpr,
                      Q: tl.constexpr, FP8: tl.constexpr, INTERPRET: tl.constexpr,
-                     ROW_MAX: tl.constexpr, E4M3: tl.constexpr = False):
+                     ROW_MAX: tl.constexpr):
     """Per-token (per-row) scales: one program owns BR whole rows.
-
-    ``E4M3``: 8-bit g as scaled FP8 (Q = 448: s = amax / 448, values stochastically rounded
-    onto the e4m3 grid) instead of integer levels; the cuBLAS FP8 g_x GEMM reads either.
 
     If a row fits one tile (ONE_TILE) it is loaded and transformed once and quantized from
     registers: one read, one write. Otherwise a first sweep over the row's column chunks
@@ -331,10 +321,10 @@ def _hq_token_kernel(g_ptr, q_ptr, s_ptr, seed_ptr, m_ptr, z_ptr, L, O, O_pad, s
         inv_s = tl.math.div_rn(1.0, s)
         if reciprocal_is_finite(inv_s):
             _quantize_store_rows(q_ptr, v, s[:, None], inv_s[:, None], seed, rows, 0, L, O_pad,
-                                 ldq, groups_per_row, BC, Q, True, FP8, INTERPRET, False, E4M3)
+                                 ldq, groups_per_row, BC, Q, True, FP8, INTERPRET, False)
         else:
             _quantize_store_rows(q_ptr, v, s[:, None], inv_s[:, None], seed, rows, 0, L, O_pad,
-                                 ldq, groups_per_row, BC, Q, True, FP8, INTERPRET, True, E4M3)
+                                 ldq, groups_per_row, BC, Q, True, FP8, INTERPRET, True)
     else:
         amax = tl.zeros((BR, BC), dtype=tl.int32)
         xmax = tl.zeros((BR, BC), dtype=tl.int32)
@@ -350,10 +340,10 @@ def _hq_token_kernel(g_ptr, q_ptr, s_ptr, seed_ptr, m_ptr, z_ptr, L, O, O_pad, s
         inv_s = tl.math.div_rn(1.0, s)
         if reciprocal_is_finite(inv_s):
             _quantize_row_chunks(g_ptr, q_ptr, s[:, None], inv_s[:, None], seed, rows, L, O, O_pad,
-                                 stride_g, ldq, groups_per_row, BC, Q, FP8, INTERPRET, False, E4M3)
+                                 stride_g, ldq, groups_per_row, BC, Q, FP8, INTERPRET, False)
         else:
             _quantize_row_chunks(g_ptr, q_ptr, s[:, None], inv_s[:, None], seed, rows, L, O, O_pad,
-                                 stride_g, ldq, groups_per_row, BC, Q, FP8, INTERPRET, True, E4M3)
+                                 stride_g, ldq, groups_per_row, BC, Q, FP8, INTERPRET, True)
     tl.store(s_ptr + rows, s, mask=rows < L)
 
 
@@ -659,12 +649,10 @@ def input_amax_bits(x: torch.Tensor, dim=None):
 
 
 def hq_act_quant(g: torch.Tensor, bits: int, per_token: bool, seed, fp8: bool = False,
-                 row_max: bool = False, e4m3: bool = False):
+                 row_max: bool = False):
     """Transform g (L, O) along O (zero-padded to O_pad), quantize with stochastic rounding.
 
-    Returns (levels (L, O_pad) int8 or e4m3, fp32 scale (L,) if per_token else ()), or with
-    ``e4m3`` (per token only; ``bits`` unused) scaled FP8 values and their scale amax / 448
-    (``reference.quantize_e4m3``, stochastic), and
+    Returns (levels (L, O_pad) int8 or e4m3, fp32 scale (L,) if per_token else ()), and
     with ``row_max`` (per token only) two more outputs: max |g| of each row (L,) fp32, and a
     (1,) int32 word the kernel zeroed, the accumulator of g's HLA bound
     (``hla.token_block_bound_bits``).
@@ -674,13 +662,11 @@ def hq_act_quant(g: torch.Tensor, bits: int, per_token: bool, seed, fp8: bool = 
     L, O = g.shape
     O_pad = -(-O // 16) * 16
     dev = g.device
-    q = torch.empty((L, O_pad), dtype=level_dtype(fp8 or e4m3), device=dev)
+    q = torch.empty((L, O_pad), dtype=level_dtype(fp8), device=dev)
     seed_t = seed_pointer(seed, dev)
-    Q = int(E4M3_MAX) if e4m3 else qmax(bits)
+    Q = qmax(bits)
     interp = interpreting()
     groups = philox_counters(O_pad)
-    if e4m3 and not per_token:
-        raise ValueError("hq_act_quant: e4m3 needs per_token")
     if per_token:
         s = torch.empty((L,), dtype=torch.float32, device=dev)
         m = torch.empty((L,), dtype=torch.float32, device=dev) if row_max else s  # s: unread
@@ -689,7 +675,7 @@ def hq_act_quant(g: torch.Tensor, bits: int, per_token: bool, seed, fp8: bool = 
         launch(_hq_token_kernel, (triton.cdiv(L, br),),
             g, q, s, seed_t, m, z, L, O, O_pad, g.stride(0), O_pad, groups,
             BR=br, BC=bc, ONE_TILE=one, Q=Q, FP8=fp8, INTERPRET=interp, ROW_MAX=row_max,
-            E4M3=e4m3, num_warps=warps)
+            num_warps=warps)
         return (q, s, m, z) if row_max else (q, s)
     if row_max:
         raise ValueError("hq_act_quant: row_max needs per_token")

@@ -428,12 +428,10 @@ def hq_weight(w: torch.Tensor, bits: int, block: int = 16, e4m3: bool = False):
 
 
 def hq_grad_input(g: torch.Tensor, w: torch.Tensor, bits: int, per_token: bool, seed=0,
-                  block: int = 16, w_bits: int | None = None, w_e4m3: bool = False,
-                  g_e4m3: bool = False) -> torch.Tensor:
+                  block: int = 16, w_bits: int | None = None, w_e4m3: bool = False) -> torch.Tensor:
     """g_x ~= g_y W via block-Hadamard quantization along O: g_y to ``bits`` levels
-    (stochastic), or with ``g_e4m3`` to scaled FP8 (stochastic, ``formats.g_is_e4m3``), W to
-    ``w_bits`` levels (nearest; default: ``bits``), or to scaled FP8 with ``w_e4m3``
-    (``formats.w_is_e4m3``: the cuBLAS FP8 GEMM's W). bits=0: exact.
+    (stochastic), W to ``w_bits`` levels (nearest; default: ``bits``), or to scaled FP8
+    with ``w_e4m3`` (``gx_w_e4m3``: the cuBLAS FP8 GEMM's W). bits=0: exact.
 
     W is taken as the forward GEMM used it, in g's dtype: an fp32 parameter passed for
     autocast's bf16 copy of it (``HOTConfig.recompute_operands``) is rounded first."""
@@ -442,12 +440,9 @@ def hq_grad_input(g: torch.Tensor, w: torch.Tensor, bits: int, per_token: bool, 
     if bits == 0:
         wh = block_fwht(pad_cols(w.float().t(), block), block)
         return (gh.double() @ wh.double().t() / block).to(g.dtype)
-    if g_e4m3:
-        qg, sg = quantize_e4m3(gh, per_row=per_token, stochastic=True, seed=seed)
-    else:
-        qg, sg = quantize(gh, bits, per_row=per_token, stochastic=True, seed=seed)
+    qg, sg = quantize(gh, bits, per_row=per_token, stochastic=True, seed=seed)
     qw, sw = hq_weight(w, bits if w_bits is None else w_bits, block, e4m3=w_e4m3)
-    if w_e4m3 or g_e4m3:   # products of e4m3 values (levels too) are exact in fp64
+    if w_e4m3:       # products of levels and e4m3 values are exact in fp64, and so is the sum
         acc = (qg.double() @ qw.double().t()).float()
     else:
         acc = int_matmul(qg, qw.t())                                   # (L, I)
@@ -518,13 +513,11 @@ def hla_grad_weight(g: torch.Tensor, xt: torch.Tensor, x_scale: torch.Tensor, ra
 def linear_backward(g: torch.Tensor, w: torch.Tensor, xt: torch.Tensor, x_scale: torch.Tensor,
                     rank: int, gx_bits: int, w_bits: int, gw_bits: int, per_token: bool, seed=0,
                     block: int = 16, *, seq_len: int = 0, seq_first: bool = False,
-                    w_e4m3: bool = False, gw_dtype: torch.dtype | None = None,
-                    g_e4m3: bool = False):
+                    w_e4m3: bool = False, gw_dtype: torch.dtype | None = None):
     """A linear layer's whole HOT backward from one seed: (g_x, g_W). The g_x side draws
     its bits from ``seed``, the g_W side from ``seed + 1`` (another Philox key). g_W in
     ``gw_dtype`` (default g's)."""
-    gx = hq_grad_input(g, w, gx_bits, per_token, seed, block, w_bits=w_bits, w_e4m3=w_e4m3,
-                       g_e4m3=g_e4m3)
+    gx = hq_grad_input(g, w, gx_bits, per_token, seed, block, w_bits=w_bits, w_e4m3=w_e4m3)
     gw = hla_grad_weight(g, xt, x_scale, rank, "1d", gw_bits, seed + 1, block,
                          seq_len=seq_len, seq_first=seq_first, out_dtype=gw_dtype)
     return gx, gw

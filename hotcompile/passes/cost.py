@@ -65,13 +65,13 @@ def site_kernels(gx: bool, gw: bool, rank: int = 16, gx_gemm: str = "hq_cublas",
             + (("hla_g", gw_gemm, "abc_x") if gw else ()) + extra)
 
 
-def gx_gemm_kernel(config, g: torch.Tensor, n: int, bits: int | None = None) -> str:
+def gx_gemm_kernel(config, g: torch.Tensor, n: int) -> str:
     """The table key of a site's g_x GEMM: the path ``formats.gx_rule`` will take at run time
     for this g_y (dtype, device) and config, without the ``HOT_GEMM_FORMAT`` experiment
     override. cuBLAS FP8 needs per-token scales: ``gx_scale="lqs"`` may pick per-tensor on
     a site, so it is predicted on the slower INT8 kernel (the gate errs towards exact). A
     non-CUDA device (a test's stand-in) is taken as an H100, the table's device."""
-    path = gx_rule(config.gx_bits if bits is None else bits, config.gx_w_bits, config.gx_scale == "token", g.dtype, n,
+    path = gx_rule(config.gx_bits, config.gx_w_bits, config.gx_scale == "token", g.dtype, n,
                    _capability(g), None)
     return "hq_cublas" if path == "cublas_fp8" else "hq_int8"
 

@@ -70,7 +70,6 @@ class LinearSite:
     w_chain: Optional[list] = None  # views + cast from the fp32 parameter to W (recompute.py)
     launch: str = ""              # how its HOT kernels launch: "Inductor" or "hot:: op (why)"
     gx_kept: str = ""             # why its g_x mm stays exact while g_W is HOT's (exact_gx)
-    gx_bits: int = 4              # bits of g_y on its g_x path: config.gx_bits, or 8 (gx8)
     gw_fp32: bool = False         # g_W written in fp32, its cast folded (grad_cast.py)
     rewritten_gx: Optional[Node] = None
     rewritten_gw: Optional[Node] = None
@@ -347,7 +346,6 @@ def find_linear_sites(graph: Graph, config, params: Optional[Set[Node]] = None,
             hit = next((p for p in config.exact_gx if _matches(site.name, p)), None)
             if hit is not None:     # its g_x mm is left in the graph as it is
                 site.gx, site.gx_kept = None, f"exact_gx pattern {hit!r}"
-        site.gx_bits = 8 if any(_matches(site.name, p) for p in config.gx8) else config.gx_bits
         if site.reason is None and site.gw is not None and labels is not None:
             site.layout = labels.layout(site.x)
     _assign_keys(sites)

@@ -99,7 +99,7 @@ def _precheck(site: LinearSite, config, fake_mode, rank: int, layered: bool) -> 
         if site.gx is not None:
             with fake_mode:
                 w = site.wt.meta["val"].t()
-                gx = HQ_OP(site.grad.meta["val"], w, site.gx_bits, config.gx_w_bits,
+                gx = HQ_OP(site.grad.meta["val"], w, config.gx_bits, config.gx_w_bits,
                            config.block, config.gx_scale, "", config.kernels)
             want = tuple(site.gx.meta["val"].shape)
             if tuple(gx.shape) != (want[::-1] if site.gx_t else want):
@@ -133,7 +133,7 @@ def _cost_gate(sites: List[LinearSite], groups, config) -> None:
         rank = s.rank if isinstance(s.rank, int) else config.block
         exact, hot = model.predict(*dims, rank, config.block, s.gx is not None,
                                    s.gw is not None, 1.0 / size.get(s.key, 1), graphs,
-                                   cost.gx_gemm_kernel(config, val, s.I, s.gx_bits),
+                                   cost.gx_gemm_kernel(config, val, s.I),
                                    cost.gw_gemm_kernel(config, val),
                                    w_fp32=s.w_chain is not None, rebuild_x=s.key in rebuilt)
         s.cost = (exact, hot, model.name)
@@ -203,7 +203,7 @@ def rewrite_joint_graph(graph: Graph, config, params: Optional[Set[Node]] = None
             else:   # one op for the site's whole backward, before the first of its mms
                 anchor = min(s.gx, s.gw, key=order.__getitem__)
                 unit = add_node(graph, UNIT_OP, hla_args + (
-                    _weight(graph, s, anchor, fake_mode), s.gx_bits, config.gx_w_bits,
+                    _weight(graph, s, anchor, fake_mode), config.gx_bits, config.gx_w_bits,
                     config.gx_scale, plan.key(s.key)), before=anchor, tag="is_backward",
                     like=s.gw, fake_mode=fake_mode)
                 s.rewritten_gx = s.rewritten_gw = unit
@@ -216,7 +216,7 @@ def rewrite_joint_graph(graph: Graph, config, params: Optional[Set[Node]] = None
         if s.gx is None or s.rewritten_gx is not None:
             continue
         key = plan.key(s.key)
-        gx = add_node(graph, HQ_OP, (s.grad, _weight(graph, s, s.gx, fake_mode), s.gx_bits,
+        gx = add_node(graph, HQ_OP, (s.grad, _weight(graph, s, s.gx, fake_mode), config.gx_bits,
                                      config.gx_w_bits, config.block, config.gx_scale, key,
                                      config.kernels),
                       before=s.gx, tag="is_backward", like=s.gx, fake_mode=fake_mode)
