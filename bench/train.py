@@ -814,7 +814,13 @@ def acceptance(result: dict) -> List[Tuple[str, str, Optional[float], str]]:
             ("ViT-B/16 bs64 speed-up, hot forward=fp8 vs Inductor bf16", "vit_b16_bs64",
              "hot [forward=fp8]", "step_ms", True, ">= 1.10x", lambda v: v >= 1.10),
             ("GPT-2 124M speed-up, hot forward=fp8 vs Inductor bf16", "gpt2",
-             "hot [forward=fp8]", "step_ms", True, ">= 1.10x", lambda v: v >= 1.10)):
+             "hot [forward=fp8]", "step_ms", True, ">= 1.10x", lambda v: v >= 1.10),
+            ("Llama d=4096 speed-up, hot forward=fp8_rowwise vs Inductor bf16", "llama_d4096",
+             "hot [forward=fp8_rowwise]", "step_ms", True, ">= 1.30x", lambda v: v >= 1.30),
+            ("ViT-B/16 bs64 speed-up, hot forward=fp8_rowwise vs Inductor bf16", "vit_b16_bs64",
+             "hot [forward=fp8_rowwise]", "step_ms", True, ">= 1.10x", lambda v: v >= 1.10),
+            ("GPT-2 124M speed-up, hot forward=fp8_rowwise vs Inductor bf16", "gpt2",
+             "hot [forward=fp8_rowwise]", "step_ms", True, ">= 1.10x", lambda v: v >= 1.10)):
         for cm in cms:
             v = ratio(model, mode, key, invert, cm)
             if v is None and (key == "peak" or len(cms) > 1 or "[" in mode):

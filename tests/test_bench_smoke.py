@@ -372,9 +372,14 @@ def test_train_variant_modes_are_judged_by_their_own_targets():
     assert abs(v - 12 / 11) < 1e-9 and verdict == "FAIL"
     v, verdict = got["Llama d=4096 speed-up, hot rank=8 vs Inductor bf16"]
     assert abs(v - 12 / 9) < 1e-9 and verdict == "PASS"
-    with pytest.raises(SystemExit, match="only hot modes"):
+    with pytest.raises(SystemExit, match="only hot and fp8 modes"):
         T.run_suite(T.parse_args(["--models", "tiny_gpt", "--modes", "inductor[rank=8]",
                                   "--device", "cpu"]))
+    with pytest.raises(SystemExit, match=r"take only \[exclude=...\]"):
+        T.run_suite(T.parse_args(["--models", "tiny_gpt", "--modes", "fp8_rowwise[rank=8]",
+                                  "--device", "cpu"]))
+    # torchao's exclusion list: the mode's own, else the workload's (its output head)
+    assert T.C.split_mode("fp8_tensorwise[exclude=]") == ("fp8_tensorwise", {"exclude": ()})
 
 
 def test_kernel_regs_offline_and_rank8_kernels_do_not_spill():
