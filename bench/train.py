@@ -311,15 +311,15 @@ def setup_run(model: str, mode: str, opts: dict) -> Run:
     """Build ``model`` (seeded), convert/compile it for ``mode``, make its optimizer and data."""
     device = C.pick_device(opts.get("device"))
     C.configure_cpu_compile(device)
-    _, amp_on, _ = C.MODE_INFO[C.split_mode(mode)[0]]
+    base_mode, variant = C.split_mode(mode)
+    _, amp_on, _ = C.MODE_INFO[base_mode]
     torch.manual_seed(opts.get("seed", 0))
     wl = MODELS[model](device)
     if opts.get("batch"):
         wl.batch = int(opts["batch"])
     module = wl.module
-    base_mode, variant = C.split_mode(mode)
     fp8 = _fp8_convert(module.model, base_mode.split("_", 1)[1],   # fp8_x[exclude=]: all
-                       variant.get("exclude", wl.exclude)) if mode.startswith("fp8") else None
+                       variant.get("exclude", wl.exclude)) if base_mode.startswith("fp8") else None
     hot_kwargs = {**wl.hot, **(opts.get("hot") or {})}
     t0 = time.perf_counter()     # torch.compile's call: Inductor's import lands here
     step_fn, be = C.compile_model(module, mode, hot_kwargs, opts.get("compile_mode"))
@@ -635,10 +635,12 @@ def run_suite(args) -> dict:
         base_mode, variant = C.split_mode(x)
         if base_mode not in C.MODE_INFO:
             raise SystemExit(f"unknown mode {x!r}; known: {', '.join(C.MODE_INFO)}")
-        if variant and base_mode.startswith("fp8") and set(variant) != {"exclude"}:
-            raise SystemExit(f"torchao modes take only [exclude=...], got {x!r}")
-        if variant and base_mode not in ("hot", "hot_ref") and not base_mode.startswith("fp8"):
+        if not variant or base_mode in ("hot", "hot_ref"):
+            continue
+        if not base_mode.startswith("fp8"):
             raise SystemExit(f"only hot and fp8 modes take [overrides], got {x!r}")
+        if set(variant) != {"exclude"}:
+            raise SystemExit(f"torchao modes take only [exclude=...], got {x!r}")
     device = C.pick_device(args.device)
     opts = {"device": args.device, "seed": args.seed, "amp": args.amp,
             "warmup": args.warmup if args.warmup is not None else suite.get("warmup", 5),

@@ -378,8 +378,20 @@ def test_train_variant_modes_are_judged_by_their_own_targets():
     with pytest.raises(SystemExit, match=r"take only \[exclude=...\]"):
         T.run_suite(T.parse_args(["--models", "tiny_gpt", "--modes", "fp8_rowwise[rank=8]",
                                   "--device", "cpu"]))
-    # torchao's exclusion list: the mode's own, else the workload's (its output head)
-    assert T.C.split_mode("fp8_tensorwise[exclude=]") == ("fp8_tensorwise", {"exclude": ()})
+
+
+
+def test_train_torchao_modes_exclude_the_head_unless_told(monkeypatch):
+    """torchao's exclusion list: the workload's (its output head) for a plain fp8 mode, the
+    mode's own for ``fp8_x[exclude=...]`` (empty: the head converted too)."""
+    T = _load("train")
+    seen = []
+    monkeypatch.setattr(T, "_fp8_convert",
+                        lambda inner, recipe, exclude: seen.append((recipe, exclude)) or 0)
+    for mode in ("fp8_tensorwise", "fp8_tensorwise[exclude=]", "fp8_rowwise[exclude=blocks]"):
+        T.setup_run("tiny_gpt", mode, {"device": "cpu"})
+    assert seen == [("tensorwise", ("head", "lm_head")), ("tensorwise", ()),
+                    ("rowwise", ("blocks",))], seen
 
 
 def test_kernel_regs_offline_and_rank8_kernels_do_not_spill():
