@@ -278,21 +278,24 @@ WCAST_TILES = ("64,64,128,4", "32,32,256,4", "128,128,64,4", "64,64,64,4", "128,
 def bench_weight_cast(old, new, rows):
     """The forward's copy of an fp32 W with its column maxima (``hadamard.weight_cast``)
     against the torch cast alone (what Inductor's cast kernel does at ~copy bandwidth) and
-    the cast followed by the column maxima as a torch reduction; tiles of the new kernel."""
+    the cast followed by the column maxima as a torch reduction; tiles of the new kernel,
+    and the default tile with the row maxima too (the row-wise FP8 forward's W scale)."""
     inf = float("inf")
     for label, O, I in W_SHAPES:
         ps = [torch.randn(O, I, device="cuda") * 0.02 for _ in range(3)]
         res = {"torch cast": time_ms(lambda p: p.to(torch.bfloat16), ps),
                "torch cast + column max": time_ms(lambda p: torch.linalg.vector_norm(
                    p.to(torch.bfloat16), inf, dim=0, dtype=torch.float32), ps)}
-        ref_w, ref_m = new.reference.weight_cast(ps[0], torch.bfloat16)
-        for tile in WCAST_TILES:
-            with env(HOT_WCAST_TILE=tile):
+        ref = new.reference.weight_cast(ps[0], torch.bfloat16, True)
+        for tile in WCAST_TILES + ("default + row maxima",):
+            row_max = tile.startswith("default")
+            with env(**({} if row_max else {"HOT_WCAST_TILE": tile})):
                 try:
-                    w, m = new.hadamard.weight_cast(ps[0], torch.bfloat16)
-                    res[f"new tile={tile} ok"] = bool(torch.equal(w, ref_w) and torch.equal(m, ref_m))
+                    out = new.hadamard.weight_cast(ps[0], torch.bfloat16, row_max)
+                    res[f"new tile={tile} ok"] = all(torch.equal(a, b) for a, b in zip(
+                        out, ref if row_max else ref[:2]))
                     res[f"new tile={tile}"] = time_ms(
-                        lambda p: new.hadamard.weight_cast(p, torch.bfloat16), ps)
+                        lambda p: new.hadamard.weight_cast(p, torch.bfloat16, row_max), ps)
                 except Exception as e:  # noqa: BLE001  (a tile that does not compile)
                     res[f"new tile={tile}"] = f"failed: {type(e).__name__}: {str(e)[:120]}"
         rows.append(dict(kernel="weight_cast", shape=label, O=O, I=I,

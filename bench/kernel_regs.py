@@ -97,10 +97,12 @@ def kernels_for(L: int, I: int, O: int, rank: int):
                       ROW_MAX=True), warps))
     rows.append(("hla g bound", hla._block_bound_kernel, {"m_ptr": "*fp32", "out_ptr": "*i32"},
                  dict(BB=64), 4))
-    rows.append(("W cast", H._weight_cast_kernel, {"p_ptr": "*fp32", "w_ptr": "*bf16",
-                                                   "amax_ptr": "*i32"},
-                 dict(zip(("ROWS", "BO", "BI"), H.cast_tile(False)[:3]), BF16=True),
-                 H.cast_tile(False)[3]))
+    for row_max in (False, True):
+        rows.append((f"W cast{' + row maxima' if row_max else ''}", H._weight_cast_kernel,
+                     {"p_ptr": "*fp32", "w_ptr": "*bf16", "amax_ptr": "*i32",
+                      "rmax_ptr": "*i32" if row_max else "*fp32"},
+                     dict(zip(("ROWS", "BO", "BI"), H.cast_tile(False)[:3]), BF16=True,
+                          ROW_MAX=row_max), H.cast_tile(False)[3]))
     bc, _ = H.column_tile(o_pad, max_tile=512)
     wbi, wbo, wwarps = H.weight_tile(o_pad, False)
     for phase in (1, 2):

@@ -328,3 +328,44 @@ def test_autocast_forward_is_the_twin_on_bf16_operands(forward):
                                  torch.bfloat16, rowwise=forward == "fp8_rowwise")
     assert torch.equal(y.reshape(-1, 128), want)
     assert not torch.equal(unpinned, want)     # the fp32 operands would give other levels
+
+
+@pytest.mark.parametrize("forward", ["fp8", "fp8_rowwise"])
+def test_fp8_weight_scale_comes_from_the_weight_casts_maxima(monkeypatch, forward):
+    """Under bf16 autocast with an FP8 forward, ``hot::weight_cast`` owns each site's W cast
+    as in bf16 mode (``passes/weight_cast.py``), and W's FP8 scale is read from the maxima it
+    wrote (row-wise: its row maxima, asked for with ``row_max``; tensor-wise: the column
+    maxima's max): no reduction over a weight is left in the forward, only x's. The forward
+    output and every gradient are bit-equal to the same step with autocast's casts left to
+    the graph. (CPU sites stand in for spliced CUDA ones, as in test_backend.)"""
+    import hotcompile.passes.rewrite as RW
+    monkeypatch.setattr(RW, "will_splice", lambda op, config: True)
+
+    def step(own):
+        if not own:
+            monkeypatch.setattr(RW, "own_weight_casts", lambda *a, **k: [])
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        m = Block(d=64, heads=4)
+        be = hotcompile.backend(_cfg(forward=forward))
+        x = torch.randn(2, 32, 64, requires_grad=True)
+        with capture_graphs() as graphs:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = torch.compile(m, backend=be)(x)
+            y.float().square().mean().backward()
+        assert not be.report.errors and all(r.forward == forward for r in be.report.layers)
+        return be, graphs, [y.detach()] + [p.grad for p in m.parameters()] + [x.grad]
+
+    be, graphs, ours = step(True)
+    casts = [n for g in graphs for n in g.nodes if n.target is torch.ops.hot.weight_cast.default]
+    assert len(casts) == len(be.report.layers) and all(
+        n.args[3] == (forward == "fp8_rowwise") for n in casts)
+    assert all(r.w_operand == "hot::weight_cast copy" for r in be.report.layers)
+    amaxes = [n for g in graphs for n in g.nodes if n.target == aten.amax.default]
+    weights = [n for n in amaxes if n.args[0].target is not aten.abs.default]  # of maxima bits
+    inputs = {r.name for r in be.report.layers}       # qkv, proj, fc1, fc2: 4 distinct inputs
+    assert len(amaxes) - len(weights) == len(inputs)
+    assert len(weights) == (0 if forward == "fp8_rowwise" else len(casts))
+    _, _, theirs = step(False)
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a, b)

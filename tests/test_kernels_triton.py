@@ -170,36 +170,57 @@ def test_hq_weight_e4m3_bit_exact(poison, O, I):
     assert torch.isnan(s[2]) and q[2].float().abs().sum() == 0
 
 
+def _same_maxima(m, mr):
+    """int32-bit maxima equal as floats, NaN where the reference's are (any payload)."""
+    assert m.dtype == torch.int32 and m.shape == mr.shape
+    m, mr = m.view(torch.float32), mr.view(torch.float32)
+    assert torch.equal(m.isnan(), mr.isnan())
+    assert torch.equal(torch.nan_to_num(m), torch.nan_to_num(mr))
+
+
 @cpu
+@pytest.mark.parametrize("row_max", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("O,I", [(40, 24), (9, 130), (300, 5)])
-def test_weight_cast_is_autocasts_copy_with_its_column_maxima(poison, dtype, O, I):
-    """``weight_cast``: autocast's copy bit for bit, and max |copy| per column (int32 bits)
-    equal to ``reference.weight_cast``'s, over several programs in both directions; a
-    column's largest entry in W's last row; NaN (any payload) wins its column, an inf is
-    kept, and values that round up to inf in the copy count as inf. The e4m3 W operand made
-    from those maxima is the one made from its own reduction."""
+def test_weight_cast_is_autocasts_copy_with_its_maxima(poison, dtype, O, I, row_max):
+    """``weight_cast``: autocast's copy bit for bit, and max |copy| per column (and with
+    ``row_max`` per row; else an empty tensor) as int32 bits equal to
+    ``reference.weight_cast``'s, over several programs in both directions; a column's
+    largest entry in W's last row; NaN (any payload) wins its column and row, an inf is
+    kept, and values that round up to inf in the copy count as inf. The e4m3 W operand
+    made from the column maxima is the one made from its own reduction, and so is the FP8
+    forward's W operand made from the row (row-wise) or column (tensor-wise) maxima."""
+    from hotcompile.kernels import fp8_forward as F8
     p = _randn(O, I)
     p[-1] = 4.0 * p.abs().amax(0)
     p[3, 2] = float("nan")
-    p[5, 3] = torch.tensor(0x7FFFFFFF, dtype=torch.int32).view(torch.float32)
+    p[5 % O, 3] = torch.tensor(0x7FFFFFFF, dtype=torch.int32).view(torch.float32)
     p[1, 4] = float("-inf")
     p[2, 0] = 3.4e38                          # rounds to inf in bf16 and fp16
-    w, m = H.weight_cast(p, dtype)
-    wr, mr = R.weight_cast(p, dtype)
+    w, m, r = H.weight_cast(p, dtype, row_max)
+    wr, mr, rr = R.weight_cast(p, dtype, row_max)
     assert w.dtype == dtype and w.shape == (O, I) and w.is_contiguous()
     assert torch.equal(w.isnan(), wr.isnan())
     assert torch.equal(torch.nan_to_num(w.float()), torch.nan_to_num(wr.float()))
-    assert m.dtype == torch.int32 and torch.equal(m.view(torch.float32).isnan(),
-                                                  mr.view(torch.float32).isnan())
-    assert torch.equal(torch.nan_to_num(m.view(torch.float32)),
-                       torch.nan_to_num(mr.view(torch.float32)))
+    _same_maxima(m, mr)
+    _same_maxima(r, rr)
+    assert r.shape == ((O,) if row_max else (0,))
     assert m.view(torch.float32)[4] == float("inf") and m.view(torch.float32)[0] == float("inf")
     assert m.view(torch.float32)[2].isnan() and m.view(torch.float32)[3].isnan()
+    if row_max:
+        assert r.view(torch.float32)[3].isnan() and r.view(torch.float32)[2] == float("inf")
+        assert r.view(torch.float32)[1] == float("inf")
     q, sc = H.hq_weight_quant(w, 8, e4m3=True, col_max=m)
     qr, scr = H.hq_weight_quant(w, 8, e4m3=True)
     assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
     assert torch.allclose(sc, scr, rtol=0, atol=0, equal_nan=True)
+    clean = _randn(O, I)                  # finite maxima: the forward's operand too
+    w, m, r = H.weight_cast(clean, dtype, row_max)
+    for rowwise, bits in ((False, m), (True, r)) if row_max else ((False, m),):
+        q, s = F8.weight_operand(w.t(), rowwise, max_bits=bits)
+        qr, sr = F8.weight_operand(w.t(), rowwise)
+        assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
+        assert torch.equal(s, sr) and s.shape == sr.shape and s.stride() == sr.stride()
 
 
 @cpu
@@ -838,27 +859,33 @@ def test_gpu_hq_weight_rounds_an_fp32_parameter_as_it_reads(e4m3):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("O,I", [(11008, 4096), (4096, 11008), (1000, 777)])
-def test_gpu_weight_cast_is_autocasts_copy_with_its_column_maxima(O, I):
+def test_gpu_weight_cast_is_autocasts_copy_with_its_maxima(O, I):
     """On the GPU: the copy bit-equal to ``p.to(bf16)`` (the hardware cast autocast runs)
-    and the column maxima to the reference's, NaN payloads included; the e4m3 W operand
-    from them equals the one from its own reduction."""
+    and the column and row maxima to the reference's, NaN payloads included; the e4m3 W
+    operand from the column maxima equals the one from its own reduction, and the row-wise
+    FP8 forward operand from the row maxima too."""
+    from hotcompile.kernels import fp8_forward as F8
     torch.manual_seed(5)
     p = _randn(O, I, device="cuda") * 0.02
     p[3, 2] = float("nan")
     p[5, 7] = torch.tensor(0x7FFFFFFF, dtype=torch.int32).view(torch.float32)
-    w, m = H.weight_cast(p, torch.bfloat16)
+    w, m, r = H.weight_cast(p, torch.bfloat16, row_max=True)
     ref_w = p.to(torch.bfloat16)
     keep = ~ref_w.isnan()
     assert torch.equal(w.isnan(), ~keep)
     assert torch.equal(w[keep].view(torch.int16), ref_w[keep].view(torch.int16))
-    mr = R.weight_cast(p, torch.bfloat16)[1]
-    assert torch.equal(m.view(torch.float32).isnan(), mr.view(torch.float32).isnan())
-    assert torch.equal(torch.nan_to_num(m.view(torch.float32)),
-                       torch.nan_to_num(mr.view(torch.float32)))
+    _, mr, rr = R.weight_cast(p, torch.bfloat16, row_max=True)
+    _same_maxima(m, mr)
+    _same_maxima(r, rr)
+    assert torch.equal(H.weight_cast(p, torch.bfloat16)[1], m)
     q, s = H.hq_weight_quant(w, 8, e4m3=True, col_max=m)
     qr, sr = H.hq_weight_quant(w, 8, e4m3=True)
     assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
     assert torch.allclose(s, sr, rtol=0, atol=0, equal_nan=True)
+    w, m, r = H.weight_cast(p.nan_to_num(), torch.bfloat16, row_max=True)
+    q, s = F8.weight_operand(w.t(), True, max_bits=r)
+    qr, sr = F8.weight_operand(w.t(), True)
+    assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s, sr)
 
 
 class _Launches(torch.utils._python_dispatch.TorchDispatchMode):

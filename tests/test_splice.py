@@ -316,20 +316,22 @@ def test_unkeyable_launches_go_to_the_original_analysis():
 
 
 @compiled
-def test_a_weight_cast_and_its_maxima_splice_into_the_sites_kernels(hopper):
-    """``hot::weight_cast`` (the forward's W copy and its column maxima, in place of
-    autocast's cast) splices into one kernel node, and the site's op, given the maxima as a
-    keyword argument (``w_col_max``), splices with them as an input: its W kernel reads
-    them, and no reduction of W's columns is left (only x's maximum)."""
+@pytest.mark.parametrize("row_max", [False, True])
+def test_a_weight_cast_and_its_maxima_splice_into_the_sites_kernels(hopper, row_max):
+    """``hot::weight_cast`` (the forward's W copy and its column maxima, with ``row_max``
+    its row maxima too, in place of autocast's cast) splices into one kernel node, and the
+    site's op, given the maxima as a keyword argument (``w_col_max``), splices with them as
+    an input: its W kernel reads them, and no reduction of W's columns is left (only x's
+    maximum)."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     g, x = _fakes(mode, (256, 512), (256, 384))
     (p,) = _fakes(mode, (512, 384), dtype=torch.float32)
 
     def f(g, x, p):
-        w, col_max = hot.weight_cast(p, torch.bfloat16, "auto")
+        w, col_max, rows = hot.weight_cast(p, torch.bfloat16, "auto", row_max)
         seeds = hot.draw_seeds(g, 1)
         xq, xs = hot.abc_compress(x, 16, 8, 16, 0, False, "auto", "e4m3")
-        return w, col_max, hot.linear_backward(g, xq, xs, 16, 8, 16, 0, False, "", "auto", w,
+        return w, col_max, rows, hot.linear_backward(g, xq, xs, 16, 8, 16, 0, False, "", "auto", w,
                                                4, 8, "token", "k", seeds, 0)
 
     with mode:

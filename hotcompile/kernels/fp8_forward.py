@@ -42,7 +42,7 @@ FAST_ACCUM = True
 
 
 def e4m3_cast(t, rowwise: bool = False, contiguous: bool = False, scale_as_row: bool = False,
-              dtype: torch.dtype | None = None):
+              dtype: torch.dtype | None = None, amax=None):
     """(e4m3 levels of ``t``, fp32 dequantization scale). ``t``: 2-D, any float dtype,
     ``dtype`` its dtype when ``t`` is a graph proxy (default: ``t.dtype``): a bf16 / fp16
     ``t`` is pinned to it first (a bitcast round trip; see the module's docstring).
@@ -52,13 +52,16 @@ def e4m3_cast(t, rowwise: bool = False, contiguous: bool = False, scale_as_row: 
     written row-major whatever ``t``'s strides (the GEMM's operand layout; Inductor fuses
     this with the cast). The 2-D scale is an ``as_strided`` view with unit strides of the
     1-D scale: Inductor gives a view made by ``unsqueeze`` (or a keepdim reduction) any
-    stride on its size-1 axis (0 or R seen on CPU), which ``_scaled_mm`` rejects."""
+    stride on its size-1 axis (0 or R seen on CPU), which ``_scaled_mm`` rejects.
+    ``amax``: max |t| (fp32: 0-d, or (R,) row-wise) when the caller has it: the same value
+    the reduction here would give, so the same levels and scale without that read of t."""
     dtype = dtype or t.dtype
     if dtype in _BITS:          # the identity "& -1" keeps Inductor from folding the pair
         bits = aten.bitwise_and.Scalar(aten.view.dtype(t, _BITS[dtype]), -1)
         t = aten.view.dtype(bits, dtype)
     t32 = prims.convert_element_type.default(t, torch.float32)
-    amax = aten.amax.default(aten.abs.default(t32), [1] if rowwise else [0, 1])
+    if amax is None:
+        amax = aten.amax.default(aten.abs.default(t32), [1] if rowwise else [0, 1])
     scale = aten.div.Tensor(aten.clamp_min.default(amax, AMAX_FLOOR), E4M3_MAX)
     inv = aten.reciprocal.default(scale)
     q = aten.mul.Tensor(t32, aten.unsqueeze.default(inv, 1) if rowwise else inv)
@@ -91,12 +94,20 @@ def scaled_linear(xq, sx, wtq, sw, bias, dtype: torch.dtype, fast_accum: bool = 
     return y
 
 
-def weight_operand(wt, rowwise: bool = False, dtype: torch.dtype | None = None):
+def weight_operand(wt, rowwise: bool = False, dtype: torch.dtype | None = None,
+                   max_bits=None):
     """The (I, O) forward operand ``wt`` -> (column-major e4m3 (I, O), scale: 0-d, or (1, O)
     row-wise): quantize W = wt^T as a row-major (O, I) buffer, then view it transposed.
-    ``dtype``: ``wt``'s, when it is a graph proxy."""
+    ``dtype``: ``wt``'s, when it is a graph proxy. ``max_bits``: W's maxima as int32 bits
+    of |W| (``reference.weight_cast``'s): per row (O,) row-wise, per column (I,) tensor-wise
+    (their max is W's): W's amax without a reduction over W."""
+    amax = None
+    if max_bits is not None:
+        if not rowwise:         # int32 order is float order for |W| (NaN above inf)
+            max_bits = aten.amax.default(max_bits, [0])
+        amax = aten.view.dtype(max_bits, torch.float32)
     q, s = e4m3_cast(aten.permute.default(wt, [1, 0]), rowwise, True, scale_as_row=True,
-                     dtype=dtype)
+                     dtype=dtype, amax=amax)
     return aten.permute.default(q, [1, 0]), s
 
 

@@ -80,13 +80,13 @@ def _gx(g, w, bits: int, w_bits: int, per_token: bool, seed, gq=None, path=None,
     return gemm.scaled_mm(qg, qw, sg, sw, 1.0 / 16, g.dtype)
 
 
-def weight_cast(p: torch.Tensor, dtype: torch.dtype):
-    """The forward's copy of an fp32 parameter and its column maxima (``reference.weight_cast``)
+def weight_cast(p: torch.Tensor, dtype: torch.dtype, row_max: bool = False):
+    """The forward's copy of an fp32 parameter and its maxima (``reference.weight_cast``)
     in one kernel (``hadamard.weight_cast``); the reference for anything else."""
     if p.dtype != torch.float32 or dtype not in (torch.bfloat16, torch.float16) \
             or p.dim() != 2 or p.numel() == 0:
-        return ref.weight_cast(p, dtype)
-    return hadamard.weight_cast(p, dtype)
+        return ref.weight_cast(p, dtype, row_max)
+    return hadamard.weight_cast(p, dtype, row_max)
 
 
 def abc_compress(x: torch.Tensor, rank: int, select: str = "1d", bits: int = 8,

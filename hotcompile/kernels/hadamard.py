@@ -475,11 +475,14 @@ def _hq_weight_kernel(w_ptr, q_ptr, s_ptr, amax_ptr, scale_mul, O, I, O_pad, str
 
 
 @triton.jit
-def _weight_cast_kernel(p_ptr, w_ptr, amax_ptr, O, I, stride_po, stride_pi, ROWS: tl.constexpr,
-                        BO: tl.constexpr, BI: tl.constexpr, BF16: tl.constexpr):
+def _weight_cast_kernel(p_ptr, w_ptr, amax_ptr, rmax_ptr, O, I, stride_po, stride_pi,
+                        ROWS: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr,
+                        BF16: tl.constexpr, ROW_MAX: tl.constexpr):
     """Autocast's copy of an fp32 parameter (O, I), plus its column maxima: w = p rounded
     to w's type (contiguous), and max |w[:, i]| atomically maxed into ``amax_ptr[i]``
-    (zeroed; int32 bits, ``abs_bits``: NaN wins), the e4m3 W kernel's scale input. A
+    (zeroed; int32 bits, ``abs_bits``: NaN wins), the e4m3 W kernel's scale input. With
+    ROW_MAX, max |w[o, :]| into ``rmax_ptr[o]`` the same way: the row-wise FP8 forward's
+    W scale (``kernels/fp8_forward.py``), so its cast is one pointwise read of the copy. A
     program walks ROWS rows of BI columns, BO rows at a time, and maxes its columns once.
 
     Why one kernel: the copy is written anyway (the forward GEMM reads it), and Inductor
@@ -501,7 +504,10 @@ def _weight_cast_kernel(p_ptr, w_ptr, amax_ptr, O, I, stride_po, stride_pi, ROWS
             y = x.to(w_ptr.dtype.element_ty).to(tl.float32)
         tl.store(w_ptr + o.to(tl.int64)[:, None] * I + ins[None, :],
                  y.to(w_ptr.dtype.element_ty), mask=mask)
-        m = tl.maximum(m, tl.max(abs_bits(y), axis=0))
+        bits = abs_bits(y)
+        m = tl.maximum(m, tl.max(bits, axis=0))
+        if ROW_MAX:
+            tl.atomic_max(rmax_ptr + o, tl.max(bits, axis=1), mask=o < O)
     tl.atomic_max(amax_ptr + ins, m, mask=ins < I)
 
 
@@ -712,17 +718,21 @@ def weight_tile(O_pad: int, interp: bool, e4m3: bool = False) -> tuple[int, int,
     return bi, min(bo, _pow2_at_least(O_pad)), warps
 
 
-def weight_cast(p: torch.Tensor, dtype: torch.dtype):
-    """``reference.weight_cast``: (p.to(dtype), max |that| per column as int32 bits) for an
-    fp32 parameter p (O, I), in one launch (``_weight_cast_kernel``; tile: ``cast_tile``)."""
+def weight_cast(p: torch.Tensor, dtype: torch.dtype, row_max: bool = False):
+    """``reference.weight_cast``: (p.to(dtype), max |that| per column as int32 bits, per
+    row with ``row_max`` (else an empty tensor)) for an fp32 parameter p (O, I), in one
+    launch (``_weight_cast_kernel``; tile: ``cast_tile``)."""
     O, I = p.shape
     w = torch.empty((O, I), dtype=dtype, device=p.device)
     amax = torch.zeros((I,), dtype=torch.int32, device=p.device)
+    rmax = torch.zeros((O if row_max else 0,), dtype=torch.int32, device=p.device)
     rows, bo, bi, warps = cast_tile(interpreting())
-    launch(_weight_cast_kernel, (triton.cdiv(O, rows) * triton.cdiv(I, bi),), p, w, amax, O, I,
-           p.stride(0), p.stride(1), ROWS=rows, BO=bo, BI=bi, BF16=dtype == torch.bfloat16,
-           num_warps=warps)
-    return w, amax
+    # without row maxima the kernel never touches rmax_ptr: p stands in (read-only, so no
+    # written argument is aliased, and never a null pointer for an empty tensor)
+    launch(_weight_cast_kernel, (triton.cdiv(O, rows) * triton.cdiv(I, bi),), p, w, amax,
+           rmax if row_max else p, O, I, p.stride(0), p.stride(1), ROWS=rows, BO=bo, BI=bi,
+           BF16=dtype == torch.bfloat16, ROW_MAX=row_max, num_warps=warps)
+    return w, amax, rmax
 
 
 def cast_tile(interp: bool) -> tuple[int, int, int, int]:

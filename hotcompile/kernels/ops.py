@@ -263,20 +263,22 @@ def _(g, xq, x_scale, rank, gw_bits, block, seq_len, seq_first, measure, kernels
 
 
 # ----------------------------------------------------------------------- W's cast (forward)
-def weight_cast_body(p: Tensor, dtype: torch.dtype, kernels: str) -> tuple[Tensor, Tensor]:
-    """Autocast's copy of an fp32 parameter (O, I) and its column maxima (int32 bits of
-    max |copy[:, i]|), ``reference.weight_cast``: put in place of autocast's cast of a
-    rewritten site's W (``passes/weight_cast.py``), so the e4m3 W operand's scale costs no
-    read of W of its own."""
+def weight_cast_body(p: Tensor, dtype: torch.dtype, kernels: str,
+                     row_max: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """Autocast's copy of an fp32 parameter (O, I), its column maxima (int32 bits of
+    max |copy[:, i]|) and, with ``row_max``, its row maxima (else empty),
+    ``reference.weight_cast``: put in place of autocast's cast of a rewritten site's W
+    (``passes/weight_cast.py``), so neither the e4m3 W operand's scale nor the FP8
+    forward's costs a read of W of its own."""
     if triton_usable(p, kernels):
-        return _fused().weight_cast(p, dtype)
-    return ref.weight_cast(p, dtype)
+        return _fused().weight_cast(p, dtype, row_max)
+    return ref.weight_cast(p, dtype, row_max)
 
 
 weight_cast = torch.library.custom_op("hot::weight_cast", mutates_args=())(weight_cast_body)
 
 
 @weight_cast.register_fake
-def _(p, dtype, kernels):
-    return p.new_empty(p.shape, dtype=dtype), p.new_empty((p.shape[1],), dtype=torch.int32)
-
+def _(p, dtype, kernels, row_max=False):
+    return (p.new_empty(p.shape, dtype=dtype), p.new_empty((p.shape[1],), dtype=torch.int32),
+            p.new_empty((p.shape[0] if row_max else 0,), dtype=torch.int32))

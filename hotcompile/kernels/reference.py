@@ -402,13 +402,17 @@ def int_matmul(a: torch.Tensor, b: torch.Tensor, k_chunk: int | None = None) -> 
 
 
 # --------------------------------------------------------------------------- HOT ops
-def weight_cast(p: torch.Tensor, dtype: torch.dtype):
-    """Autocast's copy of an fp32 parameter p (O, I) and its column maxima: (p.to(dtype),
-    max |p.to(dtype)[:, i]| as the int32 bits of an fp32 value, NaN propagating): the input
-    of ``e4m3_bound_scale`` for the copy, which the e4m3 W operand is made from."""
+def weight_cast(p: torch.Tensor, dtype: torch.dtype, row_max: bool = False):
+    """Autocast's copy of an fp32 parameter p (O, I) and its maxima: (p.to(dtype), max
+    |p.to(dtype)[:, i]| as the int32 bits of an fp32 value, NaN propagating; the same per
+    row with ``row_max``, else an empty int32 tensor). The column maxima are the input of
+    ``e4m3_bound_scale`` for the copy, which the e4m3 W operand is made from; the row
+    maxima the row-wise FP8 forward's W scale (``kernels/fp8_forward.weight_operand``)."""
     w = p.to(dtype)
     m = torch.linalg.vector_norm(w, float("inf"), dim=0, dtype=torch.float32)
-    return w, m.view(torch.int32)
+    r = (torch.linalg.vector_norm(w, float("inf"), dim=1, dtype=torch.float32) if row_max
+         else torch.zeros(0, dtype=torch.float32, device=p.device))
+    return w, m.view(torch.int32), r.view(torch.int32)
 
 
 def hq_weight(w: torch.Tensor, bits: int, block: int = 16, e4m3: bool = False):

@@ -8,7 +8,9 @@ which small GEMMs do not pay back. Sites that share an input (q/k/v, gate/up: on
 group) share one cast of it. The replacement is ``kernels.fp8_forward`` recorded op for
 op (``graph_utils.emit``): aten ops Inductor fuses and launches, and the reference twin
 the tests compare against. The forward's saved tensors do not change: backward reads W
-and ABC's buffer, never the FP8 operands.
+and ABC's buffer, never the FP8 operands. Where ``hot::weight_cast`` made W (``weight_cast.
+py``, run between the gate and the rewrite), W's scale comes from the maxima it wrote
+(``site.w_max``) and W's FP8 cast is one pointwise read of the copy.
 """
 from __future__ import annotations
 
@@ -29,9 +31,15 @@ def _bias(site: LinearSite):
     return site.fwd.args[0] if site.fwd.target == aten.addmm.default else None
 
 
-def _gate(sites: List[LinearSite], config, shares: Dict[str, int]) -> None:
+def gate_forward(sites: List[LinearSite], config) -> None:
     """Set each site's ``forward`` (the requested FP8 format or "bf16") and, for bf16 where
     FP8 was asked for, ``forward_reason``."""
+    if config.forward == "bf16":
+        return
+    shares: Dict[str, int] = {}
+    for s in sites:
+        if s.group:
+            shares[s.group] = shares.get(s.group, 0) + 1
     for s in sites:
         x, y = s.x.meta.get("val"), s.fwd.meta.get("val")
         if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
@@ -51,14 +59,8 @@ def _gate(sites: List[LinearSite], config, shares: Dict[str, int]) -> None:
 
 
 def rewrite_forward(graph: Graph, sites: List[LinearSite], config, fake_mode) -> None:
-    """Replace the forward GEMM of every rewritten site the gate lets through."""
-    if config.forward == "bf16":
-        return
-    shares: Dict[str, int] = {}
-    for s in sites:
-        if s.group:
-            shares[s.group] = shares.get(s.group, 0) + 1
-    _gate(sites, config, shares)
+    """Replace the forward GEMM of every rewritten site the gate (``gate_forward``, run
+    first) let through."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     todo = sorted((s for s in sites if s.forward != "bf16"), key=lambda s: order[s.fwd])
     casts: Dict[object, tuple] = {}
@@ -75,12 +77,12 @@ def rewrite_forward(graph: Graph, sites: List[LinearSite], config, fake_mode) ->
         dtype = s.fwd.meta["val"].dtype
         w_dtype = s.wt.meta["val"].dtype
 
-        def site_gemm(wt, xq, sx, bias, dtype=dtype, rowwise=rowwise, w_dtype=w_dtype):
-            wq, sw = F8.weight_operand(wt, rowwise, w_dtype)
+        def site_gemm(wt, xq, sx, bias, w_max, dtype=dtype, rowwise=rowwise, w_dtype=w_dtype):
+            wq, sw = F8.weight_operand(wt, rowwise, w_dtype, w_max)
             return F8.scaled_linear(xq, sx, wq, sw, bias, dtype)
 
-        y = emit(graph, site_gemm, (s.wt, xq, sx, _bias(s)), s.fwd, "is_forward", s.fwd,
-                 fake_mode, meta)
+        y = emit(graph, site_gemm, (s.wt, xq, sx, _bias(s), s.w_max), s.fwd, "is_forward",
+                 s.fwd, fake_mode, meta)
         s.fwd.replace_all_uses_with(y)
         graph.erase_node(s.fwd)
         s.fwd = y

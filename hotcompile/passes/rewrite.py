@@ -28,7 +28,7 @@ from ..runtime.lqs import TABLE as LQS
 from . import cost
 from .abc import compress_inputs, group_by_base, rebuild_chain, saved_format
 from .find import LinearSite, find_linear_sites, is_forward
-from .forward import rewrite_forward
+from .forward import gate_forward, rewrite_forward
 from .grad_cast import fold_gw_cast
 from .recompute import parameter_weight_chain, replay_without_cast
 from .graph_utils import add_node, fake_mode_of, fake_run
@@ -223,7 +223,7 @@ def rewrite_joint_graph(graph: Graph, config, params: Optional[Set[Node]] = None
         s.rewritten_gx = gx
         _replace(graph, s.gx, gx, s.gx_t, fake_mode)
     _share_seeds(graph, todo, fake_mode)
-    rewrite_forward(graph, todo, config, fake_mode)
+    gate_forward(todo, config)          # weight_cast needs each site's forward format
     for s in todo:
         for old in (s.gx, s.gw):
             if old is not None and not old.users:
@@ -232,6 +232,7 @@ def rewrite_joint_graph(graph: Graph, config, params: Optional[Set[Node]] = None
             s.gw_fp32 = fold_gw_cast(graph, s.rewritten_gw, fake_mode)
     casts = own_weight_casts(graph, todo, config.kernels, fake_mode,
                              lambda op: will_splice(op, config))
+    rewrite_forward(graph, todo, config, fake_mode)
     _splice(graph, todo, buffers, config, fake_mode, casts)
     graph.eliminate_dead_code()
     graph.lint()

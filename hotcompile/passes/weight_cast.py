@@ -7,7 +7,11 @@ when the weight has enough columns for Inductor not to split the reduction (I = 
 of the bf16 copy (~0.25 ms per Llama d4096 step on an H100). ``hot::weight_cast`` takes the
 cast node's place: the same copy, bit for bit, for every reader (the forward GEMM first),
 and the column maxima from the same pass over the parameter, handed to the site's backward
-op (``w_col_max``), whose W kernel then reads W once.
+op (``w_col_max``), whose W kernel then reads W once. Under the FP8 forward the same maxima
+give W's FP8 scale (``site.w_max``, read by ``forward.py``): the column maxima's max for a
+tensor-wise scale, and row maxima the kernel then writes too for a row-wise one, so W's FP8
+cast is a pointwise read of the copy instead of a reduction and a second read (and the
+separate column-max reduction Inductor made beside it is gone).
 
 A cast is taken over only where that is all it changes: the site's backward is one
 ``hot::linear_backward`` op reading the copy through views that keep its (O, I) layout, and
@@ -64,32 +68,41 @@ def _castable(cast: Node, ops: set) -> bool:
 def own_weight_casts(graph: Graph, sites: List[LinearSite], kernels: str, fake_mode,
                      spliced: Callable[[Node], bool]) -> List[Node]:
     """Replace the autocast cast behind each eligible site's W by ``hot::weight_cast`` and
-    give the site's op its column maxima; returns the new ops (for splicing). ``spliced``:
-    whether a site's op will be spliced (``splice.refusal``)."""
+    give the site's op its column maxima (and, under an FP8 forward, the site its W
+    maxima: ``w_max``); returns the new ops (for splicing). ``spliced``: whether a site's
+    op will be spliced (``splice.refusal``). Run after ``forward.gate_forward``: a weight
+    gets row maxima where a site reading it has a row-wise FP8 forward."""
     units = [s for s in sites if s.rewritten_gx is not None and s.rewritten_gx.target is UNIT_OP
-             and not s.w_chain and s.forward == "bf16" and spliced(s.rewritten_gx)]
+             and not s.w_chain and spliced(s.rewritten_gx)]
     ops = {s.rewritten_gx for s in units}
-    owned: Dict[Node, Tuple[Node, Node]] = {}     # weight_cast op -> (copy, maxima)
+    rowwise = {_source(s.rewritten_gx.args[_W_ARG]) for s in units
+               if s.forward == "fp8_rowwise"}
+    owned: Dict[Node, Tuple[Node, Node, Node]] = {}     # weight_cast op -> (copy, maxima)
     for s in units:
         unit = s.rewritten_gx
         w = unit.args[_W_ARG]
         src = _source(w)
         if src.op == "call_function" and src.target is operator.getitem \
                 and src.args[0] in owned and src.args[1] == 0:
-            copy, col_max = owned[src.args[0]]          # a weight another site owns
+            copy, col_max, row_max = owned[src.args[0]]          # a weight another site owns
         elif src.op == "call_function" and src.target in CASTS and _same_layout(w, src) \
                 and _castable(src, ops):
-            op = add_node(graph, WEIGHT_CAST_OP, (src.args[0], src.meta["val"].dtype, kernels),
+            op = add_node(graph, WEIGHT_CAST_OP, (src.args[0], src.meta["val"].dtype, kernels,
+                                                  src in rowwise),
                           before=src, tag="is_forward", like=src, fake_mode=fake_mode)
-            copy, col_max = (add_node(graph, operator.getitem, (op, i), before=src,
-                                      tag="is_forward", like=src, val=op.meta["val"][i])
-                             for i in range(2))
+            copy, col_max, row_max = (add_node(graph, operator.getitem, (op, i), before=src,
+                                               tag="is_forward", like=src,
+                                               val=op.meta["val"][i]) for i in range(3))
             src.replace_all_uses_with(copy)
             graph.erase_node(src)
-            owned[op] = (copy, col_max)
+            owned[op] = (copy, col_max, row_max)
         else:
             continue
         if _same_layout(w, copy):       # W is the copy itself, not a transpose of it
             unit.kwargs = {**unit.kwargs, "w_col_max": col_max}
             s.w_cast = True
+            if s.forward == "fp8":
+                s.w_max = col_max
+            elif s.forward == "fp8_rowwise" and row_max.args[0].args[3]:   # op has row maxima
+                s.w_max = row_max
     return list(owned)
