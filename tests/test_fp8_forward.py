@@ -369,3 +369,61 @@ def test_fp8_weight_scale_comes_from_the_weight_casts_maxima(monkeypatch, forwar
     _, _, theirs = step(False)
     for a, b in zip(ours, theirs):
         assert torch.equal(a, b)
+
+
+class _Head(torch.nn.Module):
+    def __init__(self, d=64, vocab=128):
+        super().__init__()
+        self.head = torch.nn.Linear(d, vocab, bias=False)
+
+    def forward(self, x):
+        return self.head(x)
+
+
+def _head_step(cfg, vocab=128):
+    """x (fp32 leaf) -> head under bf16 autocast, loss sum(y * r): the head's g_y is r in
+    bf16, and x.grad its g_x."""
+    torch._dynamo.reset()
+    torch.manual_seed(6)
+    m, x = _Head(vocab=vocab), torch.randn(2, 32, 64, requires_grad=True)
+    r = torch.randn(2, 32, vocab)
+    be = hotcompile.backend(cfg)
+    with capture_graphs() as graphs:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = torch.compile(m, backend=be)(x)
+        (y.float() * r).sum().backward()
+    return be, graphs, m, x, r
+
+
+def test_kept_gx_on_fp8_is_the_row_wise_twin_bit_for_bit():
+    """``exact_gx_format="fp8_rowwise"``: the head's kept g_x GEMM becomes g_y @ W on
+    row-wise e4m3 with fp32 accumulation, recorded op for op: x's gradient is the twin's
+    (``fp8_linear(g, W, rowwise, fast_accum=False)``) bit for bit, within e4m3's error of
+    the exact one; its g_W stays HLA's, and the report says how its g_x runs."""
+    cfg = dict(min_features=0, exclude=(), kernels="reference")
+    be, graphs, m, x, r = _head_step(HOTConfig(**cfg, exact_gx_format="fp8_rowwise"))
+    (rec,) = be.report.layers
+    assert rec.gx_path == "FP8 row-wise e4m3 (exact_gx pattern 'head')", rec.gx_path
+    assert rec.gw_path.startswith("HLA")
+    assert _count(graphs, aten._scaled_mm.default) == 1
+    w = m.head.weight.detach().bfloat16()
+    twin = F8.fp8_linear(r.reshape(-1, 128).bfloat16(), w, None, torch.bfloat16, True, False)
+    assert torch.equal(x.grad.reshape(-1, 64), twin.float())
+    exact = r.reshape(-1, 128).bfloat16().float() @ w.float()
+    assert (x.grad.reshape(-1, 64) - exact).norm() / exact.norm() < 0.06
+    _, graphs_bf16, _, x_bf16, _ = _head_step(HOTConfig(**cfg))
+    assert _count(graphs_bf16, aten._scaled_mm.default) == 0
+    assert not torch.equal(x_bf16.grad, x.grad)
+
+
+def test_kept_gx_stays_bf16_where_fp8_does_not_fit():
+    """A head whose sizes do not fit cuBLAS's FP8 layout keeps its bf16 g_x, and the
+    report says why; a bad value names the field."""
+    cfg = dict(min_features=0, exclude=(), kernels="reference", exact_gx_format="fp8_rowwise")
+    be, graphs, *_ = _head_step(HOTConfig(**cfg), vocab=100)
+    (rec,) = be.report.layers
+    assert rec.gx_path == ("exact (exact_gx pattern 'head'; bf16: FP8 g_x needs out-features "
+                           "a multiple of 16 (got 100))"), rec.gx_path
+    assert _count(graphs, aten._scaled_mm.default) == 0
+    with pytest.raises(ValueError, match="HOTConfig.exact_gx_format"):
+        HOTConfig(exact_gx_format="fp8")

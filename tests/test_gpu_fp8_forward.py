@@ -79,3 +79,52 @@ def test_gpu_fp8_forward_under_autocast_trains_like_the_bf16_forward():
     for a, b, e in zip(g_fp8, g_bf16, [p.grad for p in m64.parameters() if p.dim() == 2]):
         assert torch.isfinite(a).all()
         assert rel(a, e) < 1.5 * rel(b, e) + 0.03, (rel(a, e), rel(b, e))
+
+
+class _LMHead(torch.nn.Module):
+    def __init__(self, d=1024, vocab=8192):
+        super().__init__()
+        self.head = torch.nn.Linear(d, vocab, bias=False)
+
+    def forward(self, x):
+        return self.head(x)
+
+
+def test_gpu_kept_gx_on_fp8_is_its_twin_and_close_to_exact():
+    """``exact_gx_format="fp8_rowwise"`` on CUDA: the head's g_x is one cuBLAS FP8 GEMM
+    (with the FP8 forward: two ``_scaled_mm`` in all), x's gradient under a cross-entropy
+    loss (logit-like g_y: softmax minus one-hot) is the row-wise twin's up to levels on a
+    rounding boundary, and within e4m3's error of the exact g_x."""
+    torch.manual_seed(0)
+    m = _LMHead().cuda()
+    x = torch.randn(4, 512, 1024, device="cuda", requires_grad=True)
+    t = torch.randint(0, 8192, (4 * 512,), device="cuda")
+
+    def step(cfg):
+        torch._dynamo.reset()
+        x.grad = None
+        be = hotcompile.backend(cfg)
+        with capture_graphs() as graphs, torch.autocast("cuda", dtype=torch.bfloat16):
+            y = torch.compile(m, backend=be)(x)
+        loss = torch.nn.functional.cross_entropy(y.float().reshape(-1, 8192), t)
+        loss.backward()
+        return be, graphs, x.grad.clone()
+
+    be, graphs, gx = step(HOTConfig(forward="fp8_rowwise", exact_gx_format="fp8_rowwise",
+                                    **CFG))
+    (rec,) = be.report.layers
+    assert rec.gx_path.startswith("FP8 row-wise e4m3"), rec.gx_path
+    assert sum(n.target == torch.ops.aten._scaled_mm.default
+               for g in graphs for n in g.nodes) == 2
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        y = m(x)
+    p = torch.softmax(y.float().reshape(-1, 8192), -1)
+    g = ((p - torch.nn.functional.one_hot(t, 8192)) / t.numel()).bfloat16()
+    w = m.head.weight.detach().bfloat16()
+    twin = F8.fp8_linear(g, w, None, torch.bfloat16, True, False).float()
+    exact = g.float() @ w.float()
+    got = gx.reshape(-1, 1024)
+    assert rel(got, twin) < 2e-2, rel(got, twin)     # g_y itself: Inductor's vs eager softmax
+    assert rel(got, exact) < 0.06, rel(got, exact)
+    _, _, gx_bf16 = step(HOTConfig(forward="fp8_rowwise", **CFG))
+    assert rel(gx_bf16.reshape(-1, 1024), exact) < rel(got, exact)

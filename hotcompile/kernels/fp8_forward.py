@@ -111,35 +111,40 @@ def weight_operand(wt, rowwise: bool = False, dtype: torch.dtype | None = None,
     return aten.permute.default(q, [1, 0]), s
 
 
-def fp8_linear(x, wt, bias=None, dtype: torch.dtype | None = None, rowwise: bool = False):
+def fp8_linear(x, wt, bias=None, dtype: torch.dtype | None = None, rowwise: bool = False,
+               fast_accum: bool = FAST_ACCUM, x_dtype: torch.dtype | None = None,
+               w_dtype: torch.dtype | None = None):
     """The reference twin of a rewritten forward site: x (L, I) @ wt (I, O) (+ bias) on e4m3
-    operands, tensor-wise or (``rowwise``) with a scale per token and per output feature."""
-    xq, sx = e4m3_cast(x, rowwise, contiguous=True)
-    wq, sw = weight_operand(wt, rowwise)
-    return scaled_linear(xq, sx, wq, sw, bias, dtype or x.dtype)
+    operands, tensor-wise or (``rowwise``) with a scale per token and per output feature.
+    Also a kept g_x on FP8 (``passes/kept_gx.py``): g (L, O) @ W (O, I), fp32 accumulation.
+    ``x_dtype`` / ``w_dtype``: the operands' dtypes when they are graph proxies."""
+    xq, sx = e4m3_cast(x, rowwise, contiguous=True, dtype=x_dtype)
+    wq, sw = weight_operand(wt, rowwise, w_dtype)
+    return scaled_linear(xq, sx, wq, sw, bias, dtype or x.dtype, fast_accum)
 
 
 FORWARDS = ("bf16", "fp8", "fp8_rowwise")
 
 
 def forward_rule(requested: str, device: torch.device, I, O,
-                 dtype: torch.dtype = torch.bfloat16) -> tuple[str, str]:
+                 dtype: torch.dtype = torch.bfloat16, what: str = "forward") -> tuple[str, str]:
     """(format, reason) of a site's forward GEMM: ``requested`` ("fp8": tensor-wise scales,
     "fp8_rowwise") where possible, else "bf16" with the reason. Needs FP8 tensor cores on
     CUDA (compute capability >= 8.9; CPU runs ``_scaled_mm``'s reference kernel, for tests),
     in/out features that are multiples of 16 (cuBLAS's FP8 layout rule), and for row-wise
-    scales a bf16 forward (the only output the row-wise GEMM has)."""
+    scales a bf16 output (the only one the row-wise GEMM has). ``what``: the GEMM, in the
+    reasons ("g_x" for ``passes/kept_gx.py``: the same rules)."""
     if requested not in FORWARDS:
         raise ValueError(f"HOTConfig.forward must be one of {FORWARDS}, got {requested!r}")
     if requested == "bf16":
         return "bf16", ""
     if requested == "fp8_rowwise" and dtype != torch.bfloat16:
-        return "bf16", f"row-wise FP8 needs a bf16 forward (got {str(dtype).split('.')[-1]})"
+        return "bf16", f"row-wise FP8 needs a bf16 {what} (got {str(dtype).split('.')[-1]})"
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-        return "bf16", "FP8 forward needs compute capability >= 8.9"
+        return "bf16", f"FP8 {what} needs compute capability >= 8.9"
     if device.type not in ("cuda", "cpu"):
         return "bf16", f"no FP8 GEMM on {device.type}"
     for name, n in (("in", I), ("out", O)):
         if not isinstance(n, int) or n % 16:
-            return "bf16", f"FP8 forward needs {name}-features a multiple of 16 (got {n})"
+            return "bf16", f"FP8 {what} needs {name}-features a multiple of 16 (got {n})"
     return requested, ""
