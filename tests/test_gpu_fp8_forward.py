@@ -104,10 +104,10 @@ def test_gpu_kept_gx_on_fp8_is_its_twin_and_close_to_exact():
         torch._dynamo.reset()
         x.grad = None
         be = hotcompile.backend(cfg)
-        with capture_graphs() as graphs, torch.autocast("cuda", dtype=torch.bfloat16):
-            y = torch.compile(m, backend=be)(x)
-        loss = torch.nn.functional.cross_entropy(y.float().reshape(-1, 8192), t)
-        loss.backward()
+        with capture_graphs() as graphs:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                y = torch.compile(m, backend=be)(x)
+            torch.nn.functional.cross_entropy(y.float().reshape(-1, 8192), t).backward()
         return be, graphs, x.grad.clone()
 
     be, graphs, gx = step(HOTConfig(forward="fp8_rowwise", exact_gx_format="fp8_rowwise",
