@@ -397,8 +397,8 @@ def _head_step(cfg, vocab=128):
 
 def test_kept_gx_on_fp8_is_the_row_wise_twin_bit_for_bit():
     """``exact_gx_format="fp8_rowwise"``: the head's kept g_x GEMM becomes g_y @ W on
-    row-wise e4m3 with fp32 accumulation, recorded op for op: x's gradient is the twin's
-    (``fp8_linear(g, W, rowwise, fast_accum=False)``) bit for bit, within e4m3's error of
+    row-wise e4m3, recorded op for op: x's gradient is the twin's
+    (``fp8_linear(g, W, rowwise)``) bit for bit, within e4m3's error of
     the exact one; its g_W stays HLA's, and the report says how its g_x runs."""
     cfg = dict(min_features=0, exclude=(), kernels="reference")
     be, graphs, m, x, r = _head_step(HOTConfig(**cfg, exact_gx_format="fp8_rowwise"))
@@ -407,7 +407,7 @@ def test_kept_gx_on_fp8_is_the_row_wise_twin_bit_for_bit():
     assert rec.gw_path.startswith("HLA")
     assert _count(graphs, aten._scaled_mm.default) == 1
     w = m.head.weight.detach().bfloat16()
-    twin = F8.fp8_linear(r.reshape(-1, 128).bfloat16(), w, None, torch.bfloat16, True, False)
+    twin = F8.fp8_linear(r.reshape(-1, 128).bfloat16(), w, None, torch.bfloat16, True)
     assert torch.equal(x.grad.reshape(-1, 64), twin.float())
     exact = r.reshape(-1, 128).bfloat16().float() @ w.float()
     assert (x.grad.reshape(-1, 64) - exact).norm() / exact.norm() < 0.06

@@ -116,7 +116,7 @@ def fp8_linear(x, wt, bias=None, dtype: torch.dtype | None = None, rowwise: bool
                w_dtype: torch.dtype | None = None):
     """The reference twin of a rewritten forward site: x (L, I) @ wt (I, O) (+ bias) on e4m3
     operands, tensor-wise or (``rowwise``) with a scale per token and per output feature.
-    Also a kept g_x on FP8 (``passes/kept_gx.py``): g (L, O) @ W (O, I), fp32 accumulation.
+    Also a kept g_x on FP8 (``passes/kept_gx.py``): g (L, O) @ W (O, I).
     ``x_dtype`` / ``w_dtype``: the operands' dtypes when they are graph proxies."""
     xq, sx = e4m3_cast(x, rowwise, contiguous=True, dtype=x_dtype)
     wq, sw = weight_operand(wt, rowwise, w_dtype)
