@@ -73,7 +73,7 @@ class HOTConfig:
     exact_gx_format: the GEMM of those layers' g_x: ``bf16`` (default: exact, as Inductor
     compiles it) or ``fp8_rowwise``: g_y and W cast to e4m3 with round-to-nearest, one
     scale per token of g_y and per in-feature of W (torchao's row-wise recipe: no
-    Hadamard, no stochastic rounding), on cuBLAS with fast accumulation, the casts aten ops
+    Hadamard, no stochastic rounding), on cuBLAS with fp32 accumulation, the casts aten ops
     Inductor fuses with g_y's producer (the loss's backward). Only where the site is
     rewritten and the GEMM fits FP8 (bf16 g_y, dimensions multiples of 16, FP8 tensor
     cores); the report says per site. Why: Llama's 4096 -> 32000 head's g_x is the largest
