@@ -90,28 +90,33 @@ class _LMHead(torch.nn.Module):
         return self.head(x)
 
 
-def test_gpu_kept_gx_on_fp8_is_its_twin_and_close_to_exact():
+def test_gpu_kept_gx_on_fp8_is_unbiased_and_close_to_exact():
     """``exact_gx_format="fp8_rowwise"`` on CUDA: the head's g_x is one more cuBLAS FP8
-    GEMM (beside the FP8 forward's and HLA's g_W, spliced), x's gradient under a cross-entropy
-    loss (logit-like g_y: softmax minus one-hot) is the row-wise twin's up to levels on a
-    rounding boundary, and within e4m3's error of the exact g_x."""
+    GEMM (beside the FP8 forward's and HLA's g_W, spliced); x's gradient under a
+    cross-entropy loss (logit-like g_y: softmax minus one-hot) is within e4m3's error of
+    the exact g_x, and g_y's stochastic rounding (Inductor's in-kernel random bits, fresh
+    each step) averages out: the mean over steps approaches g_y @ (W's FP8 operand)."""
     torch.manual_seed(0)
     m = _LMHead().cuda()
     x = torch.randn(4, 512, 1024, device="cuda", requires_grad=True)
     t = torch.randint(0, 8192, (4 * 512,), device="cuda")
 
-    def step(cfg):
+    def step(cfg, n=1):
         torch._dynamo.reset()
-        x.grad = None
         be = hotcompile.backend(cfg)
+        cm = torch.compile(m, backend=be)
+        out = []
         with capture_graphs() as graphs:
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                y = torch.compile(m, backend=be)(x)
-            torch.nn.functional.cross_entropy(y.float().reshape(-1, 8192), t).backward()
-        return be, graphs, x.grad.clone()
+            for _ in range(n):
+                x.grad = None
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    y = cm(x)
+                torch.nn.functional.cross_entropy(y.float().reshape(-1, 8192), t).backward()
+                out.append(x.grad.reshape(-1, 1024).clone())
+        return be, graphs, out
 
-    be, graphs, gx = step(HOTConfig(forward="fp8_rowwise", exact_gx_format="fp8_rowwise",
-                                    **CFG))
+    be, graphs, gxs = step(HOTConfig(forward="fp8_rowwise", exact_gx_format="fp8_rowwise",
+                                     **CFG), n=8)
     (rec,) = be.report.layers
     assert rec.gx_path.startswith("FP8 row-wise e4m3"), rec.gx_path
     n_fp8 = sum(n.target == torch.ops.aten._scaled_mm.default for g in graphs for n in g.nodes)
@@ -120,12 +125,14 @@ def test_gpu_kept_gx_on_fp8_is_its_twin_and_close_to_exact():
     p = torch.softmax(y.float().reshape(-1, 8192), -1)
     g = ((p - torch.nn.functional.one_hot(t, 8192)) / t.numel()).bfloat16()
     w = m.head.weight.detach().bfloat16()
-    twin = F8.fp8_linear(g, w, None, torch.bfloat16, True).float()
     exact = g.float() @ w.float()
-    got = gx.reshape(-1, 1024)
-    assert rel(got, twin) < 2e-2, rel(got, twin)     # g_y itself: Inductor's vs eager softmax
-    assert rel(got, exact) < 0.06, rel(got, exact)
-    _, graphs, gx_bf16 = step(HOTConfig(forward="fp8_rowwise", **CFG))
+    assert max(rel(gx, exact) for gx in gxs) < 0.06
+    assert not torch.equal(gxs[0], gxs[1])
+    wq, sw = F8.weight_operand(w, True)
+    g_wq = g.float() @ (wq.float() * sw)
+    errs = [rel(gx, g_wq) for gx in gxs]
+    assert rel(torch.stack(gxs).mean(0), g_wq) < 0.6 * min(errs), errs
+    _, graphs, (gx_bf16,) = step(HOTConfig(forward="fp8_rowwise", **CFG))
     assert n_fp8 == 1 + sum(n.target == torch.ops.aten._scaled_mm.default
                             for g in graphs for n in g.nodes)
-    assert rel(gx_bf16.reshape(-1, 1024), exact) < rel(got, exact)
+    assert rel(gx_bf16, exact) < min(rel(gx, exact) for gx in gxs)

@@ -36,13 +36,14 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 
 E4M3_MAX = 448.0
+E4M3_MIN_NORMAL = 2.0 ** -6
 _BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16}
 AMAX_FLOOR = 1e-12
 FAST_ACCUM = True
 
 
 def e4m3_cast(t, rowwise: bool = False, contiguous: bool = False, scale_as_row: bool = False,
-              dtype: torch.dtype | None = None, amax=None):
+              dtype: torch.dtype | None = None, amax=None, stochastic: bool = False):
     """(e4m3 levels of ``t``, fp32 dequantization scale). ``t``: 2-D, any float dtype,
     ``dtype`` its dtype when ``t`` is a graph proxy (default: ``t.dtype``): a bf16 / fp16
     ``t`` is pinned to it first (a bitcast round trip; see the module's docstring).
@@ -54,7 +55,14 @@ def e4m3_cast(t, rowwise: bool = False, contiguous: bool = False, scale_as_row: 
     1-D scale: Inductor gives a view made by ``unsqueeze`` (or a keepdim reduction) any
     stride on its size-1 axis (0 or R seen on CPU), which ``_scaled_mm`` rejects.
     ``amax``: max |t| (fp32: 0-d, or (R,) row-wise) when the caller has it: the same value
-    the reduction here would give, so the same levels and scale without that read of t."""
+    the reduction here would give, so the same levels and scale without that read of t.
+    ``stochastic``: round each scaled value v up or down to its e4m3 neighbours with the
+    probabilities that make the rounding unbiased, instead of to the nearest: with the step
+    s of |v|'s binade (2^(e-3) in [2^e, 2^(e+1)), 2^-9 among subnormals), lo = floor(v / s)
+    s, and v goes to lo + s with probability (v - lo) / s, drawn from ``rand_like``
+    (Inductor's in-kernel Philox when compiled). Not "add noise, round to nearest": that
+    crosses into the finer binade below a power of two and is biased there. Used for
+    gradients (``kept_grad_input``)."""
     dtype = dtype or t.dtype
     if dtype in _BITS:          # the identity "& -1" keeps Inductor from folding the pair
         bits = aten.bitwise_and.Scalar(aten.view.dtype(t, _BITS[dtype]), -1)
@@ -65,6 +73,15 @@ def e4m3_cast(t, rowwise: bool = False, contiguous: bool = False, scale_as_row: 
     scale = aten.div.Tensor(aten.clamp_min.default(amax, AMAX_FLOOR), E4M3_MAX)
     inv = aten.reciprocal.default(scale)
     q = aten.mul.Tensor(t32, aten.unsqueeze.default(inv, 1) if rowwise else inv)
+    if stochastic:      # q -> one of its grid neighbours lo, lo + step: up w.p. (q - lo) / step
+        e = aten.floor.default(aten.log2.default(aten.clamp_min.default(
+            aten.abs.default(q), E4M3_MIN_NORMAL)))
+        step = aten.exp2.default(aten.sub.Tensor(e, 3))             # 3 mantissa bits
+        y = aten.div.Tensor(q, step)                                # exact: a power of two
+        lo = aten.floor.default(y)
+        up = aten.lt.Tensor(aten.rand_like.default(q), aten.sub.Tensor(y, lo))
+        q = aten.mul.Tensor(aten.add.Tensor(lo, prims.convert_element_type.default(
+            up, torch.float32)), step)
     # clamp_min/clamp_max, not clamp: the joint graph is past decomposition, and these two
     # are what Inductor lowers (NaN passes through both)
     q = aten.clamp_max.default(aten.clamp_min.default(q, -E4M3_MAX), E4M3_MAX)
@@ -111,16 +128,23 @@ def weight_operand(wt, rowwise: bool = False, dtype: torch.dtype | None = None,
     return aten.permute.default(q, [1, 0]), s
 
 
-def fp8_linear(x, wt, bias=None, dtype: torch.dtype | None = None, rowwise: bool = False,
-               fast_accum: bool = FAST_ACCUM, x_dtype: torch.dtype | None = None,
-               w_dtype: torch.dtype | None = None):
+def fp8_linear(x, wt, bias=None, dtype: torch.dtype | None = None, rowwise: bool = False):
     """The reference twin of a rewritten forward site: x (L, I) @ wt (I, O) (+ bias) on e4m3
-    operands, tensor-wise or (``rowwise``) with a scale per token and per output feature.
-    Also a kept g_x on FP8 (``passes/kept_gx.py``): g (L, O) @ W (O, I).
-    ``x_dtype`` / ``w_dtype``: the operands' dtypes when they are graph proxies."""
-    xq, sx = e4m3_cast(x, rowwise, contiguous=True, dtype=x_dtype)
-    wq, sw = weight_operand(wt, rowwise, w_dtype)
-    return scaled_linear(xq, sx, wq, sw, bias, dtype or x.dtype, fast_accum)
+    operands, tensor-wise or (``rowwise``) with a scale per token and per output feature."""
+    xq, sx = e4m3_cast(x, rowwise, contiguous=True)
+    wq, sw = weight_operand(wt, rowwise)
+    return scaled_linear(xq, sx, wq, sw, bias, dtype or x.dtype)
+
+
+def kept_grad_input(g, w, g_dtype: torch.dtype | None = None,
+                    w_dtype: torch.dtype | None = None):
+    """A kept g_x on FP8 (``passes/kept_gx.py``): g (L, O) @ W (O, I) on row-wise e4m3, g
+    with a scale per token and stochastically rounded (``e4m3_cast``'s ``stochastic``), W
+    with a scale per in-feature and rounded to nearest, fp32 accumulation. ``g_dtype`` /
+    ``w_dtype``: the operands' dtypes when they are graph proxies."""
+    gq, sg = e4m3_cast(g, True, contiguous=True, dtype=g_dtype, stochastic=True)
+    wq, sw = weight_operand(w, True, w_dtype)
+    return scaled_linear(gq, sg, wq, sw, None, g_dtype or g.dtype, fast_accum=False)
 
 
 FORWARDS = ("bf16", "fp8", "fp8_rowwise")
