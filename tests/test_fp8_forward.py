@@ -433,8 +433,7 @@ def test_kept_gx_on_fp8_is_row_wise_and_unbiased():
     assert rec.gx_path == "FP8 row-wise e4m3 (exact_gx pattern 'head')", rec.gx_path
     assert rec.gw_path.startswith("HLA")
     assert _count(graphs, aten._scaled_mm.default) == 1
-    assert _count(graphs, aten.rand_like.default) + sum(
-        1 for g in graphs for n in g.nodes if "random" in str(n.target)) >= 1
+    assert sum(1 for g in graphs for n in g.nodes if "rand" in str(n.target)) >= 1
     w = m.head.weight.detach().bfloat16()
     exact = r.reshape(-1, 128).bfloat16().float() @ w.float()
     errs = [rel(gx, exact) for gx in grads]

@@ -43,7 +43,8 @@ FAST_ACCUM = True
 
 
 def e4m3_cast(t, rowwise: bool = False, contiguous: bool = False, scale_as_row: bool = False,
-              dtype: torch.dtype | None = None, amax=None, stochastic: bool = False):
+              dtype: torch.dtype | None = None, amax=None, stochastic: bool = False,
+              device: torch.device | None = None):
     """(e4m3 levels of ``t``, fp32 dequantization scale). ``t``: 2-D, any float dtype,
     ``dtype`` its dtype when ``t`` is a graph proxy (default: ``t.dtype``): a bf16 / fp16
     ``t`` is pinned to it first (a bitcast round trip; see the module's docstring).
@@ -59,11 +60,13 @@ def e4m3_cast(t, rowwise: bool = False, contiguous: bool = False, scale_as_row: 
     ``stochastic``: round each scaled value v up or down to its e4m3 neighbours with the
     probabilities that make the rounding unbiased, instead of to the nearest: with the step
     s of |v|'s binade (2^(e-3) in [2^e, 2^(e+1)), 2^-9 among subnormals), lo = floor(v / s)
-    s, and v goes to lo + s with probability (v - lo) / s, drawn from ``rand_like``
-    (Inductor's in-kernel Philox when compiled). Not "add noise, round to nearest": that
+    s, and v goes to lo + s with probability (v - lo) / s, drawn from ``aten.rand`` on
+    ``device`` (``t``'s; given when ``t`` is a graph proxy; Inductor's in-kernel Philox
+    when compiled). Not "add noise, round to nearest": that
     crosses into the finer binade below a power of two and is biased there. Used for
     gradients (``kept_grad_input``)."""
     dtype = dtype or t.dtype
+    device = device or (t.device if stochastic else None)
     if dtype in _BITS:          # the identity "& -1" keeps Inductor from folding the pair
         bits = aten.bitwise_and.Scalar(aten.view.dtype(t, _BITS[dtype]), -1)
         t = aten.view.dtype(bits, dtype)
@@ -79,7 +82,11 @@ def e4m3_cast(t, rowwise: bool = False, contiguous: bool = False, scale_as_row: 
         step = aten.exp2.default(aten.sub.Tensor(e, 3))             # 3 mantissa bits
         y = aten.div.Tensor(q, step)                                # exact: a power of two
         lo = aten.floor.default(y)
-        up = aten.lt.Tensor(aten.rand_like.default(q), aten.sub.Tensor(y, lo))
+        # aten.rand, not rand_like: the graph is past decomposition, and Inductor 2.11
+        # refuses a rand_like there ("both a fallback and a decomp"); rand it makes Philox
+        shape = [aten.sym_size.int(t, 0), aten.sym_size.int(t, 1)]
+        u = aten.rand.default(shape, dtype=torch.float32, device=device, pin_memory=False)
+        up = aten.lt.Tensor(u, aten.sub.Tensor(y, lo))
         q = aten.mul.Tensor(aten.add.Tensor(lo, prims.convert_element_type.default(
             up, torch.float32)), step)
     # clamp_min/clamp_max, not clamp: the joint graph is past decomposition, and these two
@@ -137,12 +144,13 @@ def fp8_linear(x, wt, bias=None, dtype: torch.dtype | None = None, rowwise: bool
 
 
 def kept_grad_input(g, w, g_dtype: torch.dtype | None = None,
-                    w_dtype: torch.dtype | None = None):
+                    w_dtype: torch.dtype | None = None, device: torch.device | None = None):
     """A kept g_x on FP8 (``passes/kept_gx.py``): g (L, O) @ W (O, I) on row-wise e4m3, g
     with a scale per token and stochastically rounded (``e4m3_cast``'s ``stochastic``), W
     with a scale per in-feature and rounded to nearest, fp32 accumulation. ``g_dtype`` /
-    ``w_dtype``: the operands' dtypes when they are graph proxies."""
-    gq, sg = e4m3_cast(g, True, contiguous=True, dtype=g_dtype, stochastic=True)
+    ``w_dtype``, ``device``: the operands' dtypes and device when they are graph proxies."""
+    gq, sg = e4m3_cast(g, True, contiguous=True, dtype=g_dtype, stochastic=True,
+                       device=device)
     wq, sw = weight_operand(w, True, w_dtype)
     return scaled_linear(gq, sg, wq, sw, None, g_dtype or g.dtype, fast_accum=False)
 

@@ -56,11 +56,12 @@ def rewrite_kept_gx(graph: Graph, sites: List[LinearSite], config, fake_mode) ->
                 s.gx_kept += f"; bf16: {why}"
             continue
         mm = s.kept_gx_mm
-        g_dtype = s.grad.meta["val"].dtype
+        g_dtype, device = s.grad.meta["val"].dtype, s.grad.meta["val"].device
         w_dtype = s.wt.meta["val"].dtype
 
         def gx(g, wt):          # g (L, O) @ W (O, I), W = wt^T
-            return F8.kept_grad_input(g, aten.permute.default(wt, [1, 0]), g_dtype, w_dtype)
+            return F8.kept_grad_input(g, aten.permute.default(wt, [1, 0]), g_dtype, w_dtype,
+                                      device)
 
         new = emit(graph, gx, (s.grad, s.wt), mm, "is_backward", mm, fake_mode)
         if s.gx_t:              # the graph's mm computed g_x transposed
