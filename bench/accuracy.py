@@ -232,7 +232,7 @@ def _ranks_text(hist: Optional[dict]) -> str:
 
 _CFG_KEYS = ("rank", "block", "gx_bits", "gx_w_bits", "gw_bits", "gx_scale", "rank_tolerance",
              "rank_calibration_steps", "rank_calibration_start", "abc", "min_features", "kernels",
-             "exclude", "exact_gx", "exact_gx_format", "forward", "min_speedup")   # the head's treatment too
+             "exclude", "exact_gx", "forward", "min_speedup")   # the head's treatment too
 
 
 def _cfg_text(cfg: Optional[dict]) -> str:

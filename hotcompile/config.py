@@ -16,7 +16,6 @@ from .kernels.fp8_forward import FORWARDS as _FORWARDS
 
 _KERNELS = ("auto", "triton", "reference")
 _GX_SCALES = ("lqs", "token", "tensor")
-_EXACT_GX_FORMATS = ("bf16", "fp8_rowwise")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,14 +69,6 @@ class HOTConfig:
     both ``exclude`` and ``exact_gx`` stays exact; like every site, the head is rewritten
     only where the cost gate predicts it faster (Llama's 4096 -> 32000 head yes, GPT-2's
     768 -> 50257 and ViT's heads no).
-    exact_gx_format: the GEMM of those layers' g_x: ``bf16`` (default: exact, as Inductor
-    compiles it) or ``fp8_rowwise``: g_y and W cast to e4m3 with round-to-nearest, one
-    scale per token of g_y and per in-feature of W (torchao's row-wise recipe: no
-    Hadamard, no stochastic rounding), on cuBLAS with fp32 accumulation, the casts aten ops
-    Inductor fuses with g_y's producer (the loss's backward). Only where the site is
-    rewritten and the GEMM fits FP8 (bf16 g_y, dimensions multiples of 16, FP8 tensor
-    cores); the report says per site. Why: Llama's 4096 -> 32000 head's g_x is the largest
-    bf16 GEMM left with ``forward="fp8_rowwise"`` (2.6 ms of a 44.6 ms step).
     min_features: a linear with in- or out-features below this stays exact (too small to win).
     min_speedup: the cost gate (``passes/cost.py``): on a GPU, a site is rewritten only when
     its predicted exact backward time is at least this multiple of HOT's (1.0: never
@@ -116,7 +107,6 @@ class HOTConfig:
     include: Optional[Tuple[str, ...]] = None
     exclude: Tuple[str, ...] = ()
     exact_gx: Tuple[str, ...] = ("head", "lm_head")
-    exact_gx_format: str = "bf16"
     min_features: int = 256
     min_speedup: float = 1.0
     abc: bool = True
@@ -158,8 +148,6 @@ class HOTConfig:
             bad("rank_calibration_start", "must be >= 0")
         if self.gw_format not in _GW_FORMATS:
             bad("gw_format", f"must be one of {_GW_FORMATS}")
-        if self.exact_gx_format not in _EXACT_GX_FORMATS:
-            bad("exact_gx_format", f"must be one of {_EXACT_GX_FORMATS}")
         if self.forward not in _FORWARDS:
             bad("forward", f"must be one of {_FORWARDS}")
         if self.kernels not in _KERNELS:

@@ -36,15 +36,13 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 
 E4M3_MAX = 448.0
-E4M3_MIN_NORMAL = 2.0 ** -6
 _BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16}
 AMAX_FLOOR = 1e-12
 FAST_ACCUM = True
 
 
 def e4m3_cast(t, rowwise: bool = False, contiguous: bool = False, scale_as_row: bool = False,
-              dtype: torch.dtype | None = None, amax=None, stochastic: bool = False,
-              device: torch.device | None = None):
+              dtype: torch.dtype | None = None, amax=None):
     """(e4m3 levels of ``t``, fp32 dequantization scale). ``t``: 2-D, any float dtype,
     ``dtype`` its dtype when ``t`` is a graph proxy (default: ``t.dtype``): a bf16 / fp16
     ``t`` is pinned to it first (a bitcast round trip; see the module's docstring).
@@ -56,17 +54,8 @@ def e4m3_cast(t, rowwise: bool = False, contiguous: bool = False, scale_as_row: 
     1-D scale: Inductor gives a view made by ``unsqueeze`` (or a keepdim reduction) any
     stride on its size-1 axis (0 or R seen on CPU), which ``_scaled_mm`` rejects.
     ``amax``: max |t| (fp32: 0-d, or (R,) row-wise) when the caller has it: the same value
-    the reduction here would give, so the same levels and scale without that read of t.
-    ``stochastic``: round each scaled value v up or down to its e4m3 neighbours with the
-    probabilities that make the rounding unbiased, instead of to the nearest: with the step
-    s of |v|'s binade (2^(e-3) in [2^e, 2^(e+1)), 2^-9 among subnormals), lo = floor(v / s)
-    s, and v goes to lo + s with probability (v - lo) / s, drawn from ``aten.rand`` on
-    ``device`` (``t``'s; given when ``t`` is a graph proxy; Inductor's in-kernel Philox
-    when compiled). Not "add noise, round to nearest": that
-    crosses into the finer binade below a power of two and is biased there. Used for
-    gradients (``kept_grad_input``)."""
+    the reduction here would give, so the same levels and scale without that read of t."""
     dtype = dtype or t.dtype
-    device = device or (t.device if stochastic else None)
     if dtype in _BITS:          # the identity "& -1" keeps Inductor from folding the pair
         bits = aten.bitwise_and.Scalar(aten.view.dtype(t, _BITS[dtype]), -1)
         t = aten.view.dtype(bits, dtype)
@@ -76,19 +65,6 @@ def e4m3_cast(t, rowwise: bool = False, contiguous: bool = False, scale_as_row: 
     scale = aten.div.Tensor(aten.clamp_min.default(amax, AMAX_FLOOR), E4M3_MAX)
     inv = aten.reciprocal.default(scale)
     q = aten.mul.Tensor(t32, aten.unsqueeze.default(inv, 1) if rowwise else inv)
-    if stochastic:      # q -> one of its grid neighbours lo, lo + step: up w.p. (q - lo) / step
-        e = aten.floor.default(aten.log2.default(aten.clamp_min.default(
-            aten.abs.default(q), E4M3_MIN_NORMAL)))
-        step = aten.exp2.default(aten.sub.Tensor(e, 3))             # 3 mantissa bits
-        y = aten.div.Tensor(q, step)                                # exact: a power of two
-        lo = aten.floor.default(y)
-        # aten.rand, not rand_like: the graph is past decomposition, and Inductor 2.11
-        # refuses a rand_like there ("both a fallback and a decomp"); rand it makes Philox
-        shape = [aten.sym_size.int(t, 0), aten.sym_size.int(t, 1)]
-        u = aten.rand.default(shape, dtype=torch.float32, device=device, pin_memory=False)
-        up = aten.lt.Tensor(u, aten.sub.Tensor(y, lo))
-        q = aten.mul.Tensor(aten.add.Tensor(lo, prims.convert_element_type.default(
-            up, torch.float32)), step)
     # clamp_min/clamp_max, not clamp: the joint graph is past decomposition, and these two
     # are what Inductor lowers (NaN passes through both)
     q = aten.clamp_max.default(aten.clamp_min.default(q, -E4M3_MAX), E4M3_MAX)
@@ -143,40 +119,27 @@ def fp8_linear(x, wt, bias=None, dtype: torch.dtype | None = None, rowwise: bool
     return scaled_linear(xq, sx, wq, sw, bias, dtype or x.dtype)
 
 
-def kept_grad_input(g, w, g_dtype: torch.dtype | None = None,
-                    w_dtype: torch.dtype | None = None, device: torch.device | None = None):
-    """A kept g_x on FP8 (``passes/kept_gx.py``): g (L, O) @ W (O, I) on row-wise e4m3, g
-    with a scale per token and stochastically rounded (``e4m3_cast``'s ``stochastic``), W
-    with a scale per in-feature and rounded to nearest, fp32 accumulation. ``g_dtype`` /
-    ``w_dtype``, ``device``: the operands' dtypes and device when they are graph proxies."""
-    gq, sg = e4m3_cast(g, True, contiguous=True, dtype=g_dtype, stochastic=True,
-                       device=device)
-    wq, sw = weight_operand(w, True, w_dtype)
-    return scaled_linear(gq, sg, wq, sw, None, g_dtype or g.dtype, fast_accum=False)
-
-
 FORWARDS = ("bf16", "fp8", "fp8_rowwise")
 
 
 def forward_rule(requested: str, device: torch.device, I, O,
-                 dtype: torch.dtype = torch.bfloat16, what: str = "forward") -> tuple[str, str]:
+                 dtype: torch.dtype = torch.bfloat16) -> tuple[str, str]:
     """(format, reason) of a site's forward GEMM: ``requested`` ("fp8": tensor-wise scales,
     "fp8_rowwise") where possible, else "bf16" with the reason. Needs FP8 tensor cores on
     CUDA (compute capability >= 8.9; CPU runs ``_scaled_mm``'s reference kernel, for tests),
     in/out features that are multiples of 16 (cuBLAS's FP8 layout rule), and for row-wise
-    scales a bf16 output (the only one the row-wise GEMM has). ``what``: the GEMM, in the
-    reasons ("g_x" for ``passes/kept_gx.py``: the same rules)."""
+    scales a bf16 forward (the only output the row-wise GEMM has)."""
     if requested not in FORWARDS:
         raise ValueError(f"HOTConfig.forward must be one of {FORWARDS}, got {requested!r}")
     if requested == "bf16":
         return "bf16", ""
     if requested == "fp8_rowwise" and dtype != torch.bfloat16:
-        return "bf16", f"row-wise FP8 needs a bf16 {what} (got {str(dtype).split('.')[-1]})"
+        return "bf16", f"row-wise FP8 needs a bf16 forward (got {str(dtype).split('.')[-1]})"
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-        return "bf16", f"FP8 {what} needs compute capability >= 8.9"
+        return "bf16", "FP8 forward needs compute capability >= 8.9"
     if device.type not in ("cuda", "cpu"):
         return "bf16", f"no FP8 GEMM on {device.type}"
     for name, n in (("in", I), ("out", O)):
         if not isinstance(n, int) or n % 16:
-            return "bf16", f"FP8 {what} needs {name}-features a multiple of 16 (got {n})"
+            return "bf16", f"FP8 forward needs {name}-features a multiple of 16 (got {n})"
     return requested, ""

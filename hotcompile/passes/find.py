@@ -72,8 +72,6 @@ class LinearSite:
     w_chain: Optional[list] = None  # views + cast from the fp32 parameter to W (recompute.py)
     launch: str = ""              # how its HOT kernels launch: "Inductor" or "hot:: op (why)"
     gx_kept: str = ""             # why its g_x mm stays exact while g_W is HOT's (exact_gx)
-    kept_gx_mm: Optional[Node] = None  # that mm (kept_gx.py may put it on FP8)
-    kept_gx_format: str = ""      # "fp8_rowwise" where kept_gx.py did
     gw_fp32: bool = False         # g_W written in fp32, its cast folded (grad_cast.py)
     rewritten_gx: Optional[Node] = None
     rewritten_gw: Optional[Node] = None
@@ -349,7 +347,6 @@ def find_linear_sites(graph: Graph, config, params: Optional[Set[Node]] = None,
         if site.reason is None and site.gx is not None and site.gw is not None:
             hit = next((p for p in config.exact_gx if _matches(site.name, p)), None)
             if hit is not None:     # its g_x mm is left in the graph as it is
-                site.kept_gx_mm = site.gx
                 site.gx, site.gx_kept = None, f"exact_gx pattern {hit!r}"
         if site.reason is None and site.gw is not None and labels is not None:
             site.layout = labels.layout(site.x)

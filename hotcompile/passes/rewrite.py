@@ -30,7 +30,6 @@ from .abc import compress_inputs, group_by_base, rebuild_chain, saved_format
 from .find import LinearSite, find_linear_sites, is_forward
 from .forward import gate_forward, rewrite_forward
 from .grad_cast import fold_gw_cast
-from .kept_gx import rewrite_kept_gx
 from .recompute import parameter_weight_chain, replay_without_cast
 from .graph_utils import add_node, fake_mode_of, fake_run
 from .splice import refusal, splice_ops
@@ -234,7 +233,6 @@ def rewrite_joint_graph(graph: Graph, config, params: Optional[Set[Node]] = None
     casts = own_weight_casts(graph, todo, config.kernels, fake_mode,
                              lambda op: will_splice(op, config))
     rewrite_forward(graph, todo, config, fake_mode)
-    rewrite_kept_gx(graph, todo, config, fake_mode)
     _splice(graph, todo, buffers, config, fake_mode, casts)
     graph.eliminate_dead_code()
     graph.lint()
