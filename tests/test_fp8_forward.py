@@ -369,3 +369,48 @@ def test_fp8_weight_scale_comes_from_the_weight_casts_maxima(monkeypatch, forwar
     _, _, theirs = step(False)
     for a, b in zip(ours, theirs):
         assert torch.equal(a, b)
+
+
+class _Tied(torch.nn.Module):
+    """Two sites reading one weight (tied projections), on different inputs."""
+
+    def __init__(self, d=64):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(d, d), torch.nn.Linear(d, d)
+        self.b.weight = self.a.weight
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+@pytest.mark.parametrize("forward", ["fp8", "fp8_rowwise"])
+def test_a_weight_two_fp8_sites_share_gets_one_cast_with_its_maxima(monkeypatch, forward):
+    """A weight read by two sites gets one ``hot::weight_cast`` (with row maxima
+    for a row-wise forward) whose maxima both sites' FP8 scales read, and the step's output
+    and gradients are bit-equal to the one with autocast's casts left to the graph."""
+    import hotcompile.passes.rewrite as RW
+    monkeypatch.setattr(RW, "will_splice", lambda op, config: True)
+
+    def step(own):
+        if not own:
+            monkeypatch.setattr(RW, "own_weight_casts", lambda *a, **k: [])
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        m = _Tied()
+        be = hotcompile.backend(_cfg(forward=forward))
+        x = torch.randn(2, 32, 64, requires_grad=True)
+        with capture_graphs() as graphs:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = torch.compile(m, backend=be)(x)
+            y.float().square().mean().backward()
+        assert not be.report.errors
+        return be, graphs, [y.detach(), m.a.weight.grad, m.a.bias.grad, m.b.bias.grad, x.grad]
+
+    be, graphs, ours = step(True)
+    casts = [n for g in graphs for n in g.nodes if n.target is torch.ops.hot.weight_cast.default]
+    fp8 = [r for r in be.report.layers if r.forward == forward]
+    assert len(casts) == 1 and casts[0].args[3] == (forward == "fp8_rowwise")
+    assert len(fp8) == 2 and all(r.w_operand == "hot::weight_cast copy" for r in fp8)
+    _, _, theirs = step(False)
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a, b)
