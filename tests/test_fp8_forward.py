@@ -330,23 +330,18 @@ def test_autocast_forward_is_the_twin_on_bf16_operands(forward):
     assert not torch.equal(unpinned, want)     # the fp32 operands would give other levels
 
 
-@pytest.mark.parametrize("forward", ["fp8", "fp8_rowwise"])
-def test_fp8_weight_scale_comes_from_the_weight_casts_maxima(monkeypatch, forward):
-    """Under bf16 autocast with an FP8 forward, ``hot::weight_cast`` owns each site's W cast
-    as in bf16 mode (``passes/weight_cast.py``), and W's FP8 scale is read from the maxima it
-    wrote (row-wise: its row maxima, asked for with ``row_max``; tensor-wise: the column
-    maxima's max): no reduction over a weight is left in the forward, only x's. The forward
-    output and every gradient are bit-equal to the same step with autocast's casts left to
-    the graph. (CPU sites stand in for spliced CUDA ones, as in test_backend.)"""
+def _owned_casts_step(monkeypatch, make_model, forward):
+    """One bf16-autocast step of ``make_model()`` with an FP8 forward, with the weight casts
+    owned (``passes/weight_cast.py``; CPU sites stand in for spliced CUDA ones, as in
+    test_backend): (backend, graphs). Checks that the output and every gradient are
+    bit-equal to the same step with autocast's casts left to the graph."""
     import hotcompile.passes.rewrite as RW
     monkeypatch.setattr(RW, "will_splice", lambda op, config: True)
 
-    def step(own):
-        if not own:
-            monkeypatch.setattr(RW, "own_weight_casts", lambda *a, **k: [])
+    def step():
         torch._dynamo.reset()
         torch.manual_seed(0)
-        m = Block(d=64, heads=4)
+        m = make_model()
         be = hotcompile.backend(_cfg(forward=forward))
         x = torch.randn(2, 32, 64, requires_grad=True)
         with capture_graphs() as graphs:
@@ -356,8 +351,28 @@ def test_fp8_weight_scale_comes_from_the_weight_casts_maxima(monkeypatch, forwar
         assert not be.report.errors and all(r.forward == forward for r in be.report.layers)
         return be, graphs, [y.detach()] + [p.grad for p in m.parameters()] + [x.grad]
 
-    be, graphs, ours = step(True)
-    casts = [n for g in graphs for n in g.nodes if n.target is torch.ops.hot.weight_cast.default]
+    be, graphs, ours = step()
+    monkeypatch.setattr(RW, "own_weight_casts", lambda *a, **k: [])
+    _, _, theirs = step()
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a, b)
+    return be, graphs
+
+
+def _weight_casts(graphs):
+    return [n for g in graphs for n in g.nodes if n.target is torch.ops.hot.weight_cast.default]
+
+
+@pytest.mark.parametrize("forward", ["fp8", "fp8_rowwise"])
+def test_fp8_weight_scale_comes_from_the_weight_casts_maxima(monkeypatch, forward):
+    """Under bf16 autocast with an FP8 forward, ``hot::weight_cast`` owns each site's W cast
+    as in bf16 mode (``passes/weight_cast.py``), and W's FP8 scale is read from the maxima it
+    wrote (row-wise: its row maxima, asked for with ``row_max``; tensor-wise: the column
+    maxima's max): no reduction over a weight is left in the forward, only x's. The forward
+    output and every gradient are bit-equal to the same step with autocast's casts left to
+    the graph."""
+    be, graphs = _owned_casts_step(monkeypatch, lambda: Block(d=64, heads=4), forward)
+    casts = _weight_casts(graphs)
     assert len(casts) == len(be.report.layers) and all(
         n.args[3] == (forward == "fp8_rowwise") for n in casts)
     assert all(r.w_operand == "hot::weight_cast copy" for r in be.report.layers)
@@ -366,9 +381,6 @@ def test_fp8_weight_scale_comes_from_the_weight_casts_maxima(monkeypatch, forwar
     inputs = {r.name for r in be.report.layers}       # qkv, proj, fc1, fc2: 4 distinct inputs
     assert len(amaxes) - len(weights) == len(inputs)
     assert len(weights) == (0 if forward == "fp8_rowwise" else len(casts))
-    _, _, theirs = step(False)
-    for a, b in zip(ours, theirs):
-        assert torch.equal(a, b)
 
 
 class _Tied(torch.nn.Module):
@@ -388,29 +400,8 @@ def test_a_weight_two_fp8_sites_share_gets_one_cast_with_its_maxima(monkeypatch,
     """A weight read by two sites gets one ``hot::weight_cast`` (with row maxima
     for a row-wise forward) whose maxima both sites' FP8 scales read, and the step's output
     and gradients are bit-equal to the one with autocast's casts left to the graph."""
-    import hotcompile.passes.rewrite as RW
-    monkeypatch.setattr(RW, "will_splice", lambda op, config: True)
-
-    def step(own):
-        if not own:
-            monkeypatch.setattr(RW, "own_weight_casts", lambda *a, **k: [])
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        m = _Tied()
-        be = hotcompile.backend(_cfg(forward=forward))
-        x = torch.randn(2, 32, 64, requires_grad=True)
-        with capture_graphs() as graphs:
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                y = torch.compile(m, backend=be)(x)
-            y.float().square().mean().backward()
-        assert not be.report.errors
-        return be, graphs, [y.detach(), m.a.weight.grad, m.a.bias.grad, m.b.bias.grad, x.grad]
-
-    be, graphs, ours = step(True)
-    casts = [n for g in graphs for n in g.nodes if n.target is torch.ops.hot.weight_cast.default]
-    fp8 = [r for r in be.report.layers if r.forward == forward]
+    be, graphs = _owned_casts_step(monkeypatch, _Tied, forward)
+    casts = _weight_casts(graphs)
     assert len(casts) == 1 and casts[0].args[3] == (forward == "fp8_rowwise")
-    assert len(fp8) == 2 and all(r.w_operand == "hot::weight_cast copy" for r in fp8)
-    _, _, theirs = step(False)
-    for a, b in zip(ours, theirs):
-        assert torch.equal(a, b)
+    assert len(be.report.layers) == 2
+    assert all(r.w_operand == "hot::weight_cast copy" for r in be.report.layers)

@@ -24,7 +24,7 @@ checkpointing policy covers the cast. Weights shared by several sites get one op
 from __future__ import annotations
 
 import operator
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch.fx import Graph, Node
@@ -77,7 +77,8 @@ def own_weight_casts(graph: Graph, sites: List[LinearSite], kernels: str, fake_m
     ops = {s.rewritten_gx for s in units}
     rowwise = {_source(s.rewritten_gx.args[_W_ARG]) for s in units
                if s.forward == "fp8_rowwise"}
-    owned: Dict[Node, Tuple[Node, Node, Node]] = {}     # weight_cast op -> (copy, maxima)
+    # weight_cast op -> (copy, column maxima, row maxima or None where not asked for)
+    owned: Dict[Node, Tuple[Node, Node, Optional[Node]]] = {}
     for s in units:
         unit = s.rewritten_gx
         w = unit.args[_W_ARG]
@@ -87,12 +88,13 @@ def own_weight_casts(graph: Graph, sites: List[LinearSite], kernels: str, fake_m
             copy, col_max, row_max = owned[src.args[0]]          # a weight another site owns
         elif src.op == "call_function" and src.target in CASTS and _same_layout(w, src) \
                 and _castable(src, ops):
+            rows = src in rowwise
             op = add_node(graph, WEIGHT_CAST_OP, (src.args[0], src.meta["val"].dtype, kernels,
-                                                  src in rowwise),
+                                                  rows),
                           before=src, tag="is_forward", like=src, fake_mode=fake_mode)
-            copy, col_max, row_max = (add_node(graph, operator.getitem, (op, i), before=src,
-                                               tag="is_forward", like=src,
-                                               val=op.meta["val"][i]) for i in range(3))
+            item = lambda i: add_node(graph, operator.getitem, (op, i), before=src,  # noqa: E731
+                                      tag="is_forward", like=src, val=op.meta["val"][i])
+            copy, col_max, row_max = item(0), item(1), item(2) if rows else None
             src.replace_all_uses_with(copy)
             graph.erase_node(src)
             owned[op] = (copy, col_max, row_max)
@@ -103,6 +105,6 @@ def own_weight_casts(graph: Graph, sites: List[LinearSite], kernels: str, fake_m
             s.w_cast = True
             if s.forward == "fp8":
                 s.w_max = col_max
-            elif s.forward == "fp8_rowwise" and row_max.args[0].args[3]:   # op has row maxima
+            elif s.forward == "fp8_rowwise" and row_max is not None:
                 s.w_max = row_max
     return list(owned)
