@@ -15,7 +15,8 @@ stochastic e4m3, transposed, its bound from g's row maxima computed outside the 
 the site's HQ kernel writes them; ``g_pair``, g's HQ and HLA operands with a bound scale, is in
 git history: commit 6d1b2cf), ``abc_x`` (the forward's compressed input: e4m3 row-major;
 also written K-major directly, against row-major + ``transpose_padded``), ``hq_w`` (W's HQ
-operand: e4m3), ``hq_g`` / ``hq_g_sweep`` (g's per-token HQ operand at forced tiles:
+operand: e4m3), ``weight_cast`` (W's owned copy and maxima), ``weight_operands`` (HQ's W
+and the FP8 forward's W from one read of the copy), ``hq_g`` / ``hq_g_sweep`` (g's per-token HQ operand at forced tiles:
 Llama's and ViT's widths, or every width the models have), ``other_paths`` (the
 stochastic kernels off Hopper's default: int8 HLA operand, grad_out pair, per-tensor HQ).
 Old and new need not be bit-identical (a numerics change): the mismatch column says how
@@ -303,6 +304,42 @@ def bench_weight_cast(old, new, rows):
         print(json.dumps(rows[-1]), flush=True)
 
 
+def bench_weight_operands(old, new, rows):
+    """W's two forward operands from the owned copy (``fused.weight_operands``: HQ's e4m3 W
+    and the FP8 forward's W in one W kernel) against what they replace: the W kernel alone
+    plus the forward's cast as Inductor compiles ``fp8_forward.weight_operand`` (one
+    pointwise read of the copy), both timed in one CUDA graph; old = ``--rev``'s W kernel."""
+    from hotcompile.kernels import fp8_forward as F8
+    for label, O, I in W_SHAPES:
+        ws = inputs_of((O, I), scale=0.02)
+        maxima = {id(w): new.reference.weight_cast(w.float(), torch.bfloat16, True)[1:]
+                  for w in ws}
+        res = {}
+        for forward in ("fp8_rowwise", "fp8"):
+            rowwise = forward == "fp8_rowwise"
+            cast = torch.compile(lambda w, b: F8.weight_operand(w.t(), rowwise, max_bits=b),
+                                 fullgraph=True)
+
+            def before(w, cast=cast, rowwise=rowwise):
+                m, r = maxima[id(w)]
+                return (*old.hadamard.hq_weight_quant(w, 8, fp8=True, e4m3=True,
+                                                      scale_mul=1 / 16, col_max=m),
+                        *cast(w, r if rowwise else m))
+
+            def after(w, forward=forward, rowwise=rowwise):
+                m, r = maxima[id(w)]
+                return new.fused.weight_operands(w, m, r if rowwise else m, forward, True)
+            res[f"{forward} mismatch"] = mismatch(after(ws[0]), before(ws[0]))
+            res[f"{forward} W kernel + Inductor cast"] = time_ms(before, ws)
+            res[f"{forward} weight_operands"] = time_ms(after, ws)
+        res["W kernel alone (old)"] = time_ms(lambda w: old.hadamard.hq_weight_quant(
+            w, 8, fp8=True, e4m3=True, scale_mul=1 / 16, col_max=maxima[id(w)][0]), ws)
+        worst = max(v for k, v in res.items() if k.endswith("mismatch"))
+        rows.append(dict(kernel="weight_operands", shape=label, O=O, I=I, mismatch_vs_old=worst,
+                         copy_ms=copy_ms(4 * O * I), **res))
+        print(json.dumps(rows[-1]), flush=True)
+
+
 def bench_other_paths(old, new, rows):
     """The stochastic paths off Hopper's default, old against new: g's HLA operand in int8
     levels (GPUs without FP8), the grad_out pair at rank 8 (int8 saved activations) and
@@ -365,7 +402,7 @@ def main(argv=None) -> int:
     rows: list = []
     for k in a.kernels.split(","):
         {"hla_g": bench_hla_g, "abc_x": bench_abc, "hq_w": bench_hq_w,
-         "weight_cast": bench_weight_cast,
+         "weight_cast": bench_weight_cast, "weight_operands": bench_weight_operands,
          "hq_g": bench_hq_g, "hq_g_sweep": bench_hq_g_sweep,
          "other_paths": bench_other_paths}[k](old, new, rows)
     git = git_commit() or os.environ.get("HOT_GIT", "?")

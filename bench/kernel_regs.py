@@ -112,16 +112,23 @@ def kernels_for(L: int, I: int, O: int, rank: int):
                      dict(PHASE=phase, BR=max(1, 4096 // bc), BC=bc, Q=7, FP8=False,
                           INTERPRET=False), 8))
         # W levels (INT8 GEMM) or scaled e4m3 (cuBLAS FP8); W bf16, or the fp32 parameter
-        # rounded to bf16 as it is read (recompute_operands)
-        for e4m3, param in ((False, False), (True, False), (True, True)):
-            rows.append((f"hq W{' e4m3' if e4m3 else ''}{' fp32->bf16' if param else ''} "
-                         f"p{phase}", H._hq_weight_kernel,
-                         {"w_ptr": "*fp32" if param else "*bf16",
-                          "q_ptr": "*fp8e4nv" if e4m3 else "*i8",
-                          "s_ptr": "*fp32", "amax_ptr": "*i32"},
+        # rounded to bf16 as it is read (recompute_operands); e4m3 with the row-wise FP8
+        # forward's W operand written too (weight_operands; its one phase)
+        for e4m3, param, fwd in ((False, False, 0), (True, False, 0), (True, True, 0),
+                                 (True, False, 2)):
+            if fwd and phase == 1:
+                continue
+            w_type = "*fp32" if param else "*bf16"
+            rows.append((f"hq W{' e4m3' if e4m3 else ''}{' fp32->bf16' if param else ''}"
+                         f"{' + FP8 forward W' if fwd else ''} p{phase}", H._hq_weight_kernel,
+                         {"w_ptr": w_type, "q_ptr": "*fp8e4nv" if e4m3 else "*i8",
+                          "s_ptr": "*fp32", "amax_ptr": "*i32",
+                          "f_ptr": "*fp8e4nv" if fwd else w_type,
+                          "fs_ptr": "*fp32" if fwd else w_type,
+                          "fmax_ptr": "*i32" if fwd else w_type},
                          dict(PHASE=phase, BI=wbi, BO=wbo,
                               Q=448 if e4m3 else 127, FP8=False, E4M3=e4m3, INTERPRET=False,
-                              ROUND=H.tl.bfloat16 if param else None), wwarps))
+                              ROUND=H.tl.bfloat16 if param else None, FWD=fwd), wwarps))
     for what, C, stochastic in (("hla g", O, True), ("abc x", I, False)):
         for e4m3 in (False, True):     # int8 levels (INT8 GEMM) or scaled e4m3 (cuBLAS FP8)
             rp = hla._pow2_at_least(rank)

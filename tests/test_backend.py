@@ -415,7 +415,10 @@ def test_autocast_weight_copies_come_with_their_column_maxima(monkeypatch, model
     bit, so every gradient is bit-equal to the graph's without it. (Only where the site's op
     will be spliced, i.e. on CUDA: the CPU sites stand in for those here.)"""
     import hotcompile.passes.rewrite as RW
+    import hotcompile.passes.weight_cast as WC
     monkeypatch.setattr(RW, "will_splice", lambda op, config: True)
+    # as on an H100: the sites' g_x takes W as scaled e4m3, which the forward then writes
+    monkeypatch.setattr(WC, "unit_w_is_e4m3", lambda *a: True)
 
     def step(own):
         if not own:
@@ -426,10 +429,13 @@ def test_autocast_weight_copies_come_with_their_column_maxima(monkeypatch, model
     plain, graphs_plain, _ = step(False)
     fw = [g for g in graphs if not is_bw(g)]
     casts = [n for g in fw for n in g.nodes if n.target is torch.ops.hot.weight_cast.default]
+    operands = [n for g in graphs for n in g.nodes      # the partitioner may run it in either
+                if n.target is torch.ops.hot.weight_operands.default]
     n_sites = len(report.rewritten)
-    assert n_sites and 0 < len(casts) <= n_sites
+    assert n_sites and 0 < len(casts) <= n_sites and len(operands) == len(casts)
+    assert all(n.args[3] == "bf16" and n.args[4] for n in operands)   # HQ's W, no FP8 forward
     units = [n for g in graphs for n in g.nodes if n.target is HOT_OPS["unit"]]
-    assert units and all(n.kwargs.get("w_col_max") is not None for n in units)
+    assert units and all(n.kwargs.get("w_q") is not None for n in units)
     hq = [r for r in report.rewritten if r.gx_path.startswith("HQ")]      # one op per site
     assert hq and all(r.w_operand == "hot::weight_cast copy" for r in hq)
 

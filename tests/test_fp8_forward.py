@@ -35,7 +35,7 @@ def test_tensorwise_cast_scale_and_grid():
     t = torch.randn(37, 48) * 3.0
     q, s = F8.e4m3_cast(t)
     assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32 and s.dim() == 0
-    assert torch.equal(s, t.abs().max() / 448)
+    assert torch.equal(s, t.abs().max() * (1 / 448))       # as Inductor computes it on a GPU
     assert _e4m3_grid_ok(q) and q.float().abs().max() == 448       # amax lands on 448
     rel = ((q.float() * s - t).abs() / t.abs().clamp_min(1e-3 * t.abs().max())).max()
     assert rel <= 2 ** -4 + 1e-6                                     # half an e4m3 step
@@ -212,7 +212,7 @@ def test_rowwise_cast_and_twin():
     torch.manual_seed(7)
     t = torch.randn(24, 64) * torch.logspace(-3, 3, 24)[:, None]    # rows 6 decades apart
     q, s = F8.e4m3_cast(t, rowwise=True)
-    assert s.shape == (24, 1) and torch.equal(s, t.abs().amax(1, keepdim=True) / 448)
+    assert s.shape == (24, 1) and torch.equal(s, t.abs().amax(1, keepdim=True) * (1 / 448))
     assert _e4m3_grid_ok(q) and torch.equal(q.float().abs().amax(1), torch.full((24,), 448.0))
     w = torch.randn(48, 64).bfloat16()
     y = F8.fp8_linear(t.bfloat16(), w.t(), rowwise=True)
@@ -330,13 +330,17 @@ def test_autocast_forward_is_the_twin_on_bf16_operands(forward):
     assert not torch.equal(unpinned, want)     # the fp32 operands would give other levels
 
 
-def _owned_casts_step(monkeypatch, make_model, forward):
+def _owned_casts_step(monkeypatch, make_model, forward, operands=False):
     """One bf16-autocast step of ``make_model()`` with an FP8 forward, with the weight casts
     owned (``passes/weight_cast.py``; CPU sites stand in for spliced CUDA ones, as in
-    test_backend): (backend, graphs). Checks that the output and every gradient are
-    bit-equal to the same step with autocast's casts left to the graph."""
+    test_backend): (backend, graphs). ``operands``: the sites' g_x taken as on an H100 (W
+    as scaled e4m3), so ``hot::weight_operands`` writes W's operands. Checks that the
+    output and every gradient are bit-equal to the same step with autocast's casts left
+    to the graph."""
     import hotcompile.passes.rewrite as RW
+    import hotcompile.passes.weight_cast as WC
     monkeypatch.setattr(RW, "will_splice", lambda op, config: True)
+    monkeypatch.setattr(WC, "unit_w_is_e4m3", lambda *a: operands)
 
     def step():
         torch._dynamo.reset()
@@ -363,15 +367,22 @@ def _weight_casts(graphs):
     return [n for g in graphs for n in g.nodes if n.target is torch.ops.hot.weight_cast.default]
 
 
+def _nodes_of(graphs, op):
+    return [n for g in graphs for n in g.nodes if n.target is op]
+
+
+@pytest.mark.parametrize("operands", [False, True], ids=["maxima", "operands"])
 @pytest.mark.parametrize("forward", ["fp8", "fp8_rowwise"])
-def test_fp8_weight_scale_comes_from_the_weight_casts_maxima(monkeypatch, forward):
+def test_fp8_weight_scale_comes_from_the_weight_casts_maxima(monkeypatch, forward, operands):
     """Under bf16 autocast with an FP8 forward, ``hot::weight_cast`` owns each site's W cast
     as in bf16 mode (``passes/weight_cast.py``), and W's FP8 scale is read from the maxima it
     wrote (row-wise: its row maxima, asked for with ``row_max``; tensor-wise: the column
-    maxima's max): no reduction over a weight is left in the forward, only x's. The forward
-    output and every gradient are bit-equal to the same step with autocast's casts left to
-    the graph."""
-    be, graphs = _owned_casts_step(monkeypatch, lambda: Block(d=64, heads=4), forward)
+    maxima's max): no reduction over a weight is left in the forward, only x's. Where the
+    g_x takes W as scaled e4m3 (``operands``), ``hot::weight_operands`` writes both HQ's W
+    and the forward's W operand from the copy, and no FP8 cast of a weight is left in the
+    graph. The forward output and every gradient are bit-equal to the same step with
+    autocast's casts left to the graph."""
+    be, graphs = _owned_casts_step(monkeypatch, lambda: Block(d=64, heads=4), forward, operands)
     casts = _weight_casts(graphs)
     assert len(casts) == len(be.report.layers) and all(
         n.args[3] == (forward == "fp8_rowwise") for n in casts)
@@ -380,7 +391,19 @@ def test_fp8_weight_scale_comes_from_the_weight_casts_maxima(monkeypatch, forwar
     weights = [n for n in amaxes if n.args[0].target is not aten.abs.default]  # of maxima bits
     inputs = {r.name for r in be.report.layers}       # qkv, proj, fc1, fc2: 4 distinct inputs
     assert len(amaxes) - len(weights) == len(inputs)
-    assert len(weights) == (0 if forward == "fp8_rowwise" else len(casts))
+    assert len(weights) == (0 if forward == "fp8_rowwise" or operands else len(casts))
+    ops = _nodes_of(graphs, torch.ops.hot.weight_operands.default)
+    units = _nodes_of(graphs, torch.ops.hot.linear_backward.default)
+    e4m3_casts = [n for g in graphs for n in g.nodes
+                  if n.target is torch.ops.prims.convert_element_type.default
+                  and n.args[1] == torch.float8_e4m3fn]
+    if operands:
+        assert len(ops) == len(casts) and all(n.args[3] == forward and n.args[4] for n in ops)
+        assert all(u.kwargs.get("w_q") is not None for u in units)
+        assert len(e4m3_casts) == len(inputs)                  # x's casts only
+    else:
+        assert not ops and not any(u.kwargs.get("w_q") is not None for u in units)
+        assert len(e4m3_casts) == len(inputs) + len(casts)
 
 
 class _Tied(torch.nn.Module):
@@ -395,13 +418,17 @@ class _Tied(torch.nn.Module):
         return self.b(torch.relu(self.a(x)))
 
 
+@pytest.mark.parametrize("operands", [False, True], ids=["maxima", "operands"])
 @pytest.mark.parametrize("forward", ["fp8", "fp8_rowwise"])
-def test_a_weight_two_fp8_sites_share_gets_one_cast_with_its_maxima(monkeypatch, forward):
+def test_a_weight_two_fp8_sites_share_gets_one_cast_with_its_maxima(monkeypatch, forward,
+                                                                     operands):
     """A weight read by two sites gets one ``hot::weight_cast`` (with row maxima
-    for a row-wise forward) whose maxima both sites' FP8 scales read, and the step's output
+    for a row-wise forward) whose maxima both sites' FP8 scales read, or (``operands``) one
+    ``hot::weight_operands`` whose operands both sites' GEMMs read, and the step's output
     and gradients are bit-equal to the one with autocast's casts left to the graph."""
-    be, graphs = _owned_casts_step(monkeypatch, _Tied, forward)
+    be, graphs = _owned_casts_step(monkeypatch, _Tied, forward, operands)
     casts = _weight_casts(graphs)
     assert len(casts) == 1 and casts[0].args[3] == (forward == "fp8_rowwise")
+    assert len(_nodes_of(graphs, torch.ops.hot.weight_operands.default)) == int(operands)
     assert len(be.report.layers) == 2
     assert all(r.w_operand == "hot::weight_cast copy" for r in be.report.layers)

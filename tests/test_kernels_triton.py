@@ -223,6 +223,57 @@ def test_weight_cast_is_autocasts_copy_with_its_maxima(poison, dtype, O, I, row_
         assert torch.equal(s, sr) and s.shape == sr.shape and s.stride() == sr.stride()
 
 
+def _weight_copy(O, I, device="cpu"):
+    """A bf16 weight copy with rows and columns of different magnitudes, a zero row, and
+    its maxima (``reference.weight_cast``'s: columns, rows)."""
+    w = _randn(O, I, device=device) * torch.rand(O, 1, device=device) \
+        * torch.rand(1, I, device=device)
+    w[O // 2] = 0.0
+    w = w.bfloat16()
+    _, m, r = R.weight_cast(w.float(), torch.bfloat16, row_max=True)
+    return w, m, r
+
+
+def _operands_equal(got, want):
+    """Bit-equal e4m3 levels (NaN where NaN, any encoding) and fp32 scales, same layouts."""
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and a.dtype == b.dtype and a.stride() == b.stride()
+        if a.dtype == torch.float8_e4m3fn:
+            fa, fb = a.float(), b.float()
+            assert torch.equal(fa.isnan(), fb.isnan())
+            a, b = a.view(torch.uint8)[~fa.isnan()], b.view(torch.uint8)[~fb.isnan()]
+            assert torch.equal(a, b)
+        else:
+            assert torch.allclose(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+@cpu
+@pytest.mark.parametrize("forward", ["bf16", "fp8", "fp8_rowwise"])
+@pytest.mark.parametrize("O,I", [(40, 24), (300, 136)])
+def test_weight_operands_write_hqs_and_the_forwards_w_from_one_read(poison, forward, O, I):
+    """``weight_operands``: one W kernel writes HQ's scaled-e4m3 W (the operand the site's
+    own g_x would make: ``hq_weight_quant``) and the FP8 forward's W operand with its scale
+    (``fp8_forward.weight_operand`` from the maxima), bit-equal to
+    ``reference.weight_operands`` with the same layouts, over several programs both ways.
+    A NaN makes its row's (row-wise) or every (tensor-wise) forward level NaN, as the
+    reference's."""
+    w, m, r = _weight_copy(O, I)
+    fwd_max = {"fp8": m, "fp8_rowwise": r}.get(forward)
+    got = F.weight_operands(w, m, fwd_max, forward, True)
+    _operands_equal(got, R.weight_operands(w, m, fwd_max, forward, True))
+    _operands_equal(got[:2], H.hq_weight_quant(w, 8, fp8=True, e4m3=True, scale_mul=1 / 16))
+    assert got[2].numel() == (0 if forward == "bf16" else O * I)
+    if forward == "bf16":
+        return
+    w[3, 2] = float("nan")
+    _, m, r = R.weight_cast(w.float(), torch.bfloat16, row_max=True)
+    fwd_max = {"fp8": m, "fp8_rowwise": r}[forward]
+    got = F.weight_operands(w, m, fwd_max, forward, True)
+    _operands_equal(got, R.weight_operands(w, m, fwd_max, forward, True))
+    nan = got[2].float().isnan()
+    assert nan[:, 3].all() and nan.all() == (forward == "fp8")
+
+
 @cpu
 @pytest.mark.parametrize("e4m3", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -886,6 +937,32 @@ def test_gpu_weight_cast_is_autocasts_copy_with_its_maxima(O, I):
     q, s = F8.weight_operand(w.t(), True, max_bits=r)
     qr, sr = F8.weight_operand(w.t(), True)
     assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s, sr)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("forward", ["fp8", "fp8_rowwise"])
+@pytest.mark.parametrize("O,I", [(11008, 4096), (4096, 11008), (1000, 784)])
+def test_gpu_weight_operands_are_the_compiled_casts(forward, O, I):
+    """On the GPU: ``weight_operands``' forward operand bit-equal to
+    ``fp8_forward.weight_operand`` compiled by Inductor (the graph's cast where W is not
+    owned: the same approximate reciprocal), its HQ operand to the site's own W kernel's,
+    and within one e4m3 step of the eager reference (whose reciprocal is IEEE)."""
+    from hotcompile.kernels import fp8_forward as F8
+    torch.manual_seed(6)
+    w, m, r = _weight_copy(O, I, device="cuda")
+    rowwise = forward == "fp8_rowwise"
+    fwd_max = r if rowwise else m
+    got = F.weight_operands(w, m, fwd_max, forward, True)
+    _operands_equal(got[:2], H.hq_weight_quant(w, 8, fp8=True, e4m3=True, scale_mul=1 / 16))
+    cast = torch.compile(lambda w, b: F8.weight_operand(w.t(), rowwise, max_bits=b),
+                         backend="inductor", fullgraph=True)
+    _operands_equal(got[2:], cast(w, fwd_max))
+    eager = R.weight_operands(w, m, fwd_max, forward, True)
+    assert torch.equal(got[3], eager[3])
+    a, b = got[2].float(), eager[2].float()
+    assert ((a - b).abs() <= (b.abs() * 2 ** -3).clamp_min(2 ** -9)).all()   # one e4m3 step
+    assert (a != b).float().mean() < 1e-3
 
 
 class _Launches(torch.utils._python_dispatch.TorchDispatchMode):

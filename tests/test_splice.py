@@ -316,33 +316,36 @@ def test_unkeyable_launches_go_to_the_original_analysis():
 
 
 @compiled
-@pytest.mark.parametrize("row_max", [False, True])
-def test_a_weight_cast_and_its_maxima_splice_into_the_sites_kernels(hopper, row_max):
-    """``hot::weight_cast`` (the forward's W copy and its column maxima, with ``row_max``
-    its row maxima too, in place of autocast's cast) splices into one kernel node, and the
-    site's op, given the maxima as a keyword argument (``w_col_max``), splices with them as
-    an input: its W kernel reads them, and no reduction of W's columns is left (only x's
-    maximum)."""
+@pytest.mark.parametrize("forward", ["bf16", "fp8", "fp8_rowwise"])
+def test_a_weight_cast_and_its_operands_splice_into_the_sites_kernels(hopper, forward):
+    """``hot::weight_cast`` (the forward's W copy and its column maxima, with row maxima for
+    a row-wise FP8 forward, in place of autocast's cast) and ``hot::weight_operands`` after
+    it (HQ's scaled-e4m3 W, and under an FP8 forward that forward's W operand, from one
+    read of the copy) splice into one kernel node each: the W kernel reads the cast
+    kernel's maxima, the site's op, given W's operand (``w_q``, ``w_s``, as
+    passes/weight_cast.py gives them), splices without a W kernel of its own, and no
+    reduction over W is left (only x's maximum; tensor-wise, the max of W's column maxima)."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     g, x = _fakes(mode, (256, 512), (256, 384))
     (p,) = _fakes(mode, (512, 384), dtype=torch.float32)
+    rows = forward == "fp8_rowwise"
 
     def f(g, x, p):
-        w, col_max, rows = hot.weight_cast(p, torch.bfloat16, "auto", row_max)
+        w, col_max, row_max = hot.weight_cast(p, torch.bfloat16, "auto", rows)
+        fwd_max = row_max if rows else col_max if forward == "fp8" else None
+        w_q, w_s, f_q, f_s = hot.weight_operands(w, col_max, fwd_max, forward, True, "auto")
         seeds = hot.draw_seeds(g, 1)
         xq, xs = hot.abc_compress(x, 16, 8, 16, 0, False, "auto", "e4m3")
-        return w, col_max, rows, hot.linear_backward(g, xq, xs, 16, 8, 16, 0, False, "", "auto", w,
-                                               4, 8, "token", "k", seeds, 0)
+        return f_q, f_s, hot.linear_backward(g, xq, xs, 16, 8, 16, 0, False, "", "auto", w,
+                                             4, 8, "token", "k", seeds, 0, w_q=w_q, w_s=w_s)
 
     with mode:
         gm = make_fx(f, tracing_mode="fake")(g, x, p)
     for n in gm.graph.nodes:
         n.meta["partitioner_tag"] = "is_backward"
-    unit = _nodes(gm, {hot.linear_backward.default})[0]
-    col_max = gm.graph.output_node().args[0][1]
-    unit.kwargs = {"w_col_max": col_max}          # as passes/weight_cast.py gives it
+    want = [n.meta["val"] for n in gm.graph.output_node().args[0][:2]]
     how = SP.splice_ops(gm.graph, _nodes(gm, SP.BODIES), mode)
-    assert sorted(how.values()) == ["Inductor"] * 3, how
+    assert sorted(how.values()) == ["Inductor"] * 4, how
     gm.graph.eliminate_dead_code()
     gm.graph.lint()
     kernels = _nodes(gm, {WRAPPER})
@@ -350,12 +353,22 @@ def test_a_weight_cast_and_its_maxima_splice_into_the_sites_kernels(hopper, row_
     assert names.count("_weight_cast_kernel") == 1 and names.count("_hq_weight_kernel") == 1
     cast = next(k for k in kernels if _kernel_name(k) == "_weight_cast_kernel")
     wk = next(k for k in kernels if _kernel_name(k) == "_hq_weight_kernel")
-    # the W kernel's amax input is the cast kernel's amax output (a getitem of it)
-    src = wk.kwargs["kwargs"]["amax_ptr"]
+    src = wk.kwargs["kwargs"]["amax_ptr"]       # the W kernel's maxima: the cast kernel's
     while src.target is not WRAPPER:
         src = src.args[0]
     assert src is cast
-    assert len(_nodes(gm, {torch.ops.aten.amax.default})) == 1     # x's, not W's
+    if forward == "bf16":
+        assert want[0].numel() == 0
+    else:
+        fq, fs = gm.graph.output_node().args[0][:2]
+        while fq.target is not WRAPPER:
+            fq = fq.args[0]
+        assert fq is wk                          # the forward's operand: the W kernel's
+        for got, w in zip(gm.graph.output_node().args[0][:2], want):
+            v = got.meta["val"]
+            assert v.shape == w.shape and v.stride() == w.stride() and v.dtype == w.dtype
+    amaxes = _nodes(gm, {torch.ops.aten.amax.default})
+    assert len(amaxes) == 1 + (forward == "fp8")     # x's (and the column maxima's max)
 
 
 def _kernel_name(node) -> str:

@@ -122,7 +122,7 @@ def record_site(site: "LinearSite", graph_index: int, config, plan=None) -> Site
                      rank="auto (calibrating)" if measuring else rank,
                      forward=site.forward, forward_reason=site.forward_reason,
                      w_operand="fp32 parameter" if site.eligible and site.w_chain else
-                     "hot::weight_cast copy" if site.eligible and site.w_cast else "",
+                     "hot::weight_cast copy" if site.eligible and site.w_cast is not None else "",
                      launch=site.launch if site.eligible else "",
                      forward_ms=[round(v, 4) for v in site.forward_ms]
                      if site.forward_ms else None,

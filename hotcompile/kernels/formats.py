@@ -6,6 +6,8 @@ the reference twins); the kernels (``gemm.gx_format``) apply the same rule at ru
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 
@@ -26,6 +28,20 @@ def w_is_e4m3(fmt: str, w_bits: int) -> bool:
     """HQ's W operand is scaled FP8 (reference.quantize_e4m3) instead of ``w_bits`` levels:
     on the cuBLAS FP8 GEMM when the levels do not fit e4m3 exactly (8-bit W)."""
     return fmt == "cublas_fp8" and w_bits > 5
+
+
+def unit_w_is_e4m3(g: torch.Tensor, n: int, block: int, g_bits: int, w_bits: int,
+                   gw_bits: int, per_token: bool) -> bool:
+    """Whether a ``hot::linear_backward`` op on this g_y (fake or real) will run its fused
+    g_x with W as scaled e4m3 (``fused.linear_backward``'s conditions for fused kernels,
+    then ``gx_rule`` as ``gemm.gx_format`` applies it): the W operand the forward's
+    ``hot::weight_operands`` can write for it at compile time."""
+    if g.device.type != "cuda" or block != 16 \
+            or not all(2 <= b <= 8 for b in (g_bits, w_bits, gw_bits)):
+        return False
+    path = gx_rule(g_bits, w_bits, per_token, g.dtype, n,
+                   torch.cuda.get_device_capability(g.device), os.environ.get("HOT_GEMM_FORMAT"))
+    return w_is_e4m3(path, w_bits)
 
 
 GW_FORMATS = ("auto", "int8", "e4m3")

@@ -9,7 +9,7 @@ reference twin; called on ``torch.fx.Proxy`` objects (``passes/graph_utils.emit`
 record exactly these ops into the joint graph. So the compiled graph computes the
 reference by construction, and the tests compare the two on random data.
 
-Numerics (as torchao's float8 recipes): s = max(amax(|t|), 1e-12) / 448 over the tensor, or
+Numerics (as torchao's float8 recipes): s = max(amax(|t|), 1e-12) * (1 / 448) over the tensor, or
 over each row (row-wise: each token of x, each output feature of W), q = e4m3(clamp(t * (1 /
 s), -448, 448)) rounded to nearest even; the GEMM computes (q_x q_w^T) * s_x * s_w with fp32
 accumulation. The clamp is needed: torch's
@@ -62,7 +62,10 @@ def e4m3_cast(t, rowwise: bool = False, contiguous: bool = False, scale_as_row: 
     t32 = prims.convert_element_type.default(t, torch.float32)
     if amax is None:
         amax = aten.amax.default(aten.abs.default(t32), [1] if rowwise else [0, 1])
-    scale = aten.div.Tensor(aten.clamp_min.default(amax, AMAX_FLOOR), E4M3_MAX)
+    # times 1 / 448 rather than over 448: what Inductor compiles the division to on the GPU
+    # (not on the CPU), so every device and the W kernel (``hadamard._store_forward_weight``)
+    # compute the same scale
+    scale = aten.mul.Tensor(aten.clamp_min.default(amax, AMAX_FLOOR), 1.0 / E4M3_MAX)
     inv = aten.reciprocal.default(scale)
     q = aten.mul.Tensor(t32, aten.unsqueeze.default(inv, 1) if rowwise else inv)
     # clamp_min/clamp_max, not clamp: the joint graph is past decomposition, and these two

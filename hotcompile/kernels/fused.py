@@ -63,16 +63,22 @@ def gx_path(g: torch.Tensor, w: torch.Tensor, bits: int, w_bits: int, per_token:
 
 
 def _gx(g, w, bits: int, w_bits: int, per_token: bool, seed, gq=None, path=None,
-        w_amax=None, w_col_max=None) -> torch.Tensor:
+        w_amax=None, wq=None) -> torch.Tensor:
     """The fused g_x: W and (unless given as ``gq`` = (levels, scale)) g_y quantized for the
     GEMM path (``path``, else ``gx_path``'s), then that GEMM. ``w_amax``: W's zeroed
-    workspace (``hq_weight_quant``'s ``amax``); ``w_col_max``: W's column maxima when the
-    forward computed them (``weight_cast``; used by a scaled-e4m3 W)."""
+    workspace (``hq_weight_quant``'s ``amax``); ``wq``: W's scaled-e4m3 operand when the
+    forward wrote it (``weight_operands``), for a path that takes one."""
     fmt, e4m3 = path or gx_path(g, w, bits, w_bits, per_token)
     cublas = fmt == "cublas_fp8"
-    qw, sw = hadamard.hq_weight_quant(w, w_bits, fp8=fmt == "fp8" or cublas, e4m3=e4m3,
-                                      scale_mul=1.0 / 16 if cublas else 1.0, round_to=g.dtype,
-                                      amax=w_amax, col_max=w_col_max if e4m3 else None)
+    if wq is not None:
+        if not e4m3:
+            raise ValueError(f"g_x: the forward wrote W as scaled e4m3, but this g_x runs "
+                             f"{fmt} with {w_bits}-bit W levels")
+        qw, sw = wq
+    else:
+        qw, sw = hadamard.hq_weight_quant(w, w_bits, fp8=fmt == "fp8" or cublas, e4m3=e4m3,
+                                          scale_mul=1.0 / 16 if cublas else 1.0,
+                                          round_to=g.dtype, amax=w_amax)
     qg, sg = gq if gq is not None else hadamard.hq_act_quant(g, bits, per_token, seed,
                                                              fp8=fmt != "int8")
     if cublas:
@@ -87,6 +93,25 @@ def weight_cast(p: torch.Tensor, dtype: torch.dtype, row_max: bool = False):
             or p.dim() != 2 or p.numel() == 0:
         return ref.weight_cast(p, dtype, row_max)
     return hadamard.weight_cast(p, dtype, row_max)
+
+
+def weight_operands(w: torch.Tensor, col_max: torch.Tensor, fwd_max, forward: str, hq: bool):
+    """``reference.weight_operands``: with ``hq``, one read of W (``hadamard.hq_weight_quant``)
+    writes HQ's scaled-e4m3 W operand and, under an FP8 forward, that forward's W operand;
+    without it the forward's operand is ``fp8_forward.weight_operand``'s aten ops (which
+    Inductor fuses into one pointwise kernel when spliced)."""
+    rowwise = forward == "fp8_rowwise"
+    if not hq or w.dtype not in (torch.bfloat16, torch.float16) or w.numel() == 0:
+        return ref.weight_operands(w, col_max, fwd_max, forward, hq)
+    fwd = None
+    if forward != "bf16":
+        fwd = (fwd_max if rowwise else torch.amax(fwd_max, 0), rowwise)
+    out = hadamard.hq_weight_quant(w, 8, fp8=True, e4m3=True, scale_mul=1.0 / 16,
+                                   col_max=col_max, forward=fwd)
+    if fwd is None:
+        none = w.new_empty((0,), dtype=torch.float8_e4m3fn)
+        return (*out, none, none.float())
+    return out
 
 
 def abc_compress(x: torch.Tensor, rank: int, select: str = "1d", bits: int = 8,
@@ -178,13 +203,14 @@ def linear_backward(g: torch.Tensor, w: torch.Tensor, xt: torch.Tensor, x_scale:
                     rank: int, gx_bits: int, w_bits: int, gw_bits: int, per_token: bool, seed=0,
                     block: int = 16, *, seq_len: int = 0, seq_first: bool = False,
                     one_pass: bool = True, warm_other_scale: bool = False,
-                    gw_dtype: torch.dtype | None = None, w_col_max=None):
+                    gw_dtype: torch.dtype | None = None, w_q=None, w_s=None):
     """One linear layer's whole HOT backward: (g_x, g_W), bit-equal to ``hq_grad_input(g, w,
     gx_bits, per_token, seed)`` and ``hla_grad_weight(g, xt, x_scale, rank, "1d", gw_bits,
     seed + 1, out_dtype=gw_dtype)``. One seed for the site (the HLA side adds 1 on the device). ``one_pass``:
     g is read by one kernel pair for both operands (``grad_out``; int8 saved activations
     only), else by the two separate kernels (faster at rank 16: ``ops.ONE_PASS_MAX_RANK``).
-    ``w_col_max``: W's column maxima from the forward (``weight_cast``), else reduced here."""
+    ``w_q``, ``w_s``: W's scaled-e4m3 operand from the forward (``weight_operands``), else
+    quantized here."""
     lay = dict(seq_len=seq_len, seq_first=seq_first)
     if (block != _FUSED_BLOCK or not all(_fused_bits(b) for b in (gx_bits, w_bits, gw_bits))
             or xt.dtype not in (torch.int8, torch.float8_e4m3fn)
@@ -218,7 +244,7 @@ def linear_backward(g: torch.Tensor, w: torch.Tensor, xt: torch.Tensor, x_scale:
         torch.zeros((n_w + n_hla,), dtype=torch.int32, device=g.device)
     gx = _gx(g, w, gx_bits, w_bits, per_token, seed, gq=(qg, sg), path=path,
              w_amax=ws.narrow(0, 0, n_w) if ws is not None and n_w else None,
-             w_col_max=w_col_max)
+             wq=None if w_q is None else (w_q, w_s))
     if qg_t is None:    # g's HLA operand from its own kernel: Philox key seed + 1
         gw = _gw(g, xt, x_scale, rank, "1d", gw_bits, seed, lay, seed_add=1,
                  amax=bound if bound is not None else

@@ -29,10 +29,13 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
+from .fp8_forward import AMAX_FLOOR, E4M3_MAX
 from .launch import launch
 from .reference import E4M3_BOUND_Q, PHILOX_ROUNDS, philox_counters
 
 _ROUNDS = tl.constexpr(PHILOX_ROUNDS)
+E4M3_AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
+E4M3_INV_MAX = tl.constexpr(1.0 / E4M3_MAX)
 
 # =========================================================================== building blocks
 
@@ -211,6 +214,14 @@ def to_e4m3(v, s, inv_s, IEEE_DIV: tl.constexpr, INTERPRET: tl.constexpr, u=0.0,
     else:
         t = tl.clamp(t, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
         t = tl.where(t == t, t, 0.0)
+    return e4m3_from_clamped(t, INTERPRET, u, STOCHASTIC)
+
+
+@triton.jit
+def e4m3_from_clamped(t, INTERPRET: tl.constexpr, u=0.0, STOCHASTIC: tl.constexpr = False):
+    """fp32 ``t`` already within +-448 (NaN allowed) -> e4m3: the nearest (ties to even), or
+    with STOCHASTIC a neighbour drawn with ``u`` (``to_e4m3``'s docstring says how, and why
+    the interpreter rounds onto the grid first)."""
     if STOCHASTIC or INTERPRET:
         # biased exponent in place, at least 2**-6's (the subnormal step 2**-9 below it)
         ebits = tl.maximum(t.to(tl.int32, bitcast=True) & 0x7F800000, 121 << 23)
@@ -222,7 +233,10 @@ def to_e4m3(v, s, inv_s, IEEE_DIV: tl.constexpr, INTERPRET: tl.constexpr, u=0.0,
         else:
             r = ((t / step + 12582912.0) - 12582912.0) * step   # |t / step| <= 16: RNE via 1.5 * 2**23
             t = tl.where(r == 0.0, t * 0.0, r)    # an underflow keeps its sign, as cvt.rn's -0
-    return t.to(tl.float8e4nv)
+    q = t.to(tl.float8e4nv)
+    if INTERPRET:       # its conversion turns NaN into 384; the GPU's gives NaN (0x7F)
+        q = tl.where(t == t, q, tl.full(t.shape, 0x7F, tl.uint8).to(tl.float8e4nv, bitcast=True))
+    return q
 
 
 @triton.jit
@@ -405,10 +419,9 @@ def round_to_bf16(x):
 
 
 @triton.jit
-def _load_fwht_weight(w_ptr, ins, o0, O, I, stride_wo, stride_wi, BO: tl.constexpr,
+def _load_weight_tile(w_ptr, ins, o0, O, I, stride_wo, stride_wi, BO: tl.constexpr,
                       ROUND: tl.constexpr):
-    """W[o0:o0+BO, ins] read as the transposed (BI, BO) tile, rounded to ROUND (a dtype, or
-    None), transformed along O."""
+    """W[o0:o0+BO, ins] as an fp32 (BO, BI) tile, rounded to ROUND (a dtype, or None)."""
     o = o0 + tl.arange(0, BO)
     mask = (o < O)[:, None] & (ins < I)[None, :]
     x = tl.load(w_ptr + o.to(tl.int64)[:, None] * stride_wo + ins.to(tl.int64)[None, :] * stride_wi,
@@ -417,17 +430,52 @@ def _load_fwht_weight(w_ptr, ins, o0, O, I, stride_wo, stride_wi, BO: tl.constex
         x = round_to_bf16(x.to(tl.float32))
     elif ROUND is not None:
         x = x.to(ROUND)
-    return fwht16_lastdim(tl.trans(x.to(tl.float32)))
+    return x.to(tl.float32)
 
 
 @triton.jit
-def _hq_weight_kernel(w_ptr, q_ptr, s_ptr, amax_ptr, scale_mul, O, I, O_pad, stride_wo,
-                      stride_wi, ldq, PHASE: tl.constexpr, BI: tl.constexpr, BO: tl.constexpr,
-                      Q: tl.constexpr, FP8: tl.constexpr, E4M3: tl.constexpr,
-                      INTERPRET: tl.constexpr, ROUND: tl.constexpr):
+def _store_forward_weight(f_ptr, fs_ptr, fmax_ptr, x, ins, o0, O, I, first,
+                          BO: tl.constexpr, ROWWISE: tl.constexpr, INTERPRET: tl.constexpr):
+    """The FP8 forward's W operand from the tile x = W[o0:o0+BO, ins] (fp32), bit for bit
+    ``fp8_forward.e4m3_cast`` as Inductor compiles it: s = max(amax, 1e-12) * (1 / 448),
+    q = e4m3(clamp(x * (1 / s), +-448)), NaN kept. The reciprocal is Triton's ``/`` (the
+    GPU's approximate ``div.full``, what Inductor emits for ``aten.reciprocal``; exact in
+    the interpreter, as the CPU reference is). amax: W's row maxima (ROWWISE; int32 bits at ``fmax_ptr[o]``) or its
+    maximum (``fmax_ptr[0]``). q goes to the row-major (O, I) buffer at ``f_ptr``; the
+    programs of the first in-feature block (``first``) store s: per row at ``fs_ptr[o]``,
+    or the one scale at ``fs_ptr[0]`` from the program that also holds row 0."""
+    o = o0 + tl.arange(0, BO)
+    if ROWWISE:
+        amax = tl.load(fmax_ptr + o, mask=o < O, other=0).to(tl.float32, bitcast=True)
+    else:
+        amax = tl.load(fmax_ptr).to(tl.float32, bitcast=True)
+    s = tl.maximum(amax, E4M3_AMAX_FLOOR, propagate_nan=tl.PropagateNan.ALL) * E4M3_INV_MAX
+    inv = 1.0 / s       # Triton's division, as Inductor compiles e4m3_cast's reciprocal
+    if ROWWISE:
+        t = x * inv[:, None]
+    else:
+        t = x * inv
+    t = tl.clamp(t, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
+    mask = (o < O)[:, None] & (ins < I)[None, :]
+    tl.store(f_ptr + o.to(tl.int64)[:, None] * I + ins[None, :], e4m3_from_clamped(t, INTERPRET),
+             mask=mask)
+    if first:
+        if ROWWISE:
+            tl.store(fs_ptr + o, s, mask=o < O)
+        elif o0 == 0:
+            tl.store(fs_ptr, s)
+
+
+@triton.jit
+def _hq_weight_kernel(w_ptr, q_ptr, s_ptr, amax_ptr, f_ptr, fs_ptr, fmax_ptr, scale_mul, O, I,
+                      O_pad, stride_wo, stride_wi, ldq, PHASE: tl.constexpr, BI: tl.constexpr,
+                      BO: tl.constexpr, Q: tl.constexpr, FP8: tl.constexpr, E4M3: tl.constexpr,
+                      INTERPRET: tl.constexpr, ROUND: tl.constexpr, FWD: tl.constexpr):
     """The W side of HQ (reference.hq_weight): q[i, :] = RTN(H along O of W[:, i] / s_i),
     levels (Q = 2**(bits-1) - 1) or, with E4M3, scaled FP8 (Q = 448, ``to_e4m3``).
-    The stored scale is s_i * scale_mul (a power of two: exact).
+    The stored scale is s_i * scale_mul (a power of two: exact). FWD (1: tensor-wise,
+    2: row-wise; 0: none): the same read of W also writes the FP8 forward's W operand
+    (``_store_forward_weight``), so W is read once for both GEMMs that use it.
 
     Output row i (in-feature i) needs the amax over all of O, and W is small next to g,
     so levels use the two-phase scheme of ``_hq_tensor_kernel`` on a 2-D grid of
@@ -442,7 +490,11 @@ def _hq_weight_kernel(w_ptr, q_ptr, s_ptr, amax_ptr, scale_mul, O, I, O_pad, str
     n_ot = tl.cdiv(O_pad, BO)
     ins = (pid // n_ot) * BI + tl.arange(0, BI)
     o0 = (pid % n_ot) * BO
-    v = _load_fwht_weight(w_ptr, ins, o0, O, I, stride_wo, stride_wi, BO, ROUND)
+    x = _load_weight_tile(w_ptr, ins, o0, O, I, stride_wo, stride_wi, BO, ROUND)
+    v = fwht16_lastdim(tl.trans(x))             # (BI, BO): transformed along O
+    if FWD != 0 and PHASE == 2:
+        _store_forward_weight(f_ptr, fs_ptr, fmax_ptr, x, ins, o0, O, I, pid // n_ot == 0, BO,
+                              FWD == 2, INTERPRET)
     if PHASE == 1:
         tl.atomic_max(amax_ptr + ins, tl.max(abs_bits(v), axis=1), mask=ins < I)
     else:
@@ -755,7 +807,8 @@ def cast_tile(interp: bool) -> tuple[int, int, int, int]:
 
 def hq_weight_quant(w: torch.Tensor, bits: int, fp8: bool = False, e4m3: bool = False,
                     scale_mul: float = 1.0, round_to: Optional[torch.dtype] = None,
-                    amax: Optional[torch.Tensor] = None, col_max: Optional[torch.Tensor] = None):
+                    amax: Optional[torch.Tensor] = None, col_max: Optional[torch.Tensor] = None,
+                    forward: Optional[tuple] = None):
     """reference.hq_weight: W (O, I) -> (levels (I, O_pad), per-in-feature fp32 scale (I,)).
 
     ``fp8``: the levels stored as e4m3; ``e4m3``: scaled FP8 instead of levels (``bits``
@@ -767,7 +820,11 @@ def hq_weight_quant(w: torch.Tensor, bits: int, fp8: bool = False, e4m3: bool = 
     zeroed (I,) int32 workspace the caller made with others in one launch (default: its
     own). In e4m3 the scale comes from W's column maxima (``reference.e4m3_bound_scale``):
     ``col_max`` when the caller has them (int32 bits, ``weight_cast``'s), else a torch
-    reduction; the kernel runs once."""
+    reduction; the kernel runs once. ``forward`` = (maxima, rowwise): the same read of W also
+    writes the FP8 forward's W operand (``_store_forward_weight``; maxima as int32 bits:
+    W's row maxima (O,) row-wise, else a 1-element max of W), returned after the two as
+    (the column-major (I, O) e4m3 view of a row-major (O, I) buffer, fp32 scale: (1, O)
+    row-wise, else 0-d), the operand and scale ``fp8_forward.weight_operand`` gives."""
     O, I = w.shape
     O_pad = -(-O // 16) * 16
     dev = w.device
@@ -780,11 +837,21 @@ def hq_weight_quant(w: torch.Tensor, bits: int, fp8: bool = False, e4m3: bool = 
     interp = interpreting()
     bi, bo, warps = weight_tile(O_pad, interp, e4m3)
     grid = (triton.cdiv(I, bi) * triton.cdiv(O_pad, bo),)
-    args = (w, q, s, amax, float(scale_mul), O, I, O_pad, w.stride(0), w.stride(1), O_pad)
+    fwd = 0
+    f = fs = fmax = w            # read-only stand-ins: the kernel never touches them
+    if forward is not None:
+        fmax, rowwise = forward
+        fwd = 2 if rowwise else 1
+        f = torch.empty((O, I), dtype=torch.float8_e4m3fn, device=dev)
+        fs = torch.empty((O,) if rowwise else (), dtype=torch.float32, device=dev)
+    args = (w, q, s, amax, f, fs, fmax, float(scale_mul), O, I, O_pad, w.stride(0), w.stride(1),
+            O_pad)
     rnd = _TL_DTYPES.get(round_to) if w.dtype == torch.float32 else None   # never an upcast
     meta = dict(BI=bi, BO=bo, Q=int(E4M3_BOUND_Q) if e4m3 else qmax(bits), FP8=fp8, E4M3=e4m3,
-                INTERPRET=interp, ROUND=rnd, num_warps=warps)
+                INTERPRET=interp, ROUND=rnd, FWD=fwd, num_warps=warps)
     if not e4m3:
         launch(_hq_weight_kernel, grid, *args, PHASE=1, **meta)
     launch(_hq_weight_kernel, grid, *args, PHASE=2, **meta)
-    return q, s
+    if forward is None:
+        return q, s
+    return q, s, f.t(), fs.view(1, O) if fwd == 2 else fs

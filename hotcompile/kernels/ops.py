@@ -222,17 +222,17 @@ def linear_backward_body(g: Tensor, xq: Tensor, x_scale: Tensor, rank: int, gw_b
                          block: int, seq_len: int, seq_first: bool, measure: str, kernels: str,
                          w: Tensor, gx_bits: int, w_bits: int, scale: str, site: str,
                          seeds: Optional[Tensor] = None, seed_index: int = 0,
-                         gw_fp32: bool = False,
-                         w_col_max: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+                         gw_fp32: bool = False, w_q: Optional[Tensor] = None,
+                         w_s: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """(g_x, g_W) of one linear site: ``hq_grad_input`` and ``hla_grad_weight`` in one op:
     one dispatch, one seed drawn (g_W's bits from seed + 1), and up to rank
     ``ONE_PASS_MAX_RANK`` one kernel pair reading g for both operands.
 
     The first ten arguments are ``hla_grad_weight``'s, in its order, and the rest are
     ``hq_grad_input``'s: tools that read a site's g_W op (its buffer, its rank-measure key)
-    read either op alike. ``gw_fp32``: g_W in fp32 (``hla_grad_weight``). ``w_col_max``: W's
-    column maxima from the forward's ``weight_cast`` (the fused e4m3 W reads them instead of
-    reducing W again; the reference twin computes its own, the same values)."""
+    read either op alike. ``gw_fp32``: g_W in fp32 (``hla_grad_weight``). ``w_q``, ``w_s``:
+    W's scaled-e4m3 operand from the forward's ``weight_operands`` (the fused g_x reads it
+    instead of quantizing W; the reference twin quantizes w itself, to the same values)."""
     per_token, warm_other = _hq_scaling(scale, site, g, gx_bits, block)
     seed = _seed(g, seeds, seed_index)
     if measure:
@@ -242,7 +242,7 @@ def linear_backward_body(g: Tensor, xq: Tensor, x_scale: Tensor, rank: int, gw_b
         return _fused().linear_backward(g, w, xq, x_scale, rank, gx_bits, w_bits, gw_bits,
                                         per_token, seed, block, **lay,
                                         one_pass=rank <= ONE_PASS_MAX_RANK,
-                                        warm_other_scale=warm_other, w_col_max=w_col_max)
+                                        warm_other_scale=warm_other, w_q=w_q, w_s=w_s)
     return ref.linear_backward(g, w, xq, x_scale, rank, gx_bits, w_bits, gw_bits, per_token,
                                seed, block, **lay,
                                w_e4m3=_twin_w_e4m3(g, w, gx_bits, w_bits, per_token, block))
@@ -254,7 +254,7 @@ linear_backward = torch.library.custom_op("hot::linear_backward", mutates_args=(
 
 @linear_backward.register_fake
 def _(g, xq, x_scale, rank, gw_bits, block, seq_len, seq_first, measure, kernels, w, gx_bits,
-      w_bits, scale, site, seeds=None, seed_index=0, gw_fp32=False, w_col_max=None):
+      w_bits, scale, site, seeds=None, seed_index=0, gw_fp32=False, w_q=None, w_s=None):
     torch._check(g.shape[1] == w.shape[0], lambda: "linear_backward: g and w disagree on O")
     torch._check(xq.shape[0] == ref.hla_rows(g.shape[0], rank, block, seq_len),
                  lambda: "linear_backward: compressed buffer rows disagree with g")
@@ -282,3 +282,33 @@ weight_cast = torch.library.custom_op("hot::weight_cast", mutates_args=())(weigh
 def _(p, dtype, kernels, row_max=False):
     return (p.new_empty(p.shape, dtype=dtype), p.new_empty((p.shape[1],), dtype=torch.int32),
             p.new_empty((p.shape[0] if row_max else 0,), dtype=torch.int32))
+
+
+def weight_operands_body(w: Tensor, col_max: Tensor, fwd_max: Optional[Tensor], forward: str,
+                         hq: bool, kernels: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The forward's operands of an owned weight copy (``reference.weight_operands``): HQ's
+    scaled-e4m3 W (``hq``) and the FP8 forward's W (``forward``) from one read of the copy
+    on the GPU, so W's FP8 cast for the forward GEMM is no pass of its own
+    (``passes/weight_cast.py``)."""
+    if triton_usable(w, kernels):
+        return _fused().weight_operands(w, col_max, fwd_max, forward, hq)
+    return ref.weight_operands(w, col_max, fwd_max, forward, hq)
+
+
+weight_operands = torch.library.custom_op("hot::weight_operands", mutates_args=())(
+    weight_operands_body)
+
+
+@weight_operands.register_fake
+def _(w, col_max, fwd_max, forward, hq, kernels):
+    O, I = w.shape
+    e4m3, f32 = torch.float8_e4m3fn, torch.float32
+    none = w.new_empty((0,), dtype=e4m3), w.new_empty((0,), dtype=f32)
+    hq_out = (w.new_empty((I, -(-O // 16) * 16), dtype=e4m3), w.new_empty((I,), dtype=f32)) \
+        if hq else none
+    if forward == "bf16":
+        return (*hq_out, *none)
+    q = w.new_empty_strided((I, O), (1, I), dtype=e4m3)     # a row-major (O, I) buffer, viewed
+    s = w.new_empty_strided((1, O), (O, 1), dtype=f32) if forward == "fp8_rowwise" else \
+        w.new_empty((), dtype=f32)
+    return (*hq_out, q, s)

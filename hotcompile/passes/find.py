@@ -63,12 +63,14 @@ class LinearSite:
     rank: object = None           # HLA rank the rewrite used (int), set by the rewrite
     gw_format: str = "-"          # the saved activation's format ("int8" | "e4m3"), set there too
     group: str = ""               # key of the ABC group (sites sharing one compressed x)
-    w_cast: bool = False          # W and its column maxima from hot::weight_cast (weight_cast.py)
+    w_cast: Optional[Node] = None  # the hot::weight_cast op making W (weight_cast.py)
     forward: str = "bf16"         # the forward GEMM's format ("bf16" | "fp8"), passes/forward.py
     forward_reason: str = ""      # why a site asked for FP8 keeps a bf16 forward
     forward_ms: Optional[tuple] = None  # forward cost gate: (bf16 ms, FP8 ms) predicted
     w_max: Optional[Node] = None  # W's maxima for its FP8 scale (int32 bits; rows if row-wise,
     #                               else columns), from hot::weight_cast (weight_cast.py)
+    w_fp8: Optional[tuple] = None  # (W's FP8 forward operand, its scale) from
+    #                               hot::weight_operands (weight_cast.py)
     w_chain: Optional[list] = None  # views + cast from the fp32 parameter to W (recompute.py)
     launch: str = ""              # how its HOT kernels launch: "Inductor" or "hot:: op (why)"
     gx_kept: str = ""             # why its g_x mm stays exact while g_W is HOT's (exact_gx)

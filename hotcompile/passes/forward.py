@@ -9,8 +9,9 @@ group) share one cast of it. The replacement is ``kernels.fp8_forward`` recorded
 op (``graph_utils.emit``): aten ops Inductor fuses and launches, and the reference twin
 the tests compare against. The forward's saved tensors do not change: backward reads W
 and ABC's buffer, never the FP8 operands. Where ``hot::weight_cast`` made W (``weight_cast.
-py``, run between the gate and the rewrite), W's scale comes from the maxima it wrote
-(``site.w_max``) and W's FP8 cast is one pointwise read of the copy.
+py``, run between the gate and the rewrite), ``hot::weight_operands`` wrote W's FP8 operand
+in the same read of the copy as HQ's (``site.w_fp8``), or W's scale comes from the maxima
+the cast wrote (``site.w_max``) and W's FP8 cast is one pointwise read of the copy.
 """
 from __future__ import annotations
 
@@ -81,8 +82,13 @@ def rewrite_forward(graph: Graph, sites: List[LinearSite], config, fake_mode) ->
             wq, sw = F8.weight_operand(wt, rowwise, w_dtype, w_max)
             return F8.scaled_linear(xq, sx, wq, sw, bias, dtype)
 
-        y = emit(graph, site_gemm, (s.wt, xq, sx, _bias(s), s.w_max), s.fwd, "is_forward",
-                 s.fwd, fake_mode, meta)
+        if s.w_fp8 is not None:     # hot::weight_operands wrote W's operand
+            y = emit(graph, lambda xq, sx, wq, sw, bias: F8.scaled_linear(xq, sx, wq, sw, bias,
+                                                                         dtype),
+                     (xq, sx, *s.w_fp8, _bias(s)), s.fwd, "is_forward", s.fwd, fake_mode, meta)
+        else:
+            y = emit(graph, site_gemm, (s.wt, xq, sx, _bias(s), s.w_max), s.fwd, "is_forward",
+                     s.fwd, fake_mode, meta)
         s.fwd.replace_all_uses_with(y)
         graph.erase_node(s.fwd)
         s.fwd = y

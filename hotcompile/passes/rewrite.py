@@ -251,8 +251,7 @@ def _splice(graph: Graph, sites: List[LinearSite], buffers, config, fake_mode,
     Inductor launches the kernels; each site records how its backward launches, and its ABC
     and W cast (``casts``: the forward's ``hot::weight_cast`` ops) where those differ."""
     abc_ops = {k: v[0].args[0] for k, v in buffers.items()}
-    w_casts = {id(s): s.rewritten_gx.kwargs["w_col_max"].args[0] for s in sites
-               if s.w_cast and s.rewritten_gx is not None}       # before splicing rewires them
+    w_casts = {id(s): s.w_cast for s in sites if s.w_cast is not None}
     nodes: List[Node] = list(casts)
     for s in sites:
         for n in (abc_ops.get(s.group), s.rewritten_gx, s.rewritten_gw):

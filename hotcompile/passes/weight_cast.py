@@ -1,4 +1,5 @@
-"""Own autocast's cast of a rewritten site's weight: one kernel writes the copy and its maxima.
+"""Own autocast's cast of a rewritten site's weight: one kernel writes the copy and its maxima,
+and one read of the copy writes every operand the step makes from W.
 
 Why: the e4m3 W operand of HQ takes its scale from max |W[:, i]| (``reference.e4m3_bound_scale``).
 Left to Inductor, that column maximum is fused into autocast's cast of the fp32 parameter only
@@ -6,20 +7,27 @@ when the weight has enough columns for Inductor not to split the reduction (I = 
 4096 no: bench/colmax_fusion.py); otherwise it is a reduction of its own, a whole extra read
 of the bf16 copy (~0.25 ms per Llama d4096 step on an H100). ``hot::weight_cast`` takes the
 cast node's place: the same copy, bit for bit, for every reader (the forward GEMM first),
-and the column maxima from the same pass over the parameter, handed to the site's backward
-op (``w_col_max``), whose W kernel then reads W once. Under the FP8 forward the same maxima
-give W's FP8 scale (``site.w_max``, read by ``forward.py``): the column maxima's max for a
-tensor-wise scale, and row maxima the kernel then writes too for a row-wise one, so W's FP8
-cast is a pointwise read of the copy instead of a reduction and a second read (and the
-separate column-max reduction Inductor made beside it is gone).
+its column maxima and, where a reading site has a row-wise FP8 forward, its row maxima, all
+from one pass over the parameter.
+
+``hot::weight_operands`` then reads the copy once where the sites' g_x takes W as scaled
+e4m3 (``formats.unit_w_is_e4m3``: the cuBLAS FP8 g_x on Ada/Hopper): its W kernel writes
+HQ's operand (handed to the sites' backward ops as ``w_q``, ``w_s``, so they read no W)
+and, under an FP8 forward, that forward's W operand with its scale from the maxima
+(``site.w_fp8``, read by ``forward.py``). Before, W's FP8 cast was a pointwise kernel of its
+own reading the copy again: W kernel + cast 0.0421 / 0.0988 / 0.1522 ms against 0.0306 /
+0.0708 / 0.0709 ms in one kernel at Llama d4096's three W shapes (H100,
+bench/results/kernel_ab_2026-11-27T043458). Elsewhere an FP8 site gets W's maxima
+(``site.w_max``): the column maxima's max for a tensor-wise scale, the row maxima for a
+row-wise one, so its cast is one pointwise read of the copy, not a reduction and a read.
 
 A cast is taken over only where that is all it changes: the site's backward is one
 ``hot::linear_backward`` op reading the copy through views that keep its (O, I) layout, and
-that op will be spliced (``spliced``: its W kernel then reads only forward values and the
-partitioner runs it in the forward; an opaque op would read the copy in backward, and the
-partitioner keeps our op's copy, 2 bytes per weight, where it recomputes a cast); the copy
-comes from an fp32 graph input, nothing in backward reads it otherwise, and no activation
-checkpointing policy covers the cast. Weights shared by several sites get one op.
+that op will be spliced (``spliced``: its W operand then comes from forward values only;
+an opaque op would read the copy in backward, and the partitioner keeps our op's copy, 2
+bytes per weight, where it recomputes a cast); the copy comes from an fp32 graph input,
+nothing in backward reads it otherwise, and no activation checkpointing policy covers the
+cast. Weights shared by several sites get one op of each.
 """
 from __future__ import annotations
 
@@ -29,12 +37,14 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch.fx import Graph, Node
 
+from ..kernels.formats import unit_w_is_e4m3
 from .find import CASTS, LinearSite
 from .graph_utils import add_node
 from .recompute import needed_in_backward
 
 aten = torch.ops.aten
 WEIGHT_CAST_OP = torch.ops.hot.weight_cast.default
+WEIGHT_OPERANDS_OP = torch.ops.hot.weight_operands.default
 UNIT_OP = torch.ops.hot.linear_backward.default
 _VIEWS = (aten.permute.default, aten.t.default, aten.transpose.int, aten.view.default,
           aten._unsafe_view.default, aten.reshape.default, aten.alias.default)
@@ -65,13 +75,27 @@ def _castable(cast: Node, ops: set) -> bool:
             and cast.meta.get("recompute") is None and not needed_in_backward(cast, ops))
 
 
+def _w_in_forward(unit: Node) -> bool:
+    """Whether the unit op's g_x will take W as scaled e4m3: the operand the forward's
+    ``hot::weight_operands`` writes (``formats.unit_w_is_e4m3``; the op checks it again)."""
+    g, xq, w = (unit.args[i].meta.get("val") for i in (0, 1, _W_ARG))
+    if not all(isinstance(v, torch.Tensor) for v in (g, xq, w)) \
+            or xq.dtype not in (torch.int8, torch.float8_e4m3fn):
+        return False
+    a = unit.args
+    return unit_w_is_e4m3(g, w.shape[1], a[5], a[11], a[12], a[4], a[13] == "token")
+
+
 def own_weight_casts(graph: Graph, sites: List[LinearSite], kernels: str, fake_mode,
                      spliced: Callable[[Node], bool]) -> List[Node]:
-    """Replace the autocast cast behind each eligible site's W by ``hot::weight_cast`` and
-    give the site's op its column maxima (and, under an FP8 forward, the site its W
-    maxima: ``w_max``); returns the new ops (for splicing). ``spliced``: whether a site's
-    op will be spliced (``splice.refusal``). Run after ``forward.gate_forward``: a weight
-    gets row maxima where a site reading it has a row-wise FP8 forward."""
+    """Replace the autocast cast behind each eligible site's W by ``hot::weight_cast``, and
+    where the sites' g_x takes W as scaled e4m3 add ``hot::weight_operands`` after it: one
+    read of the copy writes HQ's W operand (given to the sites' ops as ``w_q``, ``w_s``)
+    and, under an FP8 forward, that forward's W operand (``site.w_fp8``). Other FP8 sites
+    get W's maxima for their scale (``site.w_max``). Returns the new ops (for splicing).
+    ``spliced``: whether a site's op will be spliced (``splice.refusal``). Run after
+    ``forward.gate_forward``: a weight gets row maxima where a site reading it has a
+    row-wise FP8 forward."""
     units = [s for s in sites if s.rewritten_gx is not None and s.rewritten_gx.target is UNIT_OP
              and not s.w_chain and spliced(s.rewritten_gx)]
     ops = {s.rewritten_gx for s in units}
@@ -79,13 +103,14 @@ def own_weight_casts(graph: Graph, sites: List[LinearSite], kernels: str, fake_m
                if s.forward == "fp8_rowwise"}
     # weight_cast op -> (copy, column maxima, row maxima or None where not asked for)
     owned: Dict[Node, Tuple[Node, Node, Optional[Node]]] = {}
+    readers: Dict[Node, List[LinearSite]] = {}      # op -> sites whose W is its copy as is
     for s in units:
         unit = s.rewritten_gx
         w = unit.args[_W_ARG]
         src = _source(w)
         if src.op == "call_function" and src.target is operator.getitem \
                 and src.args[0] in owned and src.args[1] == 0:
-            copy, col_max, row_max = owned[src.args[0]]          # a weight another site owns
+            op = src.args[0]                                     # a weight another site owns
         elif src.op == "call_function" and src.target in CASTS and _same_layout(w, src) \
                 and _castable(src, ops):
             rows = src in rowwise
@@ -94,17 +119,46 @@ def own_weight_casts(graph: Graph, sites: List[LinearSite], kernels: str, fake_m
                           before=src, tag="is_forward", like=src, fake_mode=fake_mode)
             item = lambda i: add_node(graph, operator.getitem, (op, i), before=src,  # noqa: E731
                                       tag="is_forward", like=src, val=op.meta["val"][i])
-            copy, col_max, row_max = item(0), item(1), item(2) if rows else None
-            src.replace_all_uses_with(copy)
+            owned[op] = (item(0), item(1), item(2) if rows else None)
+            src.replace_all_uses_with(owned[op][0])
             graph.erase_node(src)
-            owned[op] = (copy, col_max, row_max)
         else:
             continue
-        if _same_layout(w, copy):       # W is the copy itself, not a transpose of it
-            unit.kwargs = {**unit.kwargs, "w_col_max": col_max}
-            s.w_cast = True
-            if s.forward == "fp8":
-                s.w_max = col_max
-            elif s.forward == "fp8_rowwise" and row_max is not None:
-                s.w_max = row_max
-    return list(owned)
+        if _same_layout(w, owned[op][0]):       # W is the copy itself, not a transpose of it
+            s.w_cast = op
+            readers.setdefault(op, []).append(s)
+    new = list(owned)
+    for op, readers_of in readers.items():
+        new += _weight_operands(graph, op, owned[op], readers_of, kernels, fake_mode)
+    return new
+
+
+def _weight_operands(graph: Graph, op: Node, outs, readers: List[LinearSite], kernels: str,
+                     fake_mode) -> List[Node]:
+    """Give one owned weight's readers their operands: ``hot::weight_operands`` where any
+    reader's g_x takes W as scaled e4m3 (the forward operand in it too when the FP8 readers
+    agree on a format), else W's maxima for each FP8 reader's scale."""
+    copy, col_max, row_max = outs
+    maxima = {"fp8": col_max, "fp8_rowwise": row_max}
+    for s in readers:
+        s.w_max = maxima.get(s.forward)
+    hq = [s for s in readers if _w_in_forward(s.rewritten_gx)]
+    if not hq:
+        return []
+    fmts = {s.forward for s in readers if s.w_max is not None}
+    forward = fmts.pop() if len(fmts) == 1 else "bf16"
+    after = (row_max or col_max).next                # right after the weight_cast's outputs
+    wo = add_node(graph, WEIGHT_OPERANDS_OP, (copy, col_max, maxima.get(forward), forward,
+                                              True, kernels),
+                  before=after, tag="is_forward", like=copy, fake_mode=fake_mode)
+    item = lambda i: add_node(graph, operator.getitem, (wo, i), before=after,  # noqa: E731
+                              tag="is_forward", like=copy, val=wo.meta["val"][i])
+    w_q, w_s = item(0), item(1)
+    for s in hq:
+        s.rewritten_gx.kwargs = {**s.rewritten_gx.kwargs, "w_q": w_q, "w_s": w_s}
+    if forward != "bf16":
+        fwd = item(2), item(3)
+        for s in readers:
+            if s.forward == forward:
+                s.w_fp8, s.w_max = fwd, None
+    return [wo]
