@@ -295,3 +295,26 @@ def test_kept_bytes_match_autograd_under_autocast(tmp_path):
         assert all(r["use"] == use for r in copies), name
     assert kept_by["recompute"] < kept_by["hot"] < kept_by["exact"]
     torch._dynamo.reset()
+
+
+def test_a_spliced_sites_ops_are_named_not_followed():
+    """Splicing (on CUDA) erases a site's hot:: ops from the joint graph and clears their
+    arguments; the dump followed them to the ABC op and failed on every spliced graph
+    ("'NoneType' object has no attribute 'args'", H100, 2026-11-27). Now the site's entry
+    names them as spliced, and the .dot marks what is still in the graph."""
+    from hotcompile.passes.find import LinearSite
+    g = torch.fx.Graph()
+    x, w = g.placeholder("x"), g.placeholder("w")
+    y = g.call_function(torch.ops.aten.mm.default, (x, w))
+    comp = g.call_function(torch.ops.aten.relu.default, (x,))     # stands in for ABC
+    op = g.call_function(torch.ops.aten.add.Tensor, (y, comp))    # for the site's unit op
+    g.output((y, comp))
+    g.erase_node(op)
+    assert op.args == (None, None)
+    site = LinearSite(index=0, name="l", fwd=y, x=x, wt=w, weight=w, key="k",
+                      rewritten_gx=op, rewritten_gw=op)
+    assert dump._site_nodes(site, set(g.nodes)) == {
+        "fwd": y.name, "x": "x", "hla": op.name, "hq": op.name, "spliced": True}
+    nodes, edges = parse_dot(dump.sites_dot(g, [site], "g"))
+    assert nodes[y.name]["role"] == "forward_gemm" and nodes["x"]["role"] == "x"
+    assert op.name not in nodes and ("x", y.name) in edges

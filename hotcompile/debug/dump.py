@@ -298,6 +298,8 @@ def site_graph(graph: torch.fx.Graph, sites: list):
         if s.rewritten_gw is not None:
             mark(s.fwd, s, role="forward_gemm", fillcolor=_COLORS["core"])
             mark(s.x, s, role="x", fillcolor=_COLORS["core"])
+            if s.rewritten_gw not in alive:     # spliced: its kernels stand in the graph
+                continue
             unit = s.rewritten_gx is s.rewritten_gw      # one op: the site's whole backward
             mark(s.rewritten_gw, s, hot="hq+hla (linear_backward)" if unit else "hla",
                  fillcolor=_COLORS["hla"])
@@ -366,9 +368,18 @@ def sites_dot(graph: torch.fx.Graph, sites: list, name: str) -> str:
 
 # --------------------------------------------------------------------------- joint graph
 def _site_nodes(site, alive: set) -> dict:
-    """Names of a site's nodes in the joint graph after the pass (for graph.json / the .dot)."""
+    """Names of a site's nodes in the joint graph after the pass (for graph.json / the .dot).
+    A spliced op (``passes/splice.py``) is gone from the graph, its arguments cleared: its
+    name is kept with ``"spliced": true``, and its kernels are the graph's
+    ``triton_kernel_wrapper_functional`` nodes."""
     out = {"fwd": site.fwd.name, "x": site.x.name}
     gw = site.rewritten_gw
+    if gw is not None and gw not in alive:
+        out["hla"] = gw.name
+        out["spliced"] = True
+        if site.rewritten_gx is not None:
+            out["hq"] = site.rewritten_gx.name
+        return out
     if gw is not None:
         out["hla"] = gw.name
         buf = gw.args[1]
