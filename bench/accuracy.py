@@ -564,7 +564,9 @@ def fidelity_model(name: str, device, amp, hot_extra: dict, avg: int,
         wrapper = wl.module
         batch = wl.make_batch(bsz or wl.batch, gen)
         note = wl.notes + " (random init)"
-        hot_kw = {"exclude": wl.exclude, **wl.hot, **hot_extra}
+        # HOT's default config, as bench/train.py runs it (``wl.exclude`` is what torchao's
+        # float8 keeps in bf16, not HOT's: the head is HOT's g_W site by default)
+        hot_kw = {**wl.hot, **hot_extra}
     batch_size = int(batch[0].shape[0])
     note += f"; batch {batch_size}"
     sites = [n for n, m in wrapper.named_modules() if C.is_linear_site(m)]
