@@ -19,3 +19,8 @@ def _fresh_state():
     torch._dynamo.reset()
     TABLE.clear()
     rank.clear()
+
+
+def pytest_collection_modifyitems(config, items):
+    import gpu_marker
+    gpu_marker.check(items)
