@@ -26,23 +26,38 @@ def _run(which: str, cache: str, out: str) -> dict:
         return json.load(f)
 
 
-@pytest.mark.slow     # four processes, one compile each: ~1 min on 2 cores
+def _load(r: dict) -> float:
+    """Compile (or cache load) time: the first step minus a steady step (on CPU hot's ops
+    run as the torch reference, slower than the exact GEMMs: not what the cache is about)."""
+    return r["seconds"] - r["steady"]
+
+
+@pytest.mark.slow     # eight processes, one compile each: ~1.5 min on 2 cores
 def test_second_process_hits_the_cache_with_the_full_report(tmp_path):
     t = {}
     for which in ("hot", "inductor"):          # one cache folder per backend: both cold
-        for phase in ("cold", "warm"):
-            t[which, phase] = _run(which, str(tmp_path / which), str(tmp_path / f"{which}{phase}"))
+        t[which, "cold"] = _run(which, str(tmp_path / which), str(tmp_path / f"{which}cold"))
+    # the warm processes three times, interleaved, the fastest of each kept: the sub-second
+    # loads are compared, and with the suite in two workers (README) the other worker's
+    # load fell on one of them (hot 0.83 s against Inductor's 0.36 s in one CI run, while
+    # a run before measured them level)
+    warm_runs = {"hot": [], "inductor": []}
+    for i in range(3):
+        for which in warm_runs:
+            warm_runs[which].append(_run(which, str(tmp_path / which),
+                                         str(tmp_path / f"{which}warm{i}")))
+    for which, runs in warm_runs.items():
+        t[which, "warm"] = min(runs, key=_load)
     cold, warm = t["hot", "cold"], t["hot", "warm"]
     sec = {k: v["seconds"] for k, v in t.items()}
-    # compile (or cache load) time: the first step minus a steady step (on CPU hot's ops run
-    # as the torch reference, slower than the exact GEMMs: not what the cache is about)
-    load = {k: v["seconds"] - v["steady"] for k, v in t.items()}
+    load = {k: _load(v) for k, v in t.items()}
     print("first step (s): " + ", ".join(f"{a} {b} {v:.2f}" for (a, b), v in sec.items())
           + "; minus a steady step: " + ", ".join(f"{a} {b} {v:.2f}" for (a, b), v in load.items()))
     assert len(cold["report"]) == 16 and all(r["reason"] is None for r in cold["report"])
-    assert warm["report"] == cold["report"]              # the full report from the store
-    assert warm["lqs_keys"] == cold["lqs_keys"] and warm["lqs_keys"]
-    assert not warm["notes"], warm["notes"]
+    for w in warm_runs["hot"]:                           # the full report from the store
+        assert w["report"] == cold["report"]
+        assert w["lqs_keys"] == cold["lqs_keys"] and w["lqs_keys"]
+        assert not w["notes"], w["notes"]
     # the warm process really hit the cache (a cold hot compile costs several times this)
     assert sec["hot", "warm"] < 0.5 * sec["hot", "cold"], sec
     # acceptance: warm first step <= 1.5x Inductor's, first compile <= 1.5x Inductor's
