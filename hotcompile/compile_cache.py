@@ -74,8 +74,9 @@ def _plain(v):
     return v if v is None or isinstance(v, (int, float, str, bool)) else str(v)
 
 
-def save(key: str, records: list, registrations: dict) -> None:
-    """Store one pass run's records (``SiteRecord``s) and registrations under ``key``."""
+def save(key: str, records: list, registrations: dict, saved: Optional[dict] = None) -> None:
+    """Store one pass run's records (``SiteRecord``s) and registrations under ``key``, and
+    what the partition did to the kept activations (``saved``) once it has run."""
     rows = []
     for r in records:
         d = dataclasses.asdict(r)
@@ -85,7 +86,8 @@ def save(key: str, records: list, registrations: dict) -> None:
         if d.get("rank_errors"):
             d["rank_errors"] = {str(k): v for k, v in d["rank_errors"].items()}
         rows.append(d)
-    payload = {"format": _FORMAT, "records": rows, "registrations": registrations}
+    payload = {"format": _FORMAT, "records": rows, "registrations": registrations,
+               "saved": saved}
     folder = _folder()
     try:
         os.makedirs(folder, exist_ok=True)

@@ -13,6 +13,7 @@ from typing import Optional, Tuple, Union
 
 from .kernels.formats import GW_FORMATS as _GW_FORMATS
 from .kernels.fp8_forward import FORWARDS as _FORWARDS
+from .kernels.saved_fp8 import FORMATS as _SAVED_FORMATS
 
 _KERNELS = ("auto", "triton", "reference")
 _GX_SCALES = ("lqs", "token", "tensor")
@@ -82,6 +83,13 @@ class HOTConfig:
     of W (rebuilt from the fp32 parameter). Bit-identical gradients, less memory
     (``bench/saved_tensors.py``), one more pointwise pass in backward: off by default
     until its device timing is measured.
+    saved_activations: ``exact`` (default) or ``fp8``: the activations Inductor's
+    partitioner keeps for backward, other than HOT's own buffers, kept as e4m3 rows with
+    an fp32 scale each (``passes/saved.py`` says which: a LayerNorm's input, a GELU's,
+    an exact layer's input; never attention's, a log-softmax's or a weight's). Less memory
+    (issue 12: a ViT-B/16 step's peak), for every model, whatever the cost gate decides;
+    the backward reads values within 2^-4 of the exact ones. Off by default until the
+    accuracy gates pass with it (docs/BENCHMARKS.md).
     splice: on a GPU, copy each HOT op's fused kernels into the graph (``passes/splice.py``)
     so Inductor launches them from its own wrapper, with no Python between kernels (True);
     False keeps them behind ``hot::`` custom ops (one profiler range per op: debugging).
@@ -111,6 +119,7 @@ class HOTConfig:
     min_speedup: float = 1.0
     abc: bool = True
     recompute_operands: bool = False
+    saved_activations: str = "exact"
     splice: bool = True
     lqs_calibration_steps: int = 3
     lqs_ratio: float = 0.5
@@ -148,6 +157,8 @@ class HOTConfig:
             bad("rank_calibration_start", "must be >= 0")
         if self.gw_format not in _GW_FORMATS:
             bad("gw_format", f"must be one of {_GW_FORMATS}")
+        if self.saved_activations not in _SAVED_FORMATS:
+            bad("saved_activations", f"must be one of {_SAVED_FORMATS}")
         if self.forward not in _FORWARDS:
             bad("forward", f"must be one of {_FORWARDS}")
         if self.kernels not in _KERNELS:

@@ -38,7 +38,7 @@ from typing import List, Optional, Set
 import torch
 
 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
-from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch._inductor.custom_graph_pass import CustomGraphPass, CustomPartitionerFn
 
 from . import compile_cache
 from .config import HOTConfig
@@ -49,6 +49,7 @@ from .names import (SharedGraphNames, alias_records, compiled_root, naming_of, p
 from .passes.find import Naming, ParamSet, find_linear_sites
 from .passes.kernel_access import memoized_kernel_access
 from .passes.rewrite import RankPlan, register_runtime, registrations, rewrite_joint_graph
+from .passes.saved import compress_saved
 from .runtime import rank as RANK
 
 log = logging.getLogger("hotcompile")
@@ -113,6 +114,7 @@ class JointPass(CustomGraphPass):
         self.naming = naming or Naming()
         self.store_key = store_key
         self.sites: List = []
+        self.records: List[SiteRecord] = []
         self.ran = False
         self.regs: dict = {"lqs": [], "rank": []}
 
@@ -159,6 +161,7 @@ class JointPass(CustomGraphPass):
         records = [record_site(s, self.graph_index, self.config, self.plan) for s in sites]
         for r in records:
             r.inference = inference
+        self.records = records
         self._publish(records)
         if self.store_key:
             compile_cache.save(self.store_key, records, self.regs)
@@ -179,6 +182,8 @@ class JointPass(CustomGraphPass):
             return False
         self.regs = payload["registrations"]
         register_runtime(self.config, self.regs)
+        if payload.get("saved"):
+            self.sink.saved[self.graph_index] = payload["saved"]
         fields = {f.name for f in dataclasses.fields(SiteRecord)}
         records = [SiteRecord(graph=self.graph_index, **{k: v for k, v in d.items() if k in fields})
                    for d in payload["records"]]
@@ -186,6 +191,52 @@ class JointPass(CustomGraphPass):
             r.refresh_lqs()
         self._publish(records)
         return True
+
+
+class SavedPartitioner(CustomPartitionerFn):
+    """Inductor's min-cut partition, then FP8 for the activations it keeps
+    (``saved_activations="fp8"``, ``passes/saved.py``): installed as Inductor's
+    ``custom_partitioner_fn``, which runs after the joint passes, HOT's included.
+
+    ``uuid()`` is the joint pass's: the same code and config decide both. The summary goes
+    to the report and, with the joint pass's records, to hotcompile's store for cache hits.
+    A failure in the rewrite leaves Inductor's own partition (computed again: the first
+    one may be half rewritten)."""
+
+    def __init__(self, joint: "JointPass"):
+        self.joint = joint
+
+    def uuid(self) -> str:
+        return "saved-fp8-" + self.joint.uuid()
+
+    # Inductor deep-copies and pickles its config for cache keys, this field included
+    # (2.13 lists it in neither of its ignore lists): a copy is this object, a pickle its
+    # uuid (the joint pass it reports to holds graph nodes, which do neither)
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):
+        return str, (self.uuid(),)
+
+    def __call__(self, gm: torch.fx.GraphModule, joint_inputs, **kwargs):
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
+        joint = self.joint
+        primals = [n for n in gm.graph.find_nodes(op="placeholder") if "tangents" not in n.name]
+        params = {primals[i].name for i in joint.param_positions or () if i < len(primals)}
+        fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+        try:
+            summary = compress_saved(fw, bw, kwargs["num_fwd_outputs"], params).to_dict()
+        except Exception as e:  # noqa: BLE001 - fall back to Inductor's partition, never crash
+            log.warning("hotcompile: graph %d: saved activations kept exact: %s",
+                        joint.graph_index, e)
+            log.debug("%s", traceback.format_exc())
+            joint.sink.errors.append(f"graph {joint.graph_index}: saved activations: "
+                                     f"{type(e).__name__}: {e}")
+            return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+        joint.sink.saved[joint.graph_index] = summary
+        if joint.store_key:
+            compile_cache.save(joint.store_key, joint.records, joint.regs, saved=summary)
+        return fw, bw
 
 
 def _short(reason: str) -> str:
@@ -291,6 +342,8 @@ class HotBackend:
         joint = JointPass(self.config, self.report, graph_index, positions, plan, naming=naming)
         joint.store_key = compile_cache.graph_key(gm, example_inputs, joint.uuid())
         patches = {"joint_custom_pre_pass": joint}
+        if self.config.saved_activations == "fp8":
+            patches["custom_partitioner_fn"] = SavedPartitioner(joint)
         mode, options = kwargs.get("mode"), kwargs.get("options")
         if mode and mode != "default":
             patches.update(torch._inductor.list_mode_options(mode, kwargs.get("dynamic")))

@@ -154,6 +154,9 @@ class Report:
     layers: List[SiteRecord] = dataclasses.field(default_factory=list)
     errors: List[str] = dataclasses.field(default_factory=list)  # graphs the pass gave up on
     notes: List[str] = dataclasses.field(default_factory=list)   # run-time decisions worth knowing
+    # per graph: what ``saved_activations="fp8"`` did to the tensors kept for backward
+    # (``passes.saved.SavedSummary.to_dict()``)
+    saved: dict = dataclasses.field(default_factory=dict)
 
     @property
     def training(self) -> List[SiteRecord]:
@@ -182,7 +185,19 @@ class Report:
         for r in self.layers:
             r.refresh_lqs()
         return {"layers": [dataclasses.asdict(r) for r in self.layers], "errors": self.errors,
-                "notes": self.notes}
+                "notes": self.notes, "saved": {str(g): d for g, d in self.saved.items()}}
+
+    def _saved_lines(self) -> List[str]:
+        """One line per graph whose kept activations ``saved_activations="fp8"`` compressed."""
+        lines = []
+        for g, d in sorted(self.saved.items()):
+            line = (f"graph {g}: activations kept for backward {_fmt_bytes(d['bytes_before'])} "
+                    f"-> {_fmt_bytes(d['bytes_after'])} ({d['compressed']} in FP8, "
+                    f"{d['kept']} exact")
+            if d["reasons"]:
+                line += ": " + ", ".join(f"{n} {w}" for w, n in list(d["reasons"].items())[:4])
+            lines.append(line + ")")
+        return lines
 
     def _launch_lines(self) -> List[str]:
         """How the rewritten layers' kernels launch (``HOTConfig.splice``), on GPU graphs:
@@ -223,6 +238,7 @@ class Report:
                      f"linear inputs saved for backward: {_fmt_bytes(b)} -> {_fmt_bytes(a)}"
                      + (f" ({b / a:.1f}x smaller)" if a else ""))
         lines += self._launch_lines()
+        lines += self._saved_lines()
         ungated = sorted({r.cost_model for r in self.layers
                           if r.cost_model and r.cost_model.startswith("not gated")})
         lines += [f"cost gate not applied: {u.split(': ', 1)[1]} (min_speedup applies on GPUs)"

@@ -1,0 +1,51 @@
+"""Activations kept for backward in FP8 (``HOTConfig(saved_activations="fp8")``): each row
+of a saved tensor as e4m3 levels and one fp32 scale, written in aten ops only.
+
+Why aten ops: the compression is an amax over each row and one pointwise pass, which
+Inductor fuses with the kernel that produces the tensor in the forward (the residual add,
+the bias + GELU after a GEMM); the decompression is pointwise, fused into the backward
+kernels that read it (LayerNorm's and GELU's backward) or, before a GEMM, one pass. Called
+on real tensors these functions are the reference; called on ``torch.fx.Proxy`` objects
+(``passes/graph_utils.emit``) they record the same ops into the compiled graphs.
+
+Numerics: rows along the last axis, s = max(amax(|row|), 1e-12) * (1 / 448), q =
+e4m3(clamp(t * (1 / s), -448, 448)) rounded to nearest even; back: q * s in the saved
+tensor's dtype. e4m3 keeps 3 mantissa bits: a relative error of at most 2^-4 per element
+(6.25%), values under about 2^-18 of the row's max round to zero. A NaN or an infinity in a row
+makes the whole row NaN after the round trip (amax is NaN or inf; inf * 0 is NaN): a
+non-finite activation still gives non-finite gradients, as it would have exactly.
+"""
+from __future__ import annotations
+
+import torch
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+E4M3_MAX = 448.0
+AMAX_FLOOR = 1e-12
+FORMATS = ("exact", "fp8")
+
+
+def compress(t):
+    """``t`` (any float dtype, at least 1-D) -> (e4m3 levels, shape of ``t``; fp32 scale,
+    ``t``'s shape with a last axis of 1)."""
+    t32 = prims.convert_element_type.default(t, torch.float32)
+    amax = aten.amax.default(aten.abs.default(t32), [-1], True)
+    scale = aten.mul.Tensor(aten.clamp_min.default(amax, AMAX_FLOOR), 1.0 / E4M3_MAX)
+    q = aten.mul.Tensor(t32, aten.reciprocal.default(scale))
+    # clamp_min / clamp_max: what the graph holds past decomposition (NaN passes both)
+    q = aten.clamp_max.default(aten.clamp_min.default(q, -E4M3_MAX), E4M3_MAX)
+    return prims.convert_element_type.default(q, torch.float8_e4m3fn), scale
+
+
+def decompress(q, scale, dtype: torch.dtype):
+    """The saved tensor back in ``dtype`` from ``compress``'s pair."""
+    t32 = aten.mul.Tensor(prims.convert_element_type.default(q, torch.float32), scale)
+    return prims.convert_element_type.default(t32, dtype)
+
+
+def round_trip(t):
+    """What backward sees of ``t``: the reference of one compressed saved tensor."""
+    q, s = compress(t)
+    return decompress(q, s, t.dtype)

@@ -1,0 +1,230 @@
+"""Keep the activations the partitioner saves for backward in FP8 (``saved_activations="fp8"``).
+
+Why after the partition and not in the joint graph: which tensors are kept is the min-cut
+partitioner's decision (it recomputes a LayerNorm's output or a GELU's from what it keeps
+anyway). Compressing in the joint graph would compress tensors it would have recomputed
+and keep both a GELU's input and output where it keeps one. Run on its result, the pass
+changes only what is really kept: each eligible saved tensor S becomes the pair
+``kernels.saved_fp8.compress(S)`` at the same place among the forward's outputs and the
+backward's inputs, and the backward reads ``decompress`` of it wherever it read S.
+
+What is eligible, and why the rest is not (each kept tensor's reason goes to the report):
+- a floating-point tensor of bf16, fp16 or fp32, contiguous, whose rows (last axis) hold
+  at least ``MIN_ROW`` elements: a per-row scale costs 4 bytes a row;
+- made from the step's activations: not a graph input, not a user output (kept anyway),
+  not made from parameters only (a weight's bf16 copy: its error would enter every g_x);
+- read in backward only by ops that tolerate a 2^-4 relative error per element
+  (``TOLERANT``, through views): GEMMs (a weight gradient), the pointwise algebra and
+  reductions of LayerNorm / RMSNorm / GELU / SiLU backward. Not attention's saved inputs
+  and output (flash attention recomputes softmax(q k^T) and checks it against the saved
+  log-sum-exp: a perturbed q or k moves every probability), not logits whose softmax the
+  backward recomputes (an error of |z| / 16 in an exponent: cross-entropy's saved logits),
+  and not an op the pass does not know (it keeps the exact tensor).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Dict, Iterable, List, Optional, Set
+
+import torch
+from torch.fx import GraphModule, Node
+
+from ..kernels import saved_fp8
+from .graph_utils import emit
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+MIN_ROW = 64
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+# ops that only move or re-type S: the pass follows them to S's real readers
+_VIEWS = {
+    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.permute.default,
+    aten.transpose.int, aten.t.default, aten.expand.default, aten.unsqueeze.default,
+    aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.slice.Tensor,
+    aten.select.int, aten.clone.default, aten.alias.default,
+    prims.convert_element_type.default, aten._to_copy.default,
+}
+# readers for which S's e4m3 round trip is an error of the size HOT's own operands have
+TOLERANT = {
+    aten.mm.default, aten.bmm.default, aten.addmm.default,
+    aten.mul.Tensor, aten.mul.Scalar, aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor,
+    aten.sub.Scalar, aten.div.Tensor, aten.div.Scalar, aten.neg.default, aten.abs.default,
+    aten.pow.Tensor_Scalar, aten.rsqrt.default, aten.sqrt.default, aten.erf.default,
+    aten.tanh.default, aten.sigmoid.default, aten.relu.default,
+    aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.var_mean.correction,
+    aten.native_layer_norm.default, aten.native_layer_norm_backward.default,
+    aten.gelu.default, aten.gelu_backward.default, aten.silu.default,
+    aten.silu_backward.default, aten.sigmoid_backward.default, aten.tanh_backward.default,
+    aten.threshold_backward.default, aten.where.self, aten.le.Scalar, aten.lt.Scalar,
+    aten.ge.Scalar, aten.gt.Scalar,
+}
+
+
+@dataclasses.dataclass
+class SavedSummary:
+    """What one graph keeps for backward, before and after (bytes at the traced sizes)."""
+    compressed: int = 0
+    kept: int = 0
+    bytes_before: int = 0
+    bytes_after: int = 0
+    reasons: Dict[str, int] = dataclasses.field(default_factory=dict)   # kept exact, why
+    # each kept tensor: [forward node, dtype, shape, "fp8" or why exact]
+    tensors: List[list] = dataclasses.field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _hint(v) -> int:
+    h = getattr(getattr(v, "node", None), "hint", None)
+    return int(h if h is not None else v)
+
+
+def _nbytes(val) -> int:
+    n = 1
+    for s in val.shape:
+        n *= _hint(s)
+    return n * val.element_size()
+
+
+def _readers(node: Node) -> Iterable[Node]:
+    """S's readers in backward, through the ops that only view or re-type it."""
+    for u in node.users:
+        if u.op == "call_function" and u.target in _VIEWS:
+            yield from _readers(u)
+        else:
+            yield u
+
+
+# ops through which S's error stays an absolute error of the same size (a shift, a scale)
+_LINEAR = _VIEWS | {aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar,
+                    aten.neg.default, aten.mul.Scalar, aten.div.Scalar, aten.mul.Tensor,
+                    aten.div.Tensor}
+_EXPONENTIALS = {aten.exp.default, aten.exp2.default, aten.expm1.default,
+                 aten._softmax.default, aten._log_softmax.default}
+
+
+def _exponentiated(node: Node) -> bool:
+    """Does backward exponentiate S shifted or scaled (softmax(z) = exp(z - max - log sum)
+    recomputed from saved logits)? There the round trip's error of up to |z| / 16 lands in
+    the exponent. A square stops the walk: GELU's backward takes exp(-x^2 / 2), whose error
+    is damped by the factor itself (x exp(-x^2 / 2) vanishes where x is large)."""
+    todo, seen = [node], set()
+    while todo:
+        for u in todo.pop().users:
+            if u in seen or u.op != "call_function":
+                continue
+            seen.add(u)
+            if u.target in _EXPONENTIALS:
+                return True
+            if u.target in (aten.mul.Tensor, aten.div.Tensor) and u.args[0] is u.args[1]:
+                continue
+            if u.target in _LINEAR:
+                todo.append(u)
+    return False
+
+
+def _reject_reader(node: Node) -> Optional[str]:
+    if _exponentiated(node):
+        return "exponentiated in backward (softmax of saved logits)"
+    for r in _readers(node):
+        if r.op != "call_function":
+            return f"read by {r.op}"
+        if r.target not in TOLERANT:
+            name = getattr(r.target, "__name__", str(r.target))
+            return f"read in backward by {name}"
+    return None
+
+
+def _from_activations(fw: GraphModule, params: Set[str]) -> Set[Node]:
+    """Forward nodes that depend on an input other than a parameter."""
+    live: Set[Node] = set()
+    for n in fw.graph.nodes:
+        if n.op == "placeholder":
+            if n.name not in params:
+                live.add(n)
+        elif any(a in live for a in n.all_input_nodes):
+            live.add(n)
+    return live
+
+
+def _reject_saved(s: Node, user_outs: Set[Node], live: Set[Node]) -> Optional[str]:
+    val = s.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return None if val is None else "not a tensor"
+    if val.dtype not in _DTYPES:
+        return f"{str(val.dtype).replace('torch.', '')}"
+    if s.op == "placeholder":
+        return "a graph input"
+    if s in user_outs:
+        return "also a forward output"
+    if s not in live:
+        return "made from parameters only"
+    if s.meta.get("saved_tensor_with_no_vc_check"):
+        return "stashed without a version check"
+    if val.dim() == 0 or not isinstance(val.shape[-1], int) or val.shape[-1] < MIN_ROW:
+        return f"rows shorter than {MIN_ROW}"
+    if not val.is_contiguous():
+        return "not contiguous"
+    return None
+
+
+def compress_saved(fw: GraphModule, bw: GraphModule, num_fwd_outputs: int,
+                   params: Set[str]) -> SavedSummary:
+    """Rewrite ``fw`` / ``bw`` (the partitioner's pair) in place; see the module docstring.
+    ``params``: names of ``fw``'s placeholders that hold parameters."""
+    summary = SavedSummary()
+    reasons: collections.Counter = collections.Counter()
+    out = next(iter(fw.graph.find_nodes(op="output")))
+    outs = list(out.args[0])
+    user_outs = {o for o in outs[:num_fwd_outputs] if isinstance(o, Node)}
+    saved = outs[num_fwd_outputs:]
+    bw_inputs = {n.name: n for n in bw.graph.find_nodes(op="placeholder")}
+    live = _from_activations(fw, params)
+    first_bw = next(n for n in bw.graph.nodes if n.op != "placeholder")
+    new_saved: List = []
+    for s in saved:
+        val = s.meta.get("val") if isinstance(s, Node) else None
+        if not isinstance(val, torch.Tensor):
+            new_saved.append(s)
+            continue
+        size = _nbytes(val)
+        summary.bytes_before += size
+        ph = bw_inputs.get(s.name)
+        why = _reject_saved(s, user_outs, live) or (
+            "not found among the backward's inputs" if ph is None else _reject_reader(ph))
+        summary.tensors.append([s.name, str(val.dtype).replace("torch.", ""),
+                                [_hint(d) for d in val.shape], why or "fp8"])
+        if why:
+            reasons[why] += 1
+            summary.kept += 1
+            summary.bytes_after += size
+            new_saved.append(s)
+            continue
+        fake = val.fake_mode if hasattr(val, "fake_mode") else None
+        # right after S: Inductor fuses the compression with S's producer and frees S at its
+        # last forward read, not at the end of the forward
+        q, scale = emit(fw.graph, saved_fp8.compress, (s,), s.next, "is_forward", s, fake)
+        new_saved += [q, scale]
+        with bw.graph.inserting_before(ph):
+            bq = bw.graph.placeholder(q.name)
+            bs = bw.graph.placeholder(scale.name)
+        bq.meta["val"], bs.meta["val"] = q.meta["val"], scale.meta["val"]
+        t = emit(bw.graph, lambda a, b, dt=val.dtype: saved_fp8.decompress(a, b, dt), (bq, bs),
+                 first_bw, "is_backward", ph, fake)
+        ph.replace_all_uses_with(t)
+        bw.graph.erase_node(ph)
+        summary.compressed += 1
+        summary.bytes_after += _nbytes(q.meta["val"]) + _nbytes(scale.meta["val"])
+    if summary.compressed:
+        kept = type(out.args[0])(list(outs[:num_fwd_outputs]) + new_saved)
+        out.args = (kept,) + tuple(out.args[1:])
+        fw.graph.lint()
+        bw.graph.lint()
+        fw.recompile()
+        bw.recompile()
+    summary.reasons = dict(reasons.most_common())
+    return summary
