@@ -16,11 +16,11 @@ from hotcompile.debug.report import Report
 HERE = os.path.dirname(__file__)
 
 
-def _run(which: str, cache: str, out: str) -> dict:
+def _run(which: str, cache: str, out: str, *extra: str) -> dict:
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, TORCHINDUCTOR_FX_GRAPH_CACHE="1",
                TORCHINDUCTOR_AUTOGRAD_CACHE="1", PYTHONPATH=os.pathsep.join(
                    [os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
-    subprocess.run([sys.executable, os.path.join(HERE, "cache_worker.py"), which, out],
+    subprocess.run([sys.executable, os.path.join(HERE, "cache_worker.py"), which, out, *extra],
                    env=env, check=True, timeout=900)
     with open(out) as f:
         return json.load(f)
@@ -64,6 +64,20 @@ def test_second_process_hits_the_cache_with_the_full_report(tmp_path):
     # (+0.1 s: scheduling noise of a 2-core box at sub-second times)
     assert load["hot", "warm"] <= 1.5 * load["inductor", "warm"] + 0.1, load
     assert load["hot", "cold"] <= 1.5 * load["inductor", "cold"], load
+
+
+def test_saved_activations_fp8_partition_is_served_from_the_cache(tmp_path):
+    """With ``saved_activations="fp8"`` the partition is HOT's own (a custom partitioner):
+    a second process still loads the compiled graphs (the pass does not run) and reports
+    what the compression did from hotcompile's store."""
+    cache = str(tmp_path / "c")
+    cold = _run("hot", cache, str(tmp_path / "cold"), "fp8")
+    warm = _run("hot", cache, str(tmp_path / "warm"), "fp8")
+    assert cold["pass_runs"] >= 1 and warm["pass_runs"] == 0, (cold, warm)
+    assert cold["saved"] and warm["saved"] == cold["saved"]
+    (d,) = cold["saved"].values()
+    assert d["compressed"] >= 2 and d["bytes_after"] < d["bytes_before"], d
+    assert warm["report"] == cold["report"]
 
 
 def _uuid(**kw) -> str:

@@ -165,6 +165,10 @@ def _reject_saved(s: Node, user_outs: Set[Node], live: Set[Node]) -> Optional[st
         return "made from parameters only"
     if s.meta.get("saved_tensor_with_no_vc_check"):
         return "stashed without a version check"
+    return None
+
+
+def _reject_layout(val) -> Optional[str]:
     if val.dim() == 0 or not isinstance(val.shape[-1], int) or val.shape[-1] < MIN_ROW:
         return f"rows shorter than {MIN_ROW}"
     if not val.is_contiguous():
@@ -194,8 +198,9 @@ def compress_saved(fw: GraphModule, bw: GraphModule, num_fwd_outputs: int,
         size = _nbytes(val)
         summary.bytes_before += size
         ph = bw_inputs.get(s.name)
-        why = _reject_saved(s, user_outs, live) or (
-            "not found among the backward's inputs" if ph is None else _reject_reader(ph))
+        why = (_reject_saved(s, user_outs, live)
+               or ("not found among the backward's inputs" if ph is None else _reject_reader(ph))
+               or _reject_layout(val))
         summary.tensors.append([s.name, str(val.dtype).replace("torch.", ""),
                                 [_hint(d) for d in val.shape], why or "fp8"])
         if why:

@@ -1,0 +1,178 @@
+"""``HOTConfig(saved_activations="fp8")`` (issue 12, memory): what the partitioner keeps for
+backward is kept as e4m3 rows (kernels/saved_fp8.py, passes/saved.py); the forward is
+unchanged, the backward reads the round trip, and what must stay exact stays exact."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import hotcompile
+from hotcompile import HOTConfig
+from hotcompile.kernels import saved_fp8 as S
+
+from helpers import Block, rel
+
+
+def _cfg(**kw):
+    # no HOT site: what is measured is the kept activations' compression alone
+    return HOTConfig(**{"min_features": 10 ** 6, "saved_activations": "fp8", **kw})
+
+
+def test_config_field_is_validated():
+    with pytest.raises(ValueError, match="HOTConfig.saved_activations"):
+        HOTConfig(saved_activations="int8")
+    assert HOTConfig().saved_activations == "exact"
+
+
+# --------------------------------------------------------------------------- reference twin
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_round_trip_is_within_an_e4m3_step_of_each_row(dtype):
+    torch.manual_seed(0)
+    t = (torch.randn(3, 17, 96) * torch.logspace(-3, 3, 17)[:, None]).to(dtype)
+    q, s = S.compress(t)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == t.shape
+    assert s.dtype == torch.float32 and s.shape == (3, 17, 1)
+    assert torch.equal(q.float().abs().amax(-1, keepdim=True), torch.full_like(s, 448.0))
+    back = S.decompress(q, s, dtype)
+    assert back.dtype == dtype
+    t32, b32 = t.float(), back.float()
+    # 3 mantissa bits: half a step, 2^-4 of the value; below e4m3's normal range (2^-6 of
+    # 448 / amax) a step of 2^-9 in the scaled units
+    bound = torch.maximum(t32.abs() * 2 ** -4, s * 2 ** -10) * 1.01 + t32.abs() * 2 ** -7
+    assert ((b32 - t32).abs() <= bound).all()
+    assert rel(back, t) < 0.03
+
+
+def test_round_trip_of_a_row_with_nan_or_inf_is_nan_and_leaves_the_other_rows():
+    torch.manual_seed(1)
+    t = torch.randn(4, 128)
+    t[1, 5], t[2, 7], t[3] = float("nan"), float("inf"), 0.0
+    back = S.round_trip(t)
+    assert torch.isnan(back[1]).all() and torch.isnan(back[2]).all()
+    assert torch.equal(back[3], torch.zeros(128))
+    assert torch.isfinite(back[0]).all() and rel(back[0], t[0]) < 0.03
+
+
+# --------------------------------------------------------------------------- compiled graphs
+def test_compiled_gradient_is_the_round_trip_reference():
+    """One kept tensor, h = x @ w (an mm is never recomputed): the compiled backward is the
+    exact backward of h * h with h replaced by its round trip."""
+    torch.manual_seed(2)
+    x = torch.randn(32, 48, requires_grad=True)
+    w = torch.randn(48, 96, requires_grad=True)
+    be = hotcompile.backend(_cfg())
+    loss = torch.compile(lambda a, b: ((a @ b) * (a @ b)).sum(), backend=be)(x, w)
+    loss.backward()
+    h = (x @ w).detach()
+    g_h = 2 * S.round_trip(h)
+    assert torch.allclose(x.grad, g_h @ w.detach().T, rtol=1e-5, atol=1e-4)
+    assert torch.allclose(w.grad, x.detach().T @ g_h, rtol=1e-5, atol=1e-4)
+    assert not torch.allclose(x.grad, 2 * h @ w.detach().T, rtol=1e-4)   # it did compress
+    (d,) = be.report.saved.values()
+    assert d["compressed"] == 1 and [t[3] for t in d["tensors"] if t[3] == "fp8"] == ["fp8"]
+    # h's 4 bytes an element -> 1, and a 4-byte scale a row (x and w, inputs, kept as they are)
+    assert d["bytes_before"] - d["bytes_after"] == 32 * 96 * 4 - (32 * 96 + 32 * 4)
+
+
+class _Net(torch.nn.Module):
+    """Two pre-norm blocks with 64-wide heads (attention's saved q, k, v have rows long
+    enough to be candidates) and a cross-entropy head (its logits too)."""
+
+    def __init__(self, d=128, vocab=320):
+        super().__init__()
+        self.blocks = torch.nn.Sequential(Block(d, heads=2), Block(d, heads=2))
+        self.head = torch.nn.Linear(d, vocab)
+
+    def forward(self, x, y):
+        return F.cross_entropy(self.head(self.blocks(x)).flatten(0, 1), y.flatten())
+
+
+def _train_step(cfg, seed=3):
+    torch.manual_seed(seed)
+    net = _Net()
+    x, y = torch.randn(4, 64, 128), torch.randint(0, 320, (4, 64))
+    be = hotcompile.backend(cfg)
+    kept = []
+
+    def pack(t):
+        kept.append(t.untyped_storage().nbytes())
+        return t
+    params = {p.untyped_storage().data_ptr() for p in net.parameters()}
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+            torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = torch.compile(net, backend=be)(x, y)
+    loss.backward()
+    del params
+    return loss.detach(), {n: p.grad for n, p in net.named_parameters()}, be.report, sum(kept)
+
+
+def test_block_forward_unchanged_backward_close_and_what_stays_exact():
+    loss0, g0, _, kept0 = _train_step(HOTConfig(min_features=10 ** 6))
+    loss1, g1, report, kept1 = _train_step(_cfg())
+    assert torch.equal(loss0, loss1)                   # the forward is not touched
+    errs = {n: rel(g1[n], g0[n]) for n in g0}
+    assert max(errs.values()) < 0.06, errs
+    assert max(errs.values()) > 1e-4, errs             # the backward did read FP8 values
+    (d,) = report.saved.values()
+    reasons = d["reasons"]
+    assert any("scaled_dot_product" in r for r in reasons), reasons    # attention's q, k, v
+    assert "exponentiated in backward (softmax of saved logits)" in reasons, reasons
+    assert "made from parameters only" in reasons, reasons             # the weights' copies
+    fp8 = [t for t in d["tensors"] if t[3] == "fp8"]
+    assert len(fp8) == d["compressed"] >= 8
+    assert not any(t[2] == [256, 320] for t in fp8)                    # not the logits
+    assert kept1 < 0.8 * kept0, (kept1, kept0)
+    assert "activations kept for backward" in str(report)
+
+
+def test_a_failing_rewrite_leaves_inductors_partition(monkeypatch):
+    def boom(*a, **k):
+        raise RuntimeError("injected")
+    monkeypatch.setattr(hotcompile.entry, "compress_saved", boom)
+    loss0, g0, _, _ = _train_step(HOTConfig(min_features=10 ** 6))
+    loss1, g1, report, _ = _train_step(_cfg())
+    assert torch.equal(loss0, loss1)
+    assert all(torch.equal(g1[n], g0[n]) for n in g0)
+    assert any("saved activations: RuntimeError: injected" in e for e in report.errors)
+    assert not report.saved
+
+
+def test_dynamic_batch_recompiles_nothing_and_compresses():
+    torch.manual_seed(4)
+    net = _Net()
+    be = hotcompile.backend(_cfg())
+    fn = torch.compile(net, backend=be, dynamic=True)
+    for b in (2, 3, 5):
+        x, y = torch.randn(b, 64, 128), torch.randint(0, 320, (b, 64))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            fn(x, y).backward()
+        assert torch.isfinite(net.head.weight.grad).all()
+    assert len(be.report.saved) == 1 and next(iter(be.report.saved.values()))["compressed"] >= 8
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_block_keeps_less_and_gradients_stay_close():
+    torch.manual_seed(5)
+    out = {}
+    for name, cfg in (("exact", HOTConfig(min_features=10 ** 6)), ("fp8", _cfg())):
+        torch.manual_seed(5)
+        net = _Net(d=256, vocab=512).cuda()
+        x = torch.randn(8, 256, 256, device="cuda")
+        y = torch.randint(0, 512, (8, 256), device="cuda")
+        be = hotcompile.backend(cfg)
+        fn = torch.compile(net, backend=be)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            fn(x, y).backward()                            # compile
+        net.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = fn(x, y)
+        torch.cuda.synchronize()
+        kept = torch.cuda.memory_allocated() - base
+        loss.backward()
+        out[name] = loss.detach(), {n: p.grad.clone() for n, p in net.named_parameters()}, kept
+    assert torch.equal(out["exact"][0], out["fp8"][0])
+    errs = {n: rel(out["fp8"][1][n], out["exact"][1][n]) for n in out["exact"][1]}
+    assert max(errs.values()) < 0.06, errs
+    assert out["fp8"][2] < 0.75 * out["exact"][2], (out["fp8"][2], out["exact"][2])
