@@ -420,7 +420,8 @@ def run_one(model: str, mode: str, opts: dict) -> dict:
                host_gpu_ratio=host / gpu if gpu else None,
                launches_per_step=launches, graph_launches_per_step=graph_launches)
     rec.update(C.hot_summary(be))
-    if be is not None and rec["hot_sites_rewritten"] == 0:
+    if be is not None and rec["hot_sites_rewritten"] == 0 and not any(
+            d["compressed"] for d in rec["hot_saved_activations"].values()):
         rec["warning"] = "HOT rewrote no linear layer: these numbers are plain Inductor's"
     if not math.isfinite(rec["loss_last"]):
         rec["status"], rec["error"] = "error", f"non-finite loss {rec['loss_last']}"
