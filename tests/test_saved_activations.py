@@ -181,3 +181,17 @@ def test_gpu_block_keeps_less_and_gradients_stay_close():
     errs = {n: rel(out["fp8"][1][n], out["exact"][1][n]) for n in out["exact"][1]}
     assert max(errs.values()) < 0.06, errs
     assert out["fp8"][2] < 0.75 * out["exact"][2], (out["fp8"][2], out["exact"][2])
+
+
+def test_a_device_without_e4m3_conversions_keeps_everything_exact(monkeypatch):
+    """Before Ada/Hopper Triton has no e4m3 conversion: the graph keeps Inductor's partition
+    and the report says why, rather than failing in Inductor's code generation."""
+    from hotcompile.passes import saved
+    monkeypatch.setattr(saved, "device_reason", lambda fw: "e4m3 needs compute capability "
+                        ">= 8.9 (got 8.0)")
+    loss0, g0, _, _ = _train_step(HOTConfig(min_features=10 ** 6))
+    loss1, g1, report, _ = _train_step(_cfg())
+    assert torch.equal(loss0, loss1) and all(torch.equal(g1[n], g0[n]) for n in g0)
+    (d,) = report.saved.values()
+    assert d["compressed"] == 0 and d["bytes_after"] == d["bytes_before"]
+    assert d["reasons"] == {"e4m3 needs compute capability >= 8.9 (got 8.0)": d["kept"]}

@@ -176,6 +176,22 @@ def _reject_layout(val) -> Optional[str]:
     return None
 
 
+def device_reason(fw: GraphModule) -> Optional[str]:
+    """Why this graph's device cannot hold e4m3 tensors, or None: Triton converts to e4m3
+    from compute capability 8.9 on (Ada, Hopper); the CPU through Inductor's C++ code."""
+    for n in fw.graph.find_nodes(op="placeholder"):
+        v = n.meta.get("val")
+        if not isinstance(v, torch.Tensor):
+            continue
+        if v.device.type == "cuda":
+            cap = torch.cuda.get_device_capability(v.device)
+            if cap < (8, 9):
+                return f"e4m3 needs compute capability >= 8.9 (got {cap[0]}.{cap[1]})"
+        elif v.device.type != "cpu":
+            return f"no e4m3 conversion on {v.device.type}"
+    return None
+
+
 def compress_saved(fw: GraphModule, bw: GraphModule, num_fwd_outputs: int,
                    params: Set[str]) -> SavedSummary:
     """Rewrite ``fw`` / ``bw`` (the partitioner's pair) in place; see the module docstring.
@@ -188,6 +204,7 @@ def compress_saved(fw: GraphModule, bw: GraphModule, num_fwd_outputs: int,
     saved = outs[num_fwd_outputs:]
     bw_inputs = {n.name: n for n in bw.graph.find_nodes(op="placeholder")}
     live = _from_activations(fw, params)
+    no_device = device_reason(fw)
     first_bw = next(n for n in bw.graph.nodes if n.op != "placeholder")
     new_saved: List = []
     for s in saved:
@@ -198,7 +215,7 @@ def compress_saved(fw: GraphModule, bw: GraphModule, num_fwd_outputs: int,
         size = _nbytes(val)
         summary.bytes_before += size
         ph = bw_inputs.get(s.name)
-        why = (_reject_saved(s, user_outs, live)
+        why = (no_device or _reject_saved(s, user_outs, live)
                or ("not found among the backward's inputs" if ph is None else _reject_reader(ph))
                or _reject_layout(val))
         summary.tensors.append([s.name, str(val.dtype).replace("torch.", ""),
