@@ -31,7 +31,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from ..kernels import saved_fp8
-from .graph_utils import emit
+from .graph_utils import emit, fake_mode_of
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -152,11 +152,9 @@ def _from_activations(fw: GraphModule, params: Set[str]) -> Set[Node]:
 
 
 def _reject_saved(s: Node, user_outs: Set[Node], live: Set[Node]) -> Optional[str]:
-    val = s.meta.get("val")
-    if not isinstance(val, torch.Tensor):
-        return None if val is None else "not a tensor"
+    val = s.meta["val"]
     if val.dtype not in _DTYPES:
-        return f"{str(val.dtype).replace('torch.', '')}"
+        return f"dtype {str(val.dtype).replace('torch.', '')}"
     if s.op == "placeholder":
         return "a graph input"
     if s in user_outs:
@@ -169,7 +167,9 @@ def _reject_saved(s: Node, user_outs: Set[Node], live: Set[Node]) -> Optional[st
 
 
 def _reject_layout(val) -> Optional[str]:
-    if val.dim() == 0 or not isinstance(val.shape[-1], int) or val.shape[-1] < MIN_ROW:
+    if val.dim() and not isinstance(val.shape[-1], int):
+        return "rows of a dynamic width"
+    if val.dim() == 0 or val.shape[-1] < MIN_ROW:
         return f"rows shorter than {MIN_ROW}"
     if not val.is_contiguous():
         return "not contiguous"
@@ -192,6 +192,24 @@ def device_reason(fw: GraphModule) -> Optional[str]:
     return None
 
 
+def _compress_one(fw: GraphModule, bw: GraphModule, s: Node, ph: Node, first_bw: Node, fake):
+    """Kept tensor ``s`` (``ph`` in the backward) -> the forward's (levels, scale) nodes; the
+    backward's readers of ``ph`` read their decompression instead."""
+    # right after S: Inductor fuses the compression with S's producer and frees S at its
+    # last forward read, not at the end of the forward
+    q, scale = emit(fw.graph, saved_fp8.compress, (s,), s.next, "is_forward", s, fake)
+    with bw.graph.inserting_before(ph):
+        bq = bw.graph.placeholder(q.name)
+        bs = bw.graph.placeholder(scale.name)
+    bq.meta["val"], bs.meta["val"] = q.meta["val"], scale.meta["val"]
+    dtype = s.meta["val"].dtype
+    t = emit(bw.graph, lambda a, b: saved_fp8.decompress(a, b, dtype), (bq, bs), first_bw,
+             "is_backward", ph, fake)
+    ph.replace_all_uses_with(t)
+    bw.graph.erase_node(ph)
+    return q, scale
+
+
 def compress_saved(fw: GraphModule, bw: GraphModule, num_fwd_outputs: int,
                    params: Set[str]) -> SavedSummary:
     """Rewrite ``fw`` / ``bw`` (the partitioner's pair) in place; see the module docstring.
@@ -206,6 +224,7 @@ def compress_saved(fw: GraphModule, bw: GraphModule, num_fwd_outputs: int,
     live = _from_activations(fw, params)
     no_device = device_reason(fw)
     first_bw = next(n for n in bw.graph.nodes if n.op != "placeholder")
+    fake = fake_mode_of(fw.graph)
     new_saved: List = []
     for s in saved:
         val = s.meta.get("val") if isinstance(s, Node) else None
@@ -226,19 +245,8 @@ def compress_saved(fw: GraphModule, bw: GraphModule, num_fwd_outputs: int,
             summary.bytes_after += size
             new_saved.append(s)
             continue
-        fake = val.fake_mode if hasattr(val, "fake_mode") else None
-        # right after S: Inductor fuses the compression with S's producer and frees S at its
-        # last forward read, not at the end of the forward
-        q, scale = emit(fw.graph, saved_fp8.compress, (s,), s.next, "is_forward", s, fake)
+        q, scale = _compress_one(fw, bw, s, ph, first_bw, fake)
         new_saved += [q, scale]
-        with bw.graph.inserting_before(ph):
-            bq = bw.graph.placeholder(q.name)
-            bs = bw.graph.placeholder(scale.name)
-        bq.meta["val"], bs.meta["val"] = q.meta["val"], scale.meta["val"]
-        t = emit(bw.graph, lambda a, b, dt=val.dtype: saved_fp8.decompress(a, b, dt), (bq, bs),
-                 first_bw, "is_backward", ph, fake)
-        ph.replace_all_uses_with(t)
-        bw.graph.erase_node(ph)
         summary.compressed += 1
         summary.bytes_after += _nbytes(q.meta["val"]) + _nbytes(scale.meta["val"])
     if summary.compressed:
