@@ -27,8 +27,8 @@ import common as C  # noqa: E402
 import train as T  # noqa: E402
 
 
-def kept_by_shape(model: str, mode: str) -> dict:
-    run = T.setup_run(model, mode, {})
+def kept_by_shape(model: str, mode: str, opts: dict | None = None) -> dict:
+    run = T.setup_run(model, mode, opts or {})
     for i in range(2):
         run.step(i)
     params = {p.untyped_storage().data_ptr() for p in run.wl.module.parameters()}
@@ -64,10 +64,13 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="llama_d4096")
     p.add_argument("--modes", default="inductor,hot,hot[forward=fp8_rowwise]")
     p.add_argument("--out", default=None)
+    p.add_argument("--batch", type=int, help="override the model's batch (a CPU run: 1-4)")
+    p.add_argument("--device", help="cuda / cpu (default: cuda when available)")
     a = p.parse_args(argv)
+    opts = {k: v for k, v in (("batch", a.batch), ("device", a.device)) if v}
     res = {}
     for mode in C.mode_list(a.modes):
-        res[mode] = r = kept_by_shape(a.model, mode)
+        res[mode] = r = kept_by_shape(a.model, mode, opts)
         print(f"== {mode}: {r['total_MiB']} MiB in {r['storages']} storages")
         for row in r["rows"][:30]:
             print(f"  {row['dtype']:>14} {str(row['shape']):>24} x{row['n']:<3} "
@@ -79,7 +82,7 @@ def main(argv=None) -> int:
         dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
         path = os.path.join(a.out, f"saved_by_shape_{C.stamp().replace(':', '')}_{a.model}.json")
         with open(path, "w") as f:
-            json.dump(dict(device=dev, model=a.model, modes=res), f, indent=1)
+            json.dump(dict(device=dev, model=a.model, batch=a.batch, modes=res), f, indent=1)
         print("wrote", path)
     return 0
 

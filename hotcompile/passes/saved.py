@@ -9,8 +9,9 @@ changes only what is really kept: each eligible saved tensor S becomes the pair
 backward's inputs, and the backward reads ``decompress`` of it wherever it read S.
 
 What is eligible, and why the rest is not (each kept tensor's reason goes to the report):
-- a floating-point tensor of bf16, fp16 or fp32, contiguous, whose rows (last axis) hold
-  at least ``MIN_ROW`` elements: a per-row scale costs 4 bytes a row;
+- a floating-point tensor of bf16, fp16 or fp32, dense (contiguous or a permutation of
+  it: a transposed input), whose rows (its memory's last axis) hold at least ``MIN_ROW``
+  elements: a per-row scale costs 4 bytes a row;
 - made from the step's activations: not a graph input, not a user output (kept anyway),
   not made from parameters only (a weight's bf16 copy: its error would enter every g_x);
 - read in backward only by ops that tolerate a 2^-4 relative error per element
@@ -166,13 +167,32 @@ def _reject_saved(s: Node, user_outs: Set[Node], live: Set[Node]) -> Optional[st
     return None
 
 
+def memory_order(val) -> Optional[List[int]]:
+    """The permutation that makes ``val`` contiguous (``val.permute(p)`` is its memory read
+    in order; the identity for a contiguous tensor), or None if ``val`` is not a
+    permutation of a dense layout. Why: a transposed input kept for ``x^T @ g`` (GPT-2's
+    Conv1D layers keep ``x^T``) is compressed along its memory rows, the same rows as the
+    activation it transposes. Sizes and strides by their hints (no guard installed)."""
+    sizes = [_hint(d) for d in val.shape]
+    strides = [_hint(d) for d in val.stride()]
+    order = sorted(range(val.dim()), key=lambda i: (-strides[i], -sizes[i]))
+    expect = 1
+    for i in reversed(order):
+        if sizes[i] != 1 and strides[i] != expect:
+            return None
+        expect *= sizes[i]
+    return order
+
+
 def _reject_layout(val) -> Optional[str]:
-    if val.dim() and not isinstance(val.shape[-1], int):
+    order = memory_order(val) if val.dim() else None
+    if order is None:
+        return "not dense" if val.dim() else f"rows shorter than {MIN_ROW}"
+    last = val.shape[order[-1]]
+    if not isinstance(last, int):
         return "rows of a dynamic width"
-    if val.dim() == 0 or val.shape[-1] < MIN_ROW:
+    if last < MIN_ROW:
         return f"rows shorter than {MIN_ROW}"
-    if not val.is_contiguous():
-        return "not contiguous"
     return None
 
 
@@ -195,16 +215,22 @@ def device_reason(fw: GraphModule) -> Optional[str]:
 def _compress_one(fw: GraphModule, bw: GraphModule, s: Node, ph: Node, first_bw: Node, fake):
     """Kept tensor ``s`` (``ph`` in the backward) -> the forward's (levels, scale) nodes; the
     backward's readers of ``ph`` read their decompression instead."""
+    val = s.meta["val"]
+    order = memory_order(val)
+    back = sorted(range(len(order)), key=order.__getitem__)     # the inverse permutation
+    identity = order == list(range(len(order)))
     # right after S: Inductor fuses the compression with S's producer and frees S at its
     # last forward read, not at the end of the forward
-    q, scale = emit(fw.graph, saved_fp8.compress, (s,), s.next, "is_forward", s, fake)
+    q, scale = emit(fw.graph, lambda t: saved_fp8.compress(
+        t if identity else aten.permute.default(t, order)), (s,), s.next, "is_forward", s, fake)
     with bw.graph.inserting_before(ph):
         bq = bw.graph.placeholder(q.name)
         bs = bw.graph.placeholder(scale.name)
     bq.meta["val"], bs.meta["val"] = q.meta["val"], scale.meta["val"]
-    dtype = s.meta["val"].dtype
-    t = emit(bw.graph, lambda a, b: saved_fp8.decompress(a, b, dtype), (bq, bs), first_bw,
-             "is_backward", ph, fake)
+    def restore(a, b):
+        t = saved_fp8.decompress(a, b, val.dtype)
+        return t if identity else aten.permute.default(t, back)
+    t = emit(bw.graph, restore, (bq, bs), first_bw, "is_backward", ph, fake)
     ph.replace_all_uses_with(t)
     bw.graph.erase_node(ph)
     return q, scale
