@@ -205,3 +205,26 @@ def test_a_device_without_e4m3_conversions_keeps_everything_exact(monkeypatch):
     (d,) = report.saved.values()
     assert d["compressed"] == 0 and d["bytes_after"] == d["bytes_before"]
     assert d["reasons"] == {"e4m3 needs compute capability >= 8.9 (got 8.0)": d["kept"]}
+
+
+def test_swiglu_gate_is_compressed_but_not_the_logits():
+    """Under autocast SiLU's backward recomputes sigmoid(x) = 1 / (1 + exp(-x)) from the
+    kept gate: an exponent, but a bounded one (``saved._logistic``), so the gate is kept in
+    FP8; cross-entropy's logits, whose exp the backward normalizes, stay exact."""
+    torch.manual_seed(6)
+    gate, up = torch.nn.Linear(128, 256), torch.nn.Linear(128, 256)
+    head = torch.nn.Linear(256, 96)
+    x, y = torch.randn(64, 128), torch.randint(0, 96, (64,))
+
+    def f(a, t):
+        return F.cross_entropy(head(F.silu(gate(a)) * up(a)), t)
+    be = hotcompile.backend(_cfg())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = torch.compile(f, backend=be)(x, y)
+    loss.backward()
+    (d,) = be.report.saved.values()
+    rows = [(t[2], t[3]) for t in d["tensors"] if t[1] == "bfloat16"]
+    assert ([64, 96], "exponentiated in backward (softmax of saved logits)") in rows, rows
+    assert rows.count(([64, 256], "fp8")) >= 2, rows            # the gate, the up output
+    assert not [r for r in rows if r[0] == [64, 256] and r[1] != "fp8"], rows
+    assert torch.isfinite(gate.weight.grad).all()

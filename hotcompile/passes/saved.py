@@ -108,11 +108,21 @@ _EXPONENTIALS = {aten.exp.default, aten.exp2.default, aten.expm1.default,
                  aten._softmax.default, aten._log_softmax.default}
 
 
+def _logistic(exp: Node) -> bool:
+    """``exp`` only feeds 1 + exp(.): a sigmoid's denominator (SiLU's backward recomputes
+    sigmoid(x) = 1 / (1 + exp(-x)) under autocast), bounded in (0, 1) whatever the error
+    in its exponent: where exp(-x) is off by a large factor, sigmoid(x) is near 0."""
+    return exp.target is aten.exp.default and all(
+        u.op == "call_function" and u.target in (aten.add.Tensor, aten.add.Scalar)
+        and 1 in u.args and exp in u.args for u in exp.users)
+
+
 def _exponentiated(node: Node) -> bool:
     """Does backward exponentiate S shifted or scaled (softmax(z) = exp(z - max - log sum)
     recomputed from saved logits)? There the round trip's error of up to |z| / 16 lands in
     the exponent. A square stops the walk: GELU's backward takes exp(-x^2 / 2), whose error
-    is damped by the factor itself (x exp(-x^2 / 2) vanishes where x is large)."""
+    is damped by the factor itself (x exp(-x^2 / 2) vanishes where x is large); so does a
+    sigmoid's 1 + exp(-x) (``_logistic``)."""
     todo, seen = [node], set()
     while todo:
         for u in todo.pop().users:
@@ -120,6 +130,8 @@ def _exponentiated(node: Node) -> bool:
                 continue
             seen.add(u)
             if u.target in _EXPONENTIALS:
+                if _logistic(u):
+                    continue
                 return True
             if u.target in (aten.mul.Tensor, aten.div.Tensor) and u.args[0] is u.args[1]:
                 continue
