@@ -13,7 +13,8 @@ What is eligible, and why the rest is not (each kept tensor's reason goes to the
   it: a transposed input), whose rows (its memory's last axis) hold at least ``MIN_ROW``
   elements: a per-row scale costs 4 bytes a row;
 - made from the step's activations: not a graph input, not a user output (kept anyway),
-  not made from parameters only (a weight's bf16 copy: its error would enter every g_x);
+  not made from parameters and constants only (a weight's bf16 copy: its error would
+  enter every g_x; a causal mask);
 - read in backward only by ops that tolerate a 2^-4 relative error per element
   (``TOLERANT``, through views): GEMMs (a weight gradient), the pointwise algebra and
   reductions of LayerNorm / RMSNorm / GELU / SiLU backward. Not attention's saved inputs
@@ -173,7 +174,7 @@ def _reject_saved(s: Node, user_outs: Set[Node], live: Set[Node]) -> Optional[st
     if s in user_outs:
         return "also a forward output"
     if s not in live:
-        return "made from parameters only"
+        return "made from parameters or constants only"
     if s.meta.get("saved_tensor_with_no_vc_check"):
         return "stashed without a version check"
     return None
