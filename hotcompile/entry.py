@@ -116,6 +116,7 @@ class JointPass(CustomGraphPass):
         self.sites: List = []
         self.records: List[SiteRecord] = []
         self.ran = False
+        self.failed = False
         self.regs: dict = {"lqs": [], "rank": []}
 
     def uuid(self) -> str:
@@ -152,6 +153,7 @@ class JointPass(CustomGraphPass):
                         self.graph_index, e)
             log.debug("%s", traceback.format_exc())
             self.sink.errors.append(f"graph {self.graph_index}: {type(e).__name__}: {e}")
+            self.failed = True
             if self.config.dump_dir:   # the failed graph still gets its joint dump
                 from .debug.dump import dump_joint
                 dump_joint(self.config, self.graph_index, before, graph, [], [])
@@ -224,6 +226,11 @@ class SavedPartitioner(CustomPartitionerFn):
         primals = [n for n in gm.graph.find_nodes(op="placeholder") if "tangents" not in n.name]
         params = {primals[i].name for i in joint.param_positions or () if i < len(primals)}
         fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+        if not joint_inputs or not joint.ran:
+            # a higher-order op's subgraph, partitioned on its own (AOTAutograd passes it no
+            # joint inputs): its placeholders are not the joint graph's, so which of them
+            # are parameters is unknown here; kept as Inductor partitioned it
+            return fw, bw
         try:
             summary = compress_saved(fw, bw, kwargs["num_fwd_outputs"], params).to_dict()
         except Exception as e:  # noqa: BLE001 - fall back to Inductor's partition, never crash
@@ -234,7 +241,7 @@ class SavedPartitioner(CustomPartitionerFn):
                                      f"{type(e).__name__}: {e}")
             return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
         joint.sink.saved[joint.graph_index] = summary
-        if joint.store_key:
+        if joint.store_key and not joint.failed:    # a failed pass stores nothing (as before)
             compile_cache.save(joint.store_key, joint.records, joint.regs, saved=summary)
         return fw, bw
 

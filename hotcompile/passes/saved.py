@@ -54,7 +54,7 @@ TOLERANT = {
     aten.mm.default, aten.bmm.default, aten.addmm.default,
     aten.mul.Tensor, aten.mul.Scalar, aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor,
     aten.sub.Scalar, aten.div.Tensor, aten.div.Scalar, aten.neg.default, aten.abs.default,
-    aten.pow.Tensor_Scalar, aten.rsqrt.default, aten.sqrt.default, aten.erf.default,
+    aten.pow.Tensor_Scalar, aten.erf.default,
     aten.tanh.default, aten.sigmoid.default, aten.relu.default,
     aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.var_mean.correction,
     aten.native_layer_norm.default, aten.native_layer_norm_backward.default,
@@ -141,9 +141,34 @@ def _exponentiated(node: Node) -> bool:
     return False
 
 
+def _divides(node: Node) -> bool:
+    """Does backward divide by S (scaled or shifted), take its log, root or a negative
+    power? The round trip turns elements under about 2^-18 of their row's max into exact
+    zeros, and 1 / 0 is a NaN gradient where the exact one is finite (log(x^2)'s 2 / x)."""
+    todo, seen = [node], set()
+    while todo:
+        n = todo.pop()
+        for u in n.users:
+            if u in seen or u.op != "call_function":
+                continue
+            seen.add(u)
+            if u.target in (aten.reciprocal.default, aten.rsqrt.default, aten.sqrt.default,
+                            aten.log.default, aten.log2.default, aten.log1p.default):
+                return True
+            if u.target is aten.div.Tensor and u.args[1] is n:
+                return True
+            if u.target is aten.pow.Tensor_Scalar and u.args[1] < 0:
+                return True
+            if u.target in _LINEAR or u.target in (aten.pow.Tensor_Scalar, aten.abs.default):
+                todo.append(u)      # a power of S is zero where S is
+    return False
+
+
 def _reject_reader(node: Node) -> Optional[str]:
     if _exponentiated(node):
         return "exponentiated in backward (softmax of saved logits)"
+    if _divides(node):
+        return "divided by in backward (a zero from the round trip would be a NaN)"
     for r in _readers(node):
         if r.op != "call_function":
             return f"read by {r.op}"
@@ -169,10 +194,14 @@ def _reject_saved(s: Node, user_outs: Set[Node], live: Set[Node]) -> Optional[st
     val = s.meta["val"]
     if val.dtype not in _DTYPES:
         return f"dtype {str(val.dtype).replace('torch.', '')}"
-    if s.op == "placeholder":
-        return "a graph input"
-    if s in user_outs:
-        return "also a forward output"
+    base = s
+    while base.op == "call_function" and base.target in _VIEWS - {
+            aten.clone.default, prims.convert_element_type.default, aten._to_copy.default}:
+        base = base.args[0]
+    if base.op == "placeholder":
+        return "a graph input" if base is s else "a view of a graph input"
+    if base in user_outs:
+        return "also a forward output" if base is s else "a view of a forward output"
     if s not in live:
         return "made from parameters or constants only"
     if s.meta.get("saved_tensor_with_no_vc_check"):
