@@ -41,6 +41,24 @@ AMAX_FLOOR = 1e-12
 FAST_ACCUM = True
 
 
+def scale_from_amax(amax):
+    """max(amax, 1e-12) * (1 / 448): the dequantization scale of e4m3 levels. Times 1 / 448
+    rather than over 448: what Inductor compiles the division to on the GPU (not on the
+    CPU), so every device and the W kernel (``hadamard._store_forward_weight``) compute the
+    same scale."""
+    return aten.mul.Tensor(aten.clamp_min.default(amax, AMAX_FLOOR), 1.0 / E4M3_MAX)
+
+
+def e4m3_levels(t32, inv):
+    """e4m3(clamp(t32 * inv, -448, 448)), ``inv`` the scale's reciprocal (broadcast).
+    clamp_min / clamp_max, not clamp: the joint graph is past decomposition, and these two
+    are what Inductor lowers (NaN passes through both); the clamp is needed because torch's
+    fp32 -> e4m3fn conversion does not saturate."""
+    q = aten.clamp_max.default(aten.clamp_min.default(aten.mul.Tensor(t32, inv), -E4M3_MAX),
+                               E4M3_MAX)
+    return prims.convert_element_type.default(q, torch.float8_e4m3fn)
+
+
 def e4m3_cast(t, rowwise: bool = False, contiguous: bool = False, scale_as_row: bool = False,
               dtype: torch.dtype | None = None, amax=None):
     """(e4m3 levels of ``t``, fp32 dequantization scale). ``t``: 2-D, any float dtype,
@@ -62,16 +80,9 @@ def e4m3_cast(t, rowwise: bool = False, contiguous: bool = False, scale_as_row: 
     t32 = prims.convert_element_type.default(t, torch.float32)
     if amax is None:
         amax = aten.amax.default(aten.abs.default(t32), [1] if rowwise else [0, 1])
-    # times 1 / 448 rather than over 448: what Inductor compiles the division to on the GPU
-    # (not on the CPU), so every device and the W kernel (``hadamard._store_forward_weight``)
-    # compute the same scale
-    scale = aten.mul.Tensor(aten.clamp_min.default(amax, AMAX_FLOOR), 1.0 / E4M3_MAX)
+    scale = scale_from_amax(amax)
     inv = aten.reciprocal.default(scale)
-    q = aten.mul.Tensor(t32, aten.unsqueeze.default(inv, 1) if rowwise else inv)
-    # clamp_min/clamp_max, not clamp: the joint graph is past decomposition, and these two
-    # are what Inductor lowers (NaN passes through both)
-    q = aten.clamp_max.default(aten.clamp_min.default(q, -E4M3_MAX), E4M3_MAX)
-    q = prims.convert_element_type.default(q, torch.float8_e4m3fn)
+    q = e4m3_levels(t32, aten.unsqueeze.default(inv, 1) if rowwise else inv)
     if contiguous:
         q = aten.clone.default(q, memory_format=torch.contiguous_format)
     if rowwise:

@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import torch
 
+from .fp8_forward import e4m3_levels, scale_from_amax
+
 aten = torch.ops.aten
 prims = torch.ops.prims
 
-E4M3_MAX = 448.0
-AMAX_FLOOR = 1e-12
 FORMATS = ("exact", "fp8")
 
 
@@ -31,12 +31,8 @@ def compress(t):
     """``t`` (any float dtype, at least 1-D) -> (e4m3 levels, shape of ``t``; fp32 scale,
     ``t``'s shape with a last axis of 1)."""
     t32 = prims.convert_element_type.default(t, torch.float32)
-    amax = aten.amax.default(aten.abs.default(t32), [-1], True)
-    scale = aten.mul.Tensor(aten.clamp_min.default(amax, AMAX_FLOOR), 1.0 / E4M3_MAX)
-    q = aten.mul.Tensor(t32, aten.reciprocal.default(scale))
-    # clamp_min / clamp_max: what the graph holds past decomposition (NaN passes both)
-    q = aten.clamp_max.default(aten.clamp_min.default(q, -E4M3_MAX), E4M3_MAX)
-    return prims.convert_element_type.default(q, torch.float8_e4m3fn), scale
+    scale = scale_from_amax(aten.amax.default(aten.abs.default(t32), [-1], True))
+    return e4m3_levels(t32, aten.reciprocal.default(scale)), scale
 
 
 def decompress(q, scale, dtype: torch.dtype):

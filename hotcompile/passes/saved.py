@@ -118,33 +118,9 @@ def _logistic(exp: Node) -> bool:
         and 1 in u.args and exp in u.args for u in exp.users)
 
 
-def _exponentiated(node: Node) -> bool:
-    """Does backward exponentiate S shifted or scaled (softmax(z) = exp(z - max - log sum)
-    recomputed from saved logits)? There the round trip's error of up to |z| / 16 lands in
-    the exponent. A square stops the walk: GELU's backward takes exp(-x^2 / 2), whose error
-    is damped by the factor itself (x exp(-x^2 / 2) vanishes where x is large); so does a
-    sigmoid's 1 + exp(-x) (``_logistic``)."""
-    todo, seen = [node], set()
-    while todo:
-        for u in todo.pop().users:
-            if u in seen or u.op != "call_function":
-                continue
-            seen.add(u)
-            if u.target in _EXPONENTIALS:
-                if _logistic(u):
-                    continue
-                return True
-            if u.target in (aten.mul.Tensor, aten.div.Tensor) and u.args[0] is u.args[1]:
-                continue
-            if u.target in _LINEAR:
-                todo.append(u)
-    return False
-
-
-def _divides(node: Node) -> bool:
-    """Does backward divide by S (scaled or shifted), take its log, root or a negative
-    power? The round trip turns elements under about 2^-18 of their row's max into exact
-    zeros, and 1 / 0 is a NaN gradient where the exact one is finite (log(x^2)'s 2 / x)."""
+def _reaches(node: Node, step) -> bool:
+    """Walk S's backward readers: ``step(reader, its input)`` says True (found), False (stop
+    here) or None (walk on through this reader)."""
     todo, seen = [node], set()
     while todo:
         n = todo.pop()
@@ -152,22 +128,48 @@ def _divides(node: Node) -> bool:
             if u in seen or u.op != "call_function":
                 continue
             seen.add(u)
-            if u.target in (aten.reciprocal.default, aten.rsqrt.default, aten.sqrt.default,
-                            aten.log.default, aten.log2.default, aten.log1p.default):
+            verdict = step(u, n)
+            if verdict:
                 return True
-            if u.target is aten.div.Tensor and u.args[1] is n:
-                return True
-            if u.target is aten.pow.Tensor_Scalar and u.args[1] < 0:
-                return True
-            if u.target in _LINEAR or u.target in (aten.pow.Tensor_Scalar, aten.abs.default):
-                todo.append(u)      # a power of S is zero where S is
+            if verdict is None:
+                todo.append(u)
     return False
 
 
+def _exponent_step(u: Node, n: Node) -> Optional[bool]:
+    """``_reaches`` step: does backward exponentiate S shifted or scaled (softmax(z) =
+    exp(z - max - log sum) recomputed from saved logits)? There the round trip's error of
+    up to |z| / 16 lands in the exponent. A square stops the walk: GELU's backward takes
+    exp(-x^2 / 2), whose error is damped by the factor itself (x exp(-x^2 / 2) vanishes
+    where x is large); so does a sigmoid's 1 + exp(-x) (``_logistic``)."""
+    if u.target in _EXPONENTIALS:
+        return not _logistic(u)
+    if u.target in (aten.mul.Tensor, aten.div.Tensor) and u.args[0] is u.args[1]:
+        return False
+    return None if u.target in _LINEAR else False
+
+
+_POLES = {aten.reciprocal.default, aten.rsqrt.default, aten.sqrt.default, aten.log.default,
+          aten.log2.default, aten.log1p.default}
+
+
+def _divisor_step(u: Node, n: Node) -> Optional[bool]:
+    """``_reaches`` step: does backward divide by S (scaled, shifted or raised to a power),
+    take its log, root or a negative power? The round trip turns elements under about 2^-18
+    of their row's max into exact zeros, and 1 / 0 is a NaN gradient where the exact one is
+    finite (log(x^2)'s 2 / x)."""
+    if (u.target in _POLES or (u.target is aten.div.Tensor and u.args[1] is n)
+            or (u.target is aten.pow.Tensor_Scalar and u.args[1] < 0)):
+        return True
+    # a power of S is zero where S is
+    return None if u.target in _LINEAR or u.target in (aten.pow.Tensor_Scalar,
+                                                        aten.abs.default) else False
+
+
 def _reject_reader(node: Node) -> Optional[str]:
-    if _exponentiated(node):
+    if _reaches(node, _exponent_step):
         return "exponentiated in backward (softmax of saved logits)"
-    if _divides(node):
+    if _reaches(node, _divisor_step):
         return "divided by in backward (a zero from the round trip would be a NaN)"
     for r in _readers(node):
         if r.op != "call_function":
