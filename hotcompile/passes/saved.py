@@ -4,9 +4,10 @@ Why after the partition and not in the joint graph: which tensors are kept is th
 partitioner's decision (it recomputes a LayerNorm's output or a GELU's from what it keeps
 anyway). Compressing in the joint graph would compress tensors it would have recomputed
 and keep both a GELU's input and output where it keeps one. Run on its result, the pass
-changes only what is really kept: each eligible saved tensor S becomes the pair
-``kernels.saved_fp8.compress(S)`` at the same place among the forward's outputs and the
-backward's inputs, and the backward reads ``decompress`` of it wherever it read S.
+changes only what is really kept: each eligible saved tensor S becomes the parts of
+``kernels.saved_fp8.compress_centred(S)`` (or ``compress``) at the same place among the
+forward's outputs and the backward's inputs, and the backward reads ``decompress`` of them
+wherever it read S.
 
 What is eligible, and why the rest is not (each kept tensor's reason goes to the report):
 - a floating-point tensor of bf16, fp16 or fp32, dense (contiguous or a permutation of
@@ -22,6 +23,11 @@ What is eligible, and why the rest is not (each kept tensor's reason goes to the
   log-sum-exp: a perturbed q or k moves every probability), not logits whose softmax the
   backward recomputes (an error of |z| / 16 in an exponent: cross-entropy's saved logits),
   and not an op the pass does not know (it keeps the exact tensor).
+
+Rows are stored centred (``saved_fp8.compress_centred``: t - mean, the mean kept too) unless a
+backward op compares S (``_comparison_step``): the error is then 2^-4 of S's spread, not of an
+offset it carries (a residual-stream summand with a large bias, whose LayerNorm backward
+recomputes x - mean); a compared S (ReLU's mask) keeps plain rows, where zero stays zero.
 """
 from __future__ import annotations
 
@@ -166,6 +172,24 @@ def _divisor_step(u: Node, n: Node) -> Optional[bool]:
                                                         aten.abs.default) else False
 
 
+_COMPARISONS = {
+    aten.le.Scalar, aten.lt.Scalar, aten.ge.Scalar, aten.gt.Scalar, aten.eq.Scalar,
+    aten.ne.Scalar, aten.le.Tensor, aten.lt.Tensor, aten.ge.Tensor, aten.gt.Tensor,
+    aten.eq.Tensor, aten.ne.Tensor, aten.threshold_backward.default, aten.relu.default,
+    aten.sign.default, aten.where.self, aten.clamp.default, aten.clamp_min.default,
+    aten.clamp_max.default, aten.maximum.default, aten.minimum.default,
+}
+
+
+def _comparison_step(u: Node, n: Node) -> Optional[bool]:
+    """``_reaches`` step: does backward compare S (shifted or scaled) or mask by it? Then S
+    is not centred (``saved_fp8.compress_centred``): an exact zero of a ReLU's output must
+    come back as zero, and it does only without the row mean."""
+    if u.target in _COMPARISONS:
+        return True
+    return None if u.target in _LINEAR else False
+
+
 def _reject_reader(node: Node) -> Optional[str]:
     if _reaches(node, _exponent_step):
         return "exponentiated in backward (softmax of saved logits)"
@@ -256,28 +280,51 @@ def device_reason(fw: GraphModule) -> Optional[str]:
     return None
 
 
-def _compress_one(fw: GraphModule, bw: GraphModule, s: Node, ph: Node, first_bw: Node, fake):
-    """Kept tensor ``s`` (``ph`` in the backward) -> the forward's (levels, scale) nodes; the
-    backward's readers of ``ph`` read their decompression instead."""
+def _compress_one(fw: GraphModule, bw: GraphModule, s: Node, ph: Node, first_bw: Node, fake,
+                  centred: bool) -> List[Node]:
+    """Kept tensor ``s`` (``ph`` in the backward) -> the forward's nodes of its compressed
+    form (levels, scale, and the row mean if ``centred``); the backward's readers of ``ph``
+    read their decompression instead."""
     val = s.meta["val"]
     order = memory_order(val)
     back = sorted(range(len(order)), key=order.__getitem__)     # the inverse permutation
     identity = order == list(range(len(order)))
+    compress = saved_fp8.compress_centred if centred else saved_fp8.compress
     # right after S: Inductor fuses the compression with S's producer and frees S at its
     # last forward read, not at the end of the forward
-    q, scale = emit(fw.graph, lambda t: saved_fp8.compress(
+    parts = emit(fw.graph, lambda t: compress(
         t if identity else aten.permute.default(t, order)), (s,), s.next, "is_forward", s, fake)
     with bw.graph.inserting_before(ph):
-        bq = bw.graph.placeholder(q.name)
-        bs = bw.graph.placeholder(scale.name)
-    bq.meta["val"], bs.meta["val"] = q.meta["val"], scale.meta["val"]
-    def restore(a, b):
-        t = saved_fp8.decompress(a, b, val.dtype)
+        bparts = [bw.graph.placeholder(p.name) for p in parts]
+    for p, b in zip(parts, bparts):
+        b.meta["val"] = p.meta["val"]
+    def restore(q, scale, mean=None):
+        t = saved_fp8.decompress(q, scale, val.dtype, mean)
         return t if identity else aten.permute.default(t, back)
-    t = emit(bw.graph, restore, (bq, bs), first_bw, "is_backward", ph, fake)
+    t = emit(bw.graph, restore, tuple(bparts), first_bw, "is_backward", ph, fake)
     ph.replace_all_uses_with(t)
     bw.graph.erase_node(ph)
-    return q, scale
+    return list(parts)
+
+
+def _saved_descs(out: Node, num_fwd_outputs: int, new_saved: List, was: Dict[Node, object]):
+    """The forward output node's ``meta["desc"]`` for the new saved list: each saved value
+    keeps its descriptor's kind, renumbered (Inductor reads them: ``lowering.
+    _has_saved_lowp_output_use``); the compressed parts are plain saved-for-backward."""
+    descs = out.meta.get("desc")
+    if descs is None or len(descs) != num_fwd_outputs + len(was):
+        return
+    try:
+        from torch._functorch._aot_autograd.descriptors import SavedForBackwardsAOTOutput
+    except ImportError:                                         # pragma: no cover
+        out.meta.pop("desc", None)
+        return
+    new = list(descs[:num_fwd_outputs])
+    for i, v in enumerate(new_saved):
+        old = was.get(v)
+        new.append(type(old)(i) if old is not None and hasattr(old, "idx")
+                   else SavedForBackwardsAOTOutput(i))
+    out.meta["desc"] = new
 
 
 def compress_saved(fw: GraphModule, bw: GraphModule, num_fwd_outputs: int,
@@ -315,11 +362,16 @@ def compress_saved(fw: GraphModule, bw: GraphModule, num_fwd_outputs: int,
             summary.bytes_after += size
             new_saved.append(s)
             continue
-        q, scale = _compress_one(fw, bw, s, ph, first_bw, fake)
-        new_saved += [q, scale]
+        centred = not _reaches(ph, _comparison_step)
+        if centred:
+            summary.tensors[-1][3] = "fp8, centred"
+        parts = _compress_one(fw, bw, s, ph, first_bw, fake, centred)
+        new_saved += parts
         summary.compressed += 1
-        summary.bytes_after += _nbytes(q.meta["val"]) + _nbytes(scale.meta["val"])
+        summary.bytes_after += sum(_nbytes(p.meta["val"]) for p in parts)
     if summary.compressed:
+        _saved_descs(out, num_fwd_outputs, new_saved,
+                     dict(zip(saved, (out.meta.get("desc") or [])[num_fwd_outputs:])))
         kept = type(out.args[0])(list(outs[:num_fwd_outputs]) + new_saved)
         out.args = (kept,) + tuple(out.args[1:])
         fw.graph.lint()
