@@ -83,13 +83,15 @@ class HOTConfig:
     of W (rebuilt from the fp32 parameter). Bit-identical gradients, less memory
     (``bench/saved_tensors.py``), one more pointwise pass in backward: off by default
     until its device timing is measured.
-    saved_activations: ``exact`` (default) or ``fp8``: the activations Inductor's
-    partitioner keeps for backward, other than HOT's own buffers, kept as e4m3 rows with
-    an fp32 scale each (``passes/saved.py`` says which: a LayerNorm's input, a GELU's,
-    an exact layer's input; never attention's, a log-softmax's or a weight's). Less memory
-    (issue 12: a ViT-B/16 step's peak), for every model, whatever the cost gate decides;
-    the backward reads values within 2^-4 of the exact ones. Off by default until the
-    accuracy gates pass with it (docs/BENCHMARKS.md).
+    saved_activations: ``exact`` (default), ``bf16``, ``fp8`` or ``fp8_all``: the
+    activations Inductor's partitioner keeps for backward, other than HOT's own buffers,
+    kept narrower (``passes/saved.py`` says which: a LayerNorm's input or x_hat, a GELU's,
+    an exact layer's input; never attention's, a log-softmax's or a weight's). ``bf16``:
+    fp32 ones as bf16 (error 2^-9). ``fp8``: bf16 / fp16 ones as e4m3 rows with an fp32
+    scale (and the row mean) each, fp32 ones as bf16. ``fp8_all``: fp32 ones as e4m3 rows
+    too (error 2^-4: it failed the byte-level GPT gate beside the FP8 forward). Less memory
+    (issue 12: a ViT-B/16 step's peak), for every model, whatever the cost gate decides.
+    Off by default until the accuracy gates pass with it (docs/BENCHMARKS.md).
     splice: on a GPU, copy each HOT op's fused kernels into the graph (``passes/splice.py``)
     so Inductor launches them from its own wrapper, with no Python between kernels (True);
     False keeps them behind ``hot::`` custom ops (one profiler range per op: debugging).

@@ -196,8 +196,8 @@ class JointPass(CustomGraphPass):
 
 
 class SavedPartitioner(CustomPartitionerFn):
-    """Inductor's min-cut partition, then FP8 for the activations it keeps
-    (``saved_activations="fp8"``, ``passes/saved.py``): installed as Inductor's
+    """Inductor's min-cut partition, then FP8 / bf16 for the activations it keeps
+    (``saved_activations``, ``passes/saved.py``): installed as Inductor's
     ``custom_partitioner_fn``, which runs after the joint passes, HOT's included.
 
     ``uuid()`` is the joint pass's: the same code and config decide both. The summary goes
@@ -232,7 +232,8 @@ class SavedPartitioner(CustomPartitionerFn):
             # are parameters is unknown here; kept as Inductor partitioned it
             return fw, bw
         try:
-            summary = compress_saved(fw, bw, kwargs["num_fwd_outputs"], params).to_dict()
+            summary = compress_saved(fw, bw, kwargs["num_fwd_outputs"], params,
+                                     joint.config.saved_activations).to_dict()
         except Exception as e:  # noqa: BLE001 - fall back to Inductor's partition, never crash
             log.warning("hotcompile: graph %d: saved activations kept exact: %s",
                         joint.graph_index, e)
@@ -349,7 +350,7 @@ class HotBackend:
         joint = JointPass(self.config, self.report, graph_index, positions, plan, naming=naming)
         joint.store_key = compile_cache.graph_key(gm, example_inputs, joint.uuid())
         patches = {"joint_custom_pre_pass": joint}
-        if self.config.saved_activations == "fp8":
+        if self.config.saved_activations != "exact":
             patches["custom_partitioner_fn"] = SavedPartitioner(joint)
         mode, options = kwargs.get("mode"), kwargs.get("options")
         if mode and mode != "default":

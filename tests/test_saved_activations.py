@@ -16,7 +16,7 @@ from helpers import Block, rel
 
 def _cfg(**kw):
     # no HOT site: what is measured is the kept activations' compression alone
-    return HOTConfig(**{"min_features": 10 ** 6, "saved_activations": "fp8", **kw})
+    return HOTConfig(**{"min_features": 10 ** 6, "saved_activations": "fp8_all", **kw})
 
 
 def test_config_field_is_validated():
@@ -146,16 +146,16 @@ def test_forward_output_descriptors_follow_the_new_saved_list(monkeypatch):
     seen = []
     real = entry.compress_saved
 
-    def check(fw, bw, n, params):
-        summary = real(fw, bw, n, params)
+    def check(fw, bw, n, params, mode):
+        summary = real(fw, bw, n, params, mode)
         out = next(iter(fw.graph.find_nodes(op="output")))
         descs = out.meta.get("desc")
         if descs is not None:
             seen.append((len(descs), len(out.args[0]), [type(d).__name__ for d in descs[n:]]))
         return summary
     monkeypatch.setattr(entry, "compress_saved", check)
-    _train_step(_cfg())
-    assert seen, "the forward output node carries no descriptors on this torch"
+    report = _train_step(_cfg())[2]
+    assert not report.errors and seen, "the forward output node carries no descriptors here"
     for n_desc, n_out, kinds in seen:
         assert n_desc == n_out and all(k.startswith("SavedForBackwards") for k in kinds), kinds
 
@@ -332,3 +332,28 @@ def test_swiglu_gate_is_compressed_but_not_the_logits():
     assert len(fp8) >= 2, rows                                   # the gate, the up output
     assert not [r for r in rows if r[0] == [64, 256] and not r[1].startswith("fp8")], rows
     assert torch.isfinite(gate.weight.grad).all()
+
+
+@pytest.mark.parametrize("mode", ["bf16", "fp8"])
+def test_fp32_kept_tensors_are_narrowed_to_bf16(mode):
+    """``bf16``: fp32 kept tensors (LayerNorm's x_hat, the residual stream under autocast) as
+    bf16 and nothing else; ``fp8``: those as bf16 and the bf16 ones as e4m3 rows. The
+    backward reads the bf16 round trip of each fp32 tensor (gradients within 1% there)."""
+    loss0, g0, _, kept0 = _exact_step()
+    loss1, g1, report, kept1 = _train_step(_cfg(saved_activations=mode))
+    assert torch.equal(loss0, loss1)
+    (d,) = report.saved.values()
+    by = {}
+    for name, dtype, shape, verdict in d["tensors"]:
+        by.setdefault((dtype, verdict.split(",")[0]), []).append(name)
+    assert by.get(("float32", "bf16")), by
+    assert not by.get(("float32", "fp8")), by
+    if mode == "bf16":
+        assert d["formats"] == {"bf16": d["compressed"]}
+        assert ("bfloat16", "bfloat16 kept as it is (saved_activations=bf16)") in by, by
+        errs = {n: rel(g1[n], g0[n]) for n in g0}
+        assert max(errs.values()) < 0.01, errs
+    else:
+        assert d["formats"]["fp8"] >= 6 and d["formats"]["bf16"] >= 2, d["formats"]
+    assert kept1 < kept0
+    assert f"{d['formats']['bf16']} in bf16" in str(report)

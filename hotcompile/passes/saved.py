@@ -79,6 +79,7 @@ class SavedSummary:
     bytes_before: int = 0
     bytes_after: int = 0
     reasons: Dict[str, int] = dataclasses.field(default_factory=dict)   # kept exact, why
+    formats: Dict[str, int] = dataclasses.field(default_factory=dict)   # compressed: "fp8", "bf16"
     # each kept tensor: [forward node, dtype, shape, "fp8" or why exact]
     tensors: List[list] = dataclasses.field(default_factory=list)
 
@@ -281,15 +282,25 @@ def device_reason(fw: GraphModule) -> Optional[str]:
 
 
 def _compress_one(fw: GraphModule, bw: GraphModule, s: Node, ph: Node, first_bw: Node, fake,
-                  centred: bool) -> List[Node]:
+                  fmt: str) -> List[Node]:
     """Kept tensor ``s`` (``ph`` in the backward) -> the forward's nodes of its compressed
-    form (levels, scale, and the row mean if ``centred``); the backward's readers of ``ph``
-    read their decompression instead."""
+    form (``fmt``: "bf16": the narrowed tensor; "fp8": levels and scale; "fp8, centred":
+    levels, scale and row mean); the backward's readers of ``ph`` read its restoration."""
     val = s.meta["val"]
+    if fmt == "bf16":
+        (part,) = parts = [emit(fw.graph, saved_fp8.narrow, (s,), s.next, "is_forward", s, fake)]
+        with bw.graph.inserting_before(ph):
+            b = bw.graph.placeholder(part.name)
+        b.meta["val"] = part.meta["val"]
+        t = emit(bw.graph, lambda a: saved_fp8.widen(a, val.dtype), (b,), first_bw,
+                 "is_backward", ph, fake)
+        ph.replace_all_uses_with(t)
+        bw.graph.erase_node(ph)
+        return parts
     order = memory_order(val)
     back = sorted(range(len(order)), key=order.__getitem__)     # the inverse permutation
     identity = order == list(range(len(order)))
-    compress = saved_fp8.compress_centred if centred else saved_fp8.compress
+    compress = saved_fp8.compress_centred if fmt == "fp8, centred" else saved_fp8.compress
     # right after S: Inductor fuses the compression with S's producer and frees S at its
     # last forward read, not at the end of the forward
     parts = emit(fw.graph, lambda t: compress(
@@ -327,10 +338,21 @@ def _saved_descs(out: Node, num_fwd_outputs: int, new_saved: List, was: Dict[Nod
     out.meta["desc"] = new
 
 
+def _format(dtype: torch.dtype, mode: str) -> Optional[str]:
+    """How ``saved_activations=mode`` keeps a tensor of ``dtype``: "bf16", "fp8" or None
+    (as it is)."""
+    if dtype == torch.float32 and mode in ("bf16", "fp8"):
+        return "bf16"
+    if mode in ("fp8", "fp8_all") and dtype in _DTYPES:
+        return "fp8"
+    return None
+
+
 def compress_saved(fw: GraphModule, bw: GraphModule, num_fwd_outputs: int,
-                   params: Set[str]) -> SavedSummary:
+                   params: Set[str], mode: str = "fp8") -> SavedSummary:
     """Rewrite ``fw`` / ``bw`` (the partitioner's pair) in place; see the module docstring.
-    ``params``: names of ``fw``'s placeholders that hold parameters."""
+    ``params``: names of ``fw``'s placeholders that hold parameters; ``mode``:
+    ``HOTConfig.saved_activations``."""
     summary = SavedSummary()
     reasons: collections.Counter = collections.Counter()
     out = next(iter(fw.graph.find_nodes(op="output")))
@@ -351,7 +373,10 @@ def compress_saved(fw: GraphModule, bw: GraphModule, num_fwd_outputs: int,
         size = _nbytes(val)
         summary.bytes_before += size
         ph = bw_inputs.get(s.name)
-        why = (no_device or _reject_saved(s, user_outs, live)
+        fmt = _format(val.dtype, mode)
+        why = ((None if fmt == "bf16" else no_device) or _reject_saved(s, user_outs, live)
+               or (f"{str(val.dtype).replace('torch.', '')} kept as it is "
+                   f"(saved_activations={mode})" if fmt is None else None)
                or ("not found among the backward's inputs" if ph is None else _reject_reader(ph))
                or _reject_layout(val))
         summary.tensors.append([s.name, str(val.dtype).replace("torch.", ""),
@@ -362,12 +387,13 @@ def compress_saved(fw: GraphModule, bw: GraphModule, num_fwd_outputs: int,
             summary.bytes_after += size
             new_saved.append(s)
             continue
-        centred = not _reaches(ph, _comparison_step)
-        if centred:
-            summary.tensors[-1][3] = "fp8, centred"
-        parts = _compress_one(fw, bw, s, ph, first_bw, fake, centred)
+        if fmt == "fp8" and not _reaches(ph, _comparison_step):
+            fmt = "fp8, centred"
+        summary.tensors[-1][3] = fmt
+        parts = _compress_one(fw, bw, s, ph, first_bw, fake, fmt)
         new_saved += parts
         summary.compressed += 1
+        summary.formats[fmt.split(",")[0]] = summary.formats.get(fmt.split(",")[0], 0) + 1
         summary.bytes_after += sum(_nbytes(p.meta["val"]) for p in parts)
     if summary.compressed:
         _saved_descs(out, num_fwd_outputs, new_saved,
