@@ -266,10 +266,12 @@ def test_dynamic_batch_recompiles_nothing_and_compresses():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_block_keeps_less_and_gradients_stay_close():
+@pytest.mark.parametrize("mode,bound", [("fp8", 0.85), ("fp8_all", 0.75)])
+def test_gpu_block_keeps_less_and_gradients_stay_close(mode, bound):
     torch.manual_seed(5)
     out = {}
-    for name, cfg in (("exact", HOTConfig(min_features=10 ** 6)), ("fp8", _cfg())):
+    for name, cfg in (("exact", HOTConfig(min_features=10 ** 6)),
+                      ("fp8", _cfg(saved_activations=mode))):
         torch.manual_seed(5)
         net = _Net(d=256, vocab=512).cuda()
         x = torch.randn(8, 256, 256, device="cuda")
@@ -293,7 +295,7 @@ def test_gpu_block_keeps_less_and_gradients_stay_close():
     assert torch.allclose(out["exact"][0], out["fp8"][0], rtol=1e-3)
     errs = {n: rel(out["fp8"][1][n], out["exact"][1][n]) for n in out["exact"][1]}
     assert max(errs.values()) < 0.06, errs
-    assert out["fp8"][2] < 0.75 * out["exact"][2], (out["fp8"][2], out["exact"][2])
+    assert out["fp8"][2] < bound * out["exact"][2], (out["fp8"][2], out["exact"][2])
 
 
 def test_a_device_without_e4m3_conversions_keeps_everything_exact(monkeypatch):
