@@ -79,7 +79,7 @@ def _device_events(prof):
 
 def profile_one(model: str, mode: str, opts: dict) -> dict:
     run = T.setup_run(model, mode, opts)     # the very set-up bench/train.py times
-    device, be, desc = run.device, run.be, C.MODE_INFO[mode][2]
+    device, be, desc = run.device, run.be, C.MODE_INFO[C.split_mode(mode)[0]][2]
     for i in range(opts.get("warmup", 6)):
         run.step(i)
     C.sync(device)
