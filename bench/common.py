@@ -286,11 +286,13 @@ def hot_summary(be) -> dict:
 
 # ----------------------------------------------------------------------------- saved bytes
 class SavedBytes:
-    """Sum of distinct non-parameter storages autograd saves for backward during a forward."""
+    """Sum of distinct non-parameter storages autograd saves for backward during a forward;
+    ``first[ptr]`` is (dtype, shape) of the first tensor saved on each storage."""
 
     def __init__(self, params: Iterable[torch.Tensor]):
         self.param_ptrs = {p.untyped_storage().data_ptr() for p in params}
         self.storages: Dict[int, int] = {}
+        self.first: Dict[int, tuple] = {}
         self.count = 0
         self._cm = None
 
@@ -298,11 +300,12 @@ class SavedBytes:
         self.count += 1
         try:
             st = t.untyped_storage()
-            ptr = st.data_ptr()
-            if ptr not in self.param_ptrs:
-                self.storages[ptr] = max(self.storages.get(ptr, 0), st.nbytes())
+            ptr, nb = st.data_ptr(), st.nbytes()
         except Exception:  # noqa: BLE001 - fake / sparse tensors: count their logical size
-            self.storages[id(t)] = t.numel() * t.element_size()
+            ptr, nb = id(t), t.numel() * t.element_size()
+        if ptr not in self.param_ptrs:
+            self.storages[ptr] = max(self.storages.get(ptr, 0), nb)
+            self.first.setdefault(ptr, (str(t.dtype).replace("torch.", ""), tuple(t.shape)))
         return t
 
     def __enter__(self):

@@ -31,31 +31,19 @@ def kept_by_shape(model: str, mode: str, opts: dict | None = None) -> dict:
     run = T.setup_run(model, mode, opts or {})
     for i in range(2):
         run.step(i)
-    params = {p.untyped_storage().data_ptr() for p in run.wl.module.parameters()}
-    seen = {}
-
-    def pack(t):
-        try:
-            st = t.untyped_storage()
-            ptr, nb = st.data_ptr(), st.nbytes()
-        except Exception:  # noqa: BLE001 - a tensor without storage: its logical size
-            ptr, nb = id(t), t.numel() * t.element_size()
-        if ptr not in params and ptr not in seen:
-            seen[ptr] = (str(t.dtype).replace("torch.", ""), tuple(t.shape), nb)
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with C.SavedBytes(run.wl.module.parameters()) as kept:
         with C.amp_ctx(run.device, run.amp):
             loss = run.step_fn(*run.batches[0])
     loss.backward()
     run.opt.zero_grad(set_to_none=True)
     size, count = collections.Counter(), collections.Counter()
-    for dtype, shape, nb in seen.values():
-        size[(dtype, shape)] += nb
-        count[(dtype, shape)] += 1
+    for ptr, nb in kept.storages.items():
+        size[kept.first[ptr]] += nb
+        count[kept.first[ptr]] += 1
     rows = [dict(dtype=k[0], shape=list(k[1]), n=count[k], MiB=round(v / 2 ** 20, 1))
             for k, v in size.most_common()]
     torch._dynamo.reset()
-    return dict(total_MiB=round(sum(size.values()) / 2 ** 20, 1), storages=len(seen),
+    return dict(total_MiB=round(sum(size.values()) / 2 ** 20, 1), storages=len(kept.storages),
                 rows=rows)
 
 

@@ -259,8 +259,8 @@ def test_weight_operands_write_hqs_and_the_forwards_w_from_one_read(poison, forw
     reference's."""
     w, m, r = _weight_copy(O, I)
     fwd_max = {"fp8": m, "fp8_rowwise": r}.get(forward)
-    got = F.weight_operands(w, m, fwd_max, forward, True)
-    _operands_equal(got, R.weight_operands(w, m, fwd_max, forward, True))
+    got = F.weight_operands(w, m, fwd_max, forward)
+    _operands_equal(got, R.weight_operands(w, m, fwd_max, forward))
     _operands_equal(got[:2], H.hq_weight_quant(w, 8, fp8=True, e4m3=True, scale_mul=1 / 16))
     assert got[2].numel() == (0 if forward == "bf16" else O * I)
     if forward == "bf16":
@@ -268,8 +268,8 @@ def test_weight_operands_write_hqs_and_the_forwards_w_from_one_read(poison, forw
     w[3, 2] = float("nan")
     _, m, r = R.weight_cast(w.float(), torch.bfloat16, row_max=True)
     fwd_max = {"fp8": m, "fp8_rowwise": r}[forward]
-    got = F.weight_operands(w, m, fwd_max, forward, True)
-    _operands_equal(got, R.weight_operands(w, m, fwd_max, forward, True))
+    got = F.weight_operands(w, m, fwd_max, forward)
+    _operands_equal(got, R.weight_operands(w, m, fwd_max, forward))
     nan = got[2].float().isnan()
     assert nan[:, 3].all() and nan.all() == (forward == "fp8")
 
@@ -953,12 +953,12 @@ def test_gpu_weight_operands_are_the_compiled_casts(forward, O, I):
     w, m, r = _weight_copy(O, I, device="cuda")
     rowwise = forward == "fp8_rowwise"
     fwd_max = r if rowwise else m
-    got = F.weight_operands(w, m, fwd_max, forward, True)
+    got = F.weight_operands(w, m, fwd_max, forward)
     _operands_equal(got[:2], H.hq_weight_quant(w, 8, fp8=True, e4m3=True, scale_mul=1 / 16))
     cast = torch.compile(lambda w, b: F8.weight_operand(w.t(), rowwise, max_bits=b),
                          backend="inductor", fullgraph=True)
     _operands_equal(got[2:], cast(w, fwd_max))
-    eager = R.weight_operands(w, m, fwd_max, forward, True)
+    eager = R.weight_operands(w, m, fwd_max, forward)
     assert torch.equal(got[3], eager[3])
     a, b = got[2].float(), eager[2].float()
     assert ((a - b).abs() <= (b.abs() * 2 ** -3).clamp_min(2 ** -9)).all()   # one e4m3 step

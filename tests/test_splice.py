@@ -333,7 +333,7 @@ def test_a_weight_cast_and_its_operands_splice_into_the_sites_kernels(hopper, fo
     def f(g, x, p):
         w, col_max, row_max = hot.weight_cast(p, torch.bfloat16, "auto", rows)
         fwd_max = row_max if rows else col_max if forward == "fp8" else None
-        w_q, w_s, f_q, f_s = hot.weight_operands(w, col_max, fwd_max, forward, True, "auto")
+        w_q, w_s, f_q, f_s = hot.weight_operands(w, col_max, fwd_max, forward, "auto")
         seeds = hot.draw_seeds(g, 1)
         xq, xs = hot.abc_compress(x, 16, 8, 16, 0, False, "auto", "e4m3")
         return f_q, f_s, hot.linear_backward(g, xq, xs, 16, 8, 16, 0, False, "", "auto", w,

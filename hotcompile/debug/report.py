@@ -191,11 +191,11 @@ class Report:
         """One line per graph whose kept activations ``saved_activations="fp8"`` compressed."""
         lines = []
         for g, d in sorted(self.saved.items()):
-            formats = d.get("formats") or {"fp8": d["compressed"]}
+            formats = d.get("formats", {"fp8": d["compressed"]})    # older stores: all FP8
             narrowed = ", ".join(f"{n} in {'FP8' if f == 'fp8' else f}"
-                                 for f, n in sorted(formats.items()))
+                                 for f, n in sorted(formats.items()) if n)
             line = (f"graph {g}: activations kept for backward {_fmt_bytes(d['bytes_before'])} "
-                    f"-> {_fmt_bytes(d['bytes_after'])} ({narrowed or '0 in FP8'}, "
+                    f"-> {_fmt_bytes(d['bytes_after'])} ({narrowed or 'none narrowed'}, "
                     f"{d['kept']} exact")
             if d["reasons"]:
                 line += ": " + ", ".join(f"{n} {w}" for w, n in list(d["reasons"].items())[:4])

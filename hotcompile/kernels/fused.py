@@ -95,14 +95,12 @@ def weight_cast(p: torch.Tensor, dtype: torch.dtype, row_max: bool = False):
     return hadamard.weight_cast(p, dtype, row_max)
 
 
-def weight_operands(w: torch.Tensor, col_max: torch.Tensor, fwd_max, forward: str, hq: bool):
-    """``reference.weight_operands``: with ``hq``, one read of W (``hadamard.hq_weight_quant``)
-    writes HQ's scaled-e4m3 W operand and, under an FP8 forward, that forward's W operand;
-    without it the forward's operand is ``fp8_forward.weight_operand``'s aten ops (which
-    Inductor fuses into one pointwise kernel when spliced)."""
+def weight_operands(w: torch.Tensor, col_max: torch.Tensor, fwd_max, forward: str):
+    """``reference.weight_operands``: one read of W (``hadamard.hq_weight_quant``) writes
+    HQ's scaled-e4m3 W operand and, under an FP8 forward, that forward's W operand."""
     rowwise = forward == "fp8_rowwise"
-    if not hq or w.dtype not in (torch.bfloat16, torch.float16) or w.numel() == 0:
-        return ref.weight_operands(w, col_max, fwd_max, forward, hq)
+    if w.dtype not in (torch.bfloat16, torch.float16) or w.numel() == 0:
+        return ref.weight_operands(w, col_max, fwd_max, forward)
     fwd = None
     if forward != "bf16":
         fwd = (fwd_max if rowwise else torch.amax(fwd_max, 0), rowwise)

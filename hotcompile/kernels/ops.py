@@ -285,14 +285,14 @@ def _(p, dtype, kernels, row_max=False):
 
 
 def weight_operands_body(w: Tensor, col_max: Tensor, fwd_max: Optional[Tensor], forward: str,
-                         hq: bool, kernels: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                         kernels: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The forward's operands of an owned weight copy (``reference.weight_operands``): HQ's
-    scaled-e4m3 W (``hq``) and the FP8 forward's W (``forward``) from one read of the copy
+    scaled-e4m3 W and the FP8 forward's W (``forward``) from one read of the copy
     on the GPU, so W's FP8 cast for the forward GEMM is no pass of its own
     (``passes/weight_cast.py``)."""
     if triton_usable(w, kernels):
-        return _fused().weight_operands(w, col_max, fwd_max, forward, hq)
-    return ref.weight_operands(w, col_max, fwd_max, forward, hq)
+        return _fused().weight_operands(w, col_max, fwd_max, forward)
+    return ref.weight_operands(w, col_max, fwd_max, forward)
 
 
 weight_operands = torch.library.custom_op("hot::weight_operands", mutates_args=())(
@@ -300,12 +300,11 @@ weight_operands = torch.library.custom_op("hot::weight_operands", mutates_args=(
 
 
 @weight_operands.register_fake
-def _(w, col_max, fwd_max, forward, hq, kernels):
+def _(w, col_max, fwd_max, forward, kernels):
     O, I = w.shape
     e4m3, f32 = torch.float8_e4m3fn, torch.float32
     none = w.new_empty((0,), dtype=e4m3), w.new_empty((0,), dtype=f32)
-    hq_out = (w.new_empty((I, -(-O // 16) * 16), dtype=e4m3), w.new_empty((I,), dtype=f32)) \
-        if hq else none
+    hq_out = (w.new_empty((I, -(-O // 16) * 16), dtype=e4m3), w.new_empty((I,), dtype=f32))
     if forward == "bf16":
         return (*hq_out, *none)
     q = w.new_empty_strided((I, O), (1, I), dtype=e4m3)     # a row-major (O, I) buffer, viewed

@@ -415,23 +415,21 @@ def weight_cast(p: torch.Tensor, dtype: torch.dtype, row_max: bool = False):
     return w, m.view(torch.int32), r.view(torch.int32)
 
 
-def weight_operands(w: torch.Tensor, col_max: torch.Tensor, fwd_max, forward: str, hq: bool):
+def weight_operands(w: torch.Tensor, col_max: torch.Tensor, fwd_max, forward: str):
     """The forward's operands made from an owned weight copy w (O, I) (``weight_cast``'s,
     with its column maxima ``col_max``; ``passes/weight_cast.py``): (HQ's W operand, its
-    scale, the FP8 forward's W operand, its scale), an empty tensor for each not asked for.
+    scale, the FP8 forward's W operand, its scale; empty tensors for the last two with a bf16
+    forward).
 
-    ``hq``: ``hq_weight(w, 8, e4m3=True)`` with its scale times 1/16, the operand of the
+    HQ's: ``hq_weight(w, 8, e4m3=True)`` with its scale times 1/16, the operand of the
     cuBLAS g_x GEMM (``fused._gx``, which then does not read W in backward). ``forward``
     ("fp8" / "fp8_rowwise"; "bf16": none): ``fp8_forward.weight_operand`` of w's (I, O)
     view, its scale from ``fwd_max`` (int32 bits of W's row maxima row-wise, of its column
     maxima tensor-wise) without a reduction over W."""
     from . import fp8_forward
     e4m3 = torch.float8_e4m3fn
-    if hq:
-        q, s = hq_weight(w, 8, e4m3=True)
-        s = s * (1.0 / 16)
-    else:
-        q, s = w.new_empty((0,), dtype=e4m3), w.new_empty((0,), dtype=torch.float32)
+    q, s = hq_weight(w, 8, e4m3=True)
+    s = s * (1.0 / 16)
     if forward == "bf16":
         return q, s, w.new_empty((0,), dtype=e4m3), w.new_empty((0,), dtype=torch.float32)
     return (q, s, *fp8_forward.weight_operand(w.t(), forward == "fp8_rowwise",

@@ -46,13 +46,30 @@ def compress(t):
     return e4m3_levels(t32, aten.reciprocal.default(scale)), scale
 
 
-def compress_centred(t):
+def _centre(t32, n: int):
+    """(row mean m, amax(|t - m|)) of fp32 rows of length ``n``. The mean is sum(t / n), whose
+    terms cannot overflow; a row whose spread t - m overflows all the same (elements near
+    fp32's maximum of both signs) gets m = 0 and amax(|t|): plain rows, finite where
+    ``compress`` is. NaN rows stay NaN (isinf(NaN) is False)."""
+    mean = aten.sum.dim_IntList(aten.mul.Tensor(t32, 1.0 / n), [-1], True)
+    hi = aten.amax.default(t32, [-1], True)
+    lo = aten.amin.default(t32, [-1], True)
+    amax = aten.maximum.default(aten.sub.Tensor(hi, mean), aten.sub.Tensor(mean, lo))
+    over = aten.isinf.default(amax)
+    # m times 0 where it overflowed (m itself is finite there); ops that stay in the graph
+    # after Inductor's decompositions (``zeros_like`` does not)
+    mean = aten.mul.Tensor(mean, prims.convert_element_type.default(
+        aten.logical_not.default(over), torch.float32))
+    amax = aten.where.self(over, aten.maximum.default(hi, aten.neg.default(lo)), amax)
+    return mean, amax
+
+
+def compress_centred(t, width: int | None = None):
     """``t`` -> (e4m3 levels of t - m, fp32 scale, fp32 row mean m); the scale and m have
-    ``t``'s shape with a last axis of 1."""
+    ``t``'s shape with a last axis of 1. ``width``: the rows' length (given when ``t`` is a
+    ``torch.fx.Proxy``, whose shape is not known here)."""
     t32 = prims.convert_element_type.default(t, torch.float32)
-    mean = aten.mean.dim(t32, [-1], True)
-    amax = aten.maximum.default(aten.sub.Tensor(aten.amax.default(t32, [-1], True), mean),
-                                aten.sub.Tensor(mean, aten.amin.default(t32, [-1], True)))
+    mean, amax = _centre(t32, t.shape[-1] if width is None else width)
     scale = scale_from_amax(amax)
     return e4m3_levels(aten.sub.Tensor(t32, mean), aten.reciprocal.default(scale)), scale, mean
 
@@ -63,23 +80,41 @@ def decompress(q, scale, dtype: torch.dtype, mean=None):
     t32 = aten.mul.Tensor(prims.convert_element_type.default(q, torch.float32), scale)
     if mean is not None:
         t32 = aten.add.Tensor(t32, mean)
+        if dtype != torch.float32:
+            # m plus a level rounded away from m can pass the dtype's largest value, which
+            # no element of t did (fp16: 65000 came back as inf)
+            big = torch.finfo(dtype).max
+            t32 = aten.clamp_max.default(aten.clamp_min.default(t32, -big), big)
     return prims.convert_element_type.default(t32, dtype)
 
 
-def narrow(t):
+def narrow(t, width: int | None = None, centred: bool = True):
     """An fp32 kept tensor as bf16 (``saved_activations="bf16"`` / ``"fp8"``): 2x, a relative
     error of 2^-9 (a LayerNorm's fp32 x_hat, whose e4m3 round trip cost the byte-level GPT
-    gate 1.3% beside the FP8 forward, docs/BENCHMARKS.md, twenty-fifth stop)."""
-    return prims.convert_element_type.default(t, torch.bfloat16)
+    gate 1.3% beside the FP8 forward, docs/BENCHMARKS.md, twenty-fifth stop). Centred as
+    ``compress_centred`` is, for the same reason (an offset of 16 against a spread of 1 made
+    an error of 2.5% in LayerNorm's x - mean): (bf16 t - m, fp32 m); plain: (bf16 t,)."""
+    if not centred:
+        return (prims.convert_element_type.default(t, torch.bfloat16),)
+    t32 = prims.convert_element_type.default(t, torch.float32)
+    mean, _ = _centre(t32, t.shape[-1] if width is None else width)
+    return prims.convert_element_type.default(aten.sub.Tensor(t32, mean), torch.bfloat16), mean
 
 
-def widen(t, dtype: torch.dtype):
+def widen(b, dtype: torch.dtype, mean=None):
     """``narrow``'s tensor back in ``dtype``."""
-    return prims.convert_element_type.default(t, dtype)
+    if mean is None:
+        return prims.convert_element_type.default(b, dtype)
+    t32 = aten.add.Tensor(prims.convert_element_type.default(b, torch.float32), mean)
+    return prims.convert_element_type.default(t32, dtype)
 
 
-def round_trip(t, centred: bool = False):
-    """What backward sees of ``t``: the reference of one compressed saved tensor."""
+def round_trip(t, centred: bool = False, fmt: str = "fp8"):
+    """What backward sees of ``t``: the reference of one compressed saved tensor (``fmt``
+    "fp8": e4m3 rows, "bf16": narrowed)."""
+    if fmt == "bf16":
+        b, *mean = narrow(t, centred=centred)
+        return widen(b, t.dtype, *mean)
     if centred:
         q, s, m = compress_centred(t)
         return decompress(q, s, t.dtype, m)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 from typing import Dict, Iterable, List, Optional, Set
 
 import torch
@@ -173,21 +174,43 @@ def _divisor_step(u: Node, n: Node) -> Optional[bool]:
                                                         aten.abs.default) else False
 
 
-_COMPARISONS = {
-    aten.le.Scalar, aten.lt.Scalar, aten.ge.Scalar, aten.gt.Scalar, aten.eq.Scalar,
-    aten.ne.Scalar, aten.le.Tensor, aten.lt.Tensor, aten.ge.Tensor, aten.gt.Tensor,
-    aten.eq.Tensor, aten.ne.Tensor, aten.threshold_backward.default, aten.relu.default,
-    aten.sign.default, aten.where.self, aten.clamp.default, aten.clamp_min.default,
-    aten.clamp_max.default, aten.maximum.default, aten.minimum.default,
-}
+def _ops(*names):
+    """The aten overloads named ``op.overload`` that this torch has."""
+    found = set()
+    for name in names:
+        op, overload = name.split(".")
+        packet = getattr(aten, op, None)
+        if packet is not None and hasattr(packet, overload):
+            found.add(getattr(packet, overload))
+    return found
+
+
+_COMPARISONS = _ops(
+    "le.Scalar", "lt.Scalar", "ge.Scalar", "gt.Scalar", "eq.Scalar", "ne.Scalar",
+    "le.Tensor", "lt.Tensor", "ge.Tensor", "gt.Tensor", "eq.Tensor", "ne.Tensor",
+    "relu.default", "sign.default", "sgn.default", "signbit.default", "heaviside.default",
+    "logical_not.default", "logical_and.default", "logical_or.default", "logical_xor.default",
+    "where.self", "where.ScalarSelf", "where.ScalarOther", "where.Scalar",
+    "clamp.default", "clamp.Tensor", "clamp_min.default", "clamp_min.Tensor",
+    "clamp_max.default", "clamp_max.Tensor", "maximum.default", "minimum.default",
+    "threshold.default", "threshold_backward.default", "hardtanh_backward.default",
+    "leaky_relu_backward.default", "elu_backward.default", "hardshrink_backward.default",
+    "softshrink_backward.default", "hardsigmoid_backward.default",
+    "hardswish_backward.default", "prelu.default")
+_CASTS = {prims.convert_element_type.default, aten._to_copy.default}
 
 
 def _comparison_step(u: Node, n: Node) -> Optional[bool]:
-    """``_reaches`` step: does backward compare S (shifted or scaled) or mask by it? Then S
-    is not centred (``saved_fp8.compress_centred``): an exact zero of a ReLU's output must
-    come back as zero, and it does only without the row mean."""
+    """``_reaches`` step: does backward compare S (shifted or scaled), mask by it or cast it
+    to bool or an integer (a zero test)? Then S is not centred (``saved_fp8.
+    compress_centred``): an exact zero of a ReLU's output must come back as zero, and it
+    does only without the row mean."""
     if u.target in _COMPARISONS:
         return True
+    if u.target in _CASTS:
+        dtype = u.args[1] if len(u.args) > 1 else u.kwargs.get("dtype")
+        if dtype is not None and not (dtype.is_floating_point or dtype.is_complex):
+            return True
     return None if u.target in _LINEAR else False
 
 
@@ -284,33 +307,33 @@ def device_reason(fw: GraphModule) -> Optional[str]:
 def _compress_one(fw: GraphModule, bw: GraphModule, s: Node, ph: Node, first_bw: Node, fake,
                   fmt: str) -> List[Node]:
     """Kept tensor ``s`` (``ph`` in the backward) -> the forward's nodes of its compressed
-    form (``fmt``: "bf16": the narrowed tensor; "fp8": levels and scale; "fp8, centred":
-    levels, scale and row mean); the backward's readers of ``ph`` read its restoration."""
+    form (``fmt``: "fp8": e4m3 levels and scale, "bf16": the narrowed tensor; ", centred":
+    of t - m, with the row mean m as one more part); the backward's readers of ``ph`` read
+    its restoration instead. Centred rows are the memory's rows (``memory_order``)."""
     val = s.meta["val"]
-    if fmt == "bf16":
-        (part,) = parts = [emit(fw.graph, saved_fp8.narrow, (s,), s.next, "is_forward", s, fake)]
-        with bw.graph.inserting_before(ph):
-            b = bw.graph.placeholder(part.name)
-        b.meta["val"] = part.meta["val"]
-        t = emit(bw.graph, lambda a: saved_fp8.widen(a, val.dtype), (b,), first_bw,
-                 "is_backward", ph, fake)
-        ph.replace_all_uses_with(t)
-        bw.graph.erase_node(ph)
-        return parts
-    order = memory_order(val)
-    back = sorted(range(len(order)), key=order.__getitem__)     # the inverse permutation
-    identity = order == list(range(len(order)))
-    compress = saved_fp8.compress_centred if fmt == "fp8, centred" else saved_fp8.compress
+    centred = fmt.endswith("centred")
+    order = memory_order(val) if centred or fmt.startswith("fp8") else None
+    identity = order is None or order == list(range(len(order)))
+    back = None if identity else sorted(range(len(order)), key=order.__getitem__)
+    width = int(val.shape[order[-1]]) if centred else None      # static: ``_reject_layout``
+    if fmt.startswith("fp8"):
+        pack = (functools.partial(saved_fp8.compress_centred, width=width) if centred
+                else saved_fp8.compress)
+        unpack = lambda q, scale, *mean: saved_fp8.decompress(q, scale, val.dtype, *mean)  # noqa: E731
+    else:
+        pack = functools.partial(saved_fp8.narrow, width=width, centred=centred)
+        unpack = lambda b, *mean: saved_fp8.widen(b, val.dtype, *mean)  # noqa: E731
     # right after S: Inductor fuses the compression with S's producer and frees S at its
     # last forward read, not at the end of the forward
-    parts = emit(fw.graph, lambda t: compress(
-        t if identity else aten.permute.default(t, order)), (s,), s.next, "is_forward", s, fake)
+    parts = emit(fw.graph, lambda t: pack(t if identity else aten.permute.default(t, order)),
+                 (s,), s.next, "is_forward", s, fake)
     with bw.graph.inserting_before(ph):
         bparts = [bw.graph.placeholder(p.name) for p in parts]
     for p, b in zip(parts, bparts):
         b.meta["val"] = p.meta["val"]
-    def restore(q, scale, mean=None):
-        t = saved_fp8.decompress(q, scale, val.dtype, mean)
+
+    def restore(*packed):
+        t = unpack(*packed)
         return t if identity else aten.permute.default(t, back)
     t = emit(bw.graph, restore, tuple(bparts), first_bw, "is_backward", ph, fake)
     ph.replace_all_uses_with(t)
@@ -318,13 +341,21 @@ def _compress_one(fw: GraphModule, bw: GraphModule, s: Node, ph: Node, first_bw:
     return list(parts)
 
 
-def _saved_descs(out: Node, num_fwd_outputs: int, new_saved: List, was: Dict[Node, object]):
+def _saved_descs(out: Node, num_fwd_outputs: int, outs: List, new_saved: List):
     """The forward output node's ``meta["desc"]`` for the new saved list: each saved value
     keeps its descriptor's kind, renumbered (Inductor reads them: ``lowering.
-    _has_saved_lowp_output_use``); the compressed parts are plain saved-for-backward."""
+    _has_saved_lowp_output_use``); the compressed parts are plain saved-for-backward. A
+    list that did not match the outputs before is dropped rather than left misaligned."""
     descs = out.meta.get("desc")
-    if descs is None or len(descs) != num_fwd_outputs + len(was):
+    if descs is None:
         return
+    if len(descs) != len(outs):
+        out.meta.pop("desc")
+        return
+    was = {}
+    for v, d in zip(outs[num_fwd_outputs:], descs[num_fwd_outputs:]):
+        if isinstance(v, Node):
+            was.setdefault(v, d)
     try:
         from torch._functorch._aot_autograd.descriptors import SavedForBackwardsAOTOutput
     except ImportError:                                         # pragma: no cover
@@ -374,11 +405,14 @@ def compress_saved(fw: GraphModule, bw: GraphModule, num_fwd_outputs: int,
         summary.bytes_before += size
         ph = bw_inputs.get(s.name)
         fmt = _format(val.dtype, mode)
+        layout = _reject_layout(val)
         why = ((None if fmt == "bf16" else no_device) or _reject_saved(s, user_outs, live)
                or (f"{str(val.dtype).replace('torch.', '')} kept as it is "
                    f"(saved_activations={mode})" if fmt is None else None)
                or ("not found among the backward's inputs" if ph is None else _reject_reader(ph))
-               or _reject_layout(val))
+               # bf16 too: a row statistic ((rows, 1): LayerNorm's mean, rstd) narrowed saves
+               # 2 bytes a row and puts |mean| / 512 into x - mean
+               or layout)
         summary.tensors.append([s.name, str(val.dtype).replace("torch.", ""),
                                 [_hint(d) for d in val.shape], why or "fp8"])
         if why:
@@ -387,8 +421,8 @@ def compress_saved(fw: GraphModule, bw: GraphModule, num_fwd_outputs: int,
             summary.bytes_after += size
             new_saved.append(s)
             continue
-        if fmt == "fp8" and not _reaches(ph, _comparison_step):
-            fmt = "fp8, centred"
+        if layout is None and not _reaches(ph, _comparison_step):
+            fmt += ", centred"
         summary.tensors[-1][3] = fmt
         parts = _compress_one(fw, bw, s, ph, first_bw, fake, fmt)
         new_saved += parts
@@ -396,8 +430,7 @@ def compress_saved(fw: GraphModule, bw: GraphModule, num_fwd_outputs: int,
         summary.formats[fmt.split(",")[0]] = summary.formats.get(fmt.split(",")[0], 0) + 1
         summary.bytes_after += sum(_nbytes(p.meta["val"]) for p in parts)
     if summary.compressed:
-        _saved_descs(out, num_fwd_outputs, new_saved,
-                     dict(zip(saved, (out.meta.get("desc") or [])[num_fwd_outputs:])))
+        _saved_descs(out, num_fwd_outputs, outs, new_saved)
         kept = type(out.args[0])(list(outs[:num_fwd_outputs]) + new_saved)
         out.args = (kept,) + tuple(out.args[1:])
         fw.graph.lint()

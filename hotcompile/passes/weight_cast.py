@@ -149,7 +149,7 @@ def _weight_operands(graph: Graph, op: Node, outs, readers: List[LinearSite], ke
     forward = fmts.pop() if len(fmts) == 1 else "bf16"
     after = (row_max or col_max).next                # right after the weight_cast's outputs
     wo = add_node(graph, WEIGHT_OPERANDS_OP, (copy, col_max, maxima.get(forward), forward,
-                                              True, kernels),
+                                              kernels),
                   before=after, tag="is_forward", like=copy, fake_mode=fake_mode)
     item = lambda i: add_node(graph, operator.getitem, (wo, i), before=after,  # noqa: E731
                               tag="is_forward", like=copy, val=wo.meta["val"][i])
