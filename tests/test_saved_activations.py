@@ -142,7 +142,7 @@ def test_a_cast_to_bool_or_int_counts_as_a_comparison():
     """The review's finding: casts are views to ``_readers`` but a cast to bool / int tests
     zero and sign, so a tensor reaching one is not centred."""
     from torch.fx import Graph
-    from hotcompile.passes import saved as P
+    from hotcompile.passes import saved_readers as P
     aten, prims = torch.ops.aten, torch.ops.prims
     for dtype, hit in ((torch.bool, True), (torch.int32, True), (torch.bfloat16, False)):
         g = Graph()
@@ -150,12 +150,12 @@ def test_a_cast_to_bool_or_int_counts_as_a_comparison():
         b = g.call_function(prims.convert_element_type.default, (s, dtype))
         f = g.call_function(prims.convert_element_type.default, (b, torch.float32))
         g.call_function(aten.mul.Tensor, (gr, f))
-        assert P._reaches(s, P._comparison_step) is hit, dtype
+        assert P.reaches(s, P.comparison_step) is hit, dtype
     g = Graph()
     s = g.placeholder("s")
     shifted = g.call_function(aten.sub.Tensor, (s, 1.0))
     g.call_function(aten.signbit.default, (shifted,))
-    assert P._reaches(s, P._comparison_step)
+    assert P.reaches(s, P.comparison_step)
 
 
 def test_a_relu_output_is_not_centred_and_its_zeros_stay_zeros():
@@ -177,27 +177,6 @@ def test_a_relu_output_is_not_centred_and_its_zeros_stay_zeros():
     assert torch.allclose(w2.grad, S.round_trip(r).T @ g, rtol=1e-4, atol=1e-4)
     mask = S.round_trip(r) > 0
     assert torch.allclose(w1.grad, x.T @ ((g @ w2.detach().T) * mask), rtol=1e-4, atol=1e-4)
-
-
-def test_forward_output_descriptors_follow_the_new_saved_list(monkeypatch):
-    """Inductor reads the forward output node's ``meta["desc"]`` beside its values
-    (``_has_saved_lowp_output_use``): one descriptor per output after the rewrite too."""
-    from hotcompile import entry
-    seen = []
-    real = entry.compress_saved
-
-    def check(fw, bw, n, params, mode):
-        summary = real(fw, bw, n, params, mode)
-        out = next(iter(fw.graph.find_nodes(op="output")))
-        descs = out.meta.get("desc")
-        if descs is not None:
-            seen.append((len(descs), len(out.args[0]), [type(d).__name__ for d in descs[n:]]))
-        return summary
-    monkeypatch.setattr(entry, "compress_saved", check)
-    report = _train_step(_cfg())[2]
-    assert not report.errors and seen, "the forward output node carries no descriptors here"
-    for n_desc, n_out, kinds in seen:
-        assert n_desc == n_out and all(k.startswith("SavedForBackwards") for k in kinds), kinds
 
 
 def test_memory_order_of_dense_permutations():
@@ -258,11 +237,28 @@ def _exact_step():
     return _train_step(HOTConfig(min_features=10 ** 6))
 
 
-def test_block_forward_unchanged_backward_close_and_what_stays_exact():
+def test_block_forward_unchanged_backward_close_and_what_stays_exact(monkeypatch):
     """On the CPU the forward is bit-identical; the GPU test allows the rounding of
-    kernels that Inductor fuses differently."""
+    kernels that Inductor fuses differently. The forward output node's ``meta["desc"]``
+    (Inductor reads it beside the values: ``_has_saved_lowp_output_use``) has one
+    descriptor per output after the rewrite."""
+    from hotcompile import entry
+    seen = []
+    real = entry.compress_saved
+
+    def check(fw, bw, n, params, mode):
+        summary = real(fw, bw, n, params, mode)
+        out = next(iter(fw.graph.find_nodes(op="output")))
+        descs = out.meta.get("desc")
+        if descs is not None:
+            seen.append((len(descs), len(out.args[0]), [type(d).__name__ for d in descs[n:]]))
+        return summary
+    monkeypatch.setattr(entry, "compress_saved", check)
     loss0, g0, _, kept0 = _exact_step()
     loss1, g1, report, kept1 = _train_step(_cfg())
+    assert not report.errors and seen, "the forward output node carries no descriptors here"
+    for n_desc, n_out, kinds in seen:
+        assert n_desc == n_out and all(k.startswith("SavedForBackwards") for k in kinds), kinds
     assert torch.equal(loss0, loss1)                   # the forward is not touched
     errs = {n: rel(g1[n], g0[n]) for n in g0}
     assert max(errs.values()) < 0.06, errs
@@ -354,7 +350,7 @@ def test_a_device_without_e4m3_conversions_keeps_everything_exact(monkeypatch):
 
 def test_swiglu_gate_is_compressed_but_not_the_logits():
     """Under autocast SiLU's backward recomputes sigmoid(x) = 1 / (1 + exp(-x)) from the
-    kept gate: an exponent, but a bounded one (``saved._logistic``), so the gate is kept in
+    kept gate: an exponent, but a bounded one (``saved_readers._logistic``), so the gate is kept in
     FP8; cross-entropy's logits, whose exp the backward normalizes, stay exact."""
     torch.manual_seed(6)
     gate, up = torch.nn.Linear(128, 256), torch.nn.Linear(128, 256)
