@@ -560,3 +560,46 @@ def test_word_level_corpus_tokens(tmp_path):
     for name in ("stdlib-words", "torchsrc-words"):
         assert name in acc.CORPORA and acc._lm_kind(name) == "word-level"
         assert acc.corpus_sources(name) == acc.corpus_sources(name.split("-")[0])
+
+
+def test_gate_pool_gaps_against_the_mean_of_every_baseline(tmp_path):
+    """bench/gate_pool.py: each run against the mean of the Inductor runs of its corpus,
+    config and seed across files; another config or seed is not a baseline; a file given
+    with --baselines-from lends its Inductor runs only."""
+    def result(seed, runs, d=768):
+        return {"options": {"seed": seed},
+                "lm": {"config": {"d": d, "modes": [r[0] for r in runs], "seeds": 1},
+                       "corpora": {"stdlib": {"corpus": "stdlib", "runs": [
+                           {"mode": m, "status": "ok", "final_val_loss": v, "seed": seed}
+                           for m, v in runs]}}}}
+    files = {"a": result(0, [("inductor", 1.00), ("hot", 1.02)]),
+             "b": result(0, [("inductor", 0.98), ("hot", 1.00)]),
+             "c": result(1, [("inductor", 2.00), ("hot", 2.00)]),
+             "other": result(0, [("inductor", 5.0), ("hot", 9.0)], d=64),
+             "base": result(0, [("inductor", 1.02), ("hot", 7.0)])}
+    paths = {}
+    for k, v in files.items():
+        paths[k] = str(tmp_path / f"{k}.json")
+        with open(paths[k], "w") as f:
+            json.dump(v, f)
+    md = str(tmp_path / "out.md")
+    out = subprocess.run([sys.executable, os.path.join(BENCH, "gate_pool.py"), paths["a"],
+                          paths["b"], paths["c"], paths["other"], "--baselines-from",
+                          paths["base"], "--md", md], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    sys.path.insert(0, BENCH)
+    import gate_pool
+    recs = gate_pool.runs([files[k] for k in "abc"] + [files["other"]]) \
+        + gate_pool.runs([files["base"]], only_mode="inductor")
+    gaps = gate_pool.pooled_gaps(recs)
+    # seed 0 of d=768: baselines 1.00, 0.98, 1.02 (mean 1.00); seed 1: 2.00 alone
+    assert gaps["stdlib", "hot"]["gaps"] == pytest.approx([0.02, 0.0, 0.0, 0.8])
+    rows = {r["mode"]: r for r in gate_pool.verdicts(
+        gate_pool.pooled_gaps(gate_pool.runs([files[k] for k in "abc"])))}
+    # without "base", seed 0's baseline is 0.99: gaps +3.03%, +1.01%, 0 -> mean 1.35%
+    assert rows["hot"]["mean"] == pytest.approx((0.03 / 0.99 + 0.01 / 0.99 + 0) / 3)
+    assert rows["hot"]["pass"] is False and rows["inductor"]["pass"] is None
+    assert rows["inductor"]["mean"] == pytest.approx(0.0)
+    text = open(md).read()
+    assert text == out.stdout and "| stdlib | `hot` | 4 |" in text and "**no**" in text
