@@ -162,10 +162,10 @@ def _compress_one(fw: GraphModule, bw: GraphModule, s: Node, ph: Node, first_bw:
     its restoration instead. Centred rows are the memory's rows (``memory_order``)."""
     val = s.meta["val"]
     centred = fmt.endswith("centred")
-    order = memory_order(val) if centred or fmt.startswith("fp8") else None
-    identity = order is None or order == list(range(len(order)))
+    order = memory_order(val)                            # dense: ``_reject_layout`` passed
+    identity = order == list(range(len(order)))
     back = None if identity else sorted(range(len(order)), key=order.__getitem__)
-    width = int(val.shape[order[-1]]) if centred else None      # static: ``_reject_layout``
+    width = int(val.shape[order[-1]])                    # static: ``_reject_layout`` passed
     if fmt.startswith("fp8"):
         pack = (functools.partial(saved_fp8.compress_centred, width=width) if centred
                 else saved_fp8.compress)
@@ -271,7 +271,7 @@ def compress_saved(fw: GraphModule, bw: GraphModule, num_fwd_outputs: int,
             summary.bytes_after += size
             new_saved.append(s)
             continue
-        if layout is None and not reaches(ph, comparison_step):
+        if not reaches(ph, comparison_step):
             fmt += ", centred"
         summary.tensors[-1][3] = fmt
         parts = _compress_one(fw, bw, s, ph, first_bw, fake, fmt)
