@@ -224,6 +224,28 @@ def hot_info(be) -> dict:
     return info
 
 
+
+def unapplied(rec: dict) -> str:
+    """What a run's HOTConfig asked for and its report says it did not get: an FP8 forward
+    some rewritten sites kept in bf16 (row-wise FP8 needs a bf16 forward, so an fp32 model
+    takes none), kept activations asked in FP8 with none stored as e4m3 (an fp32 graph has
+    only bf16 narrowing). A gate row that passes without them says nothing about them."""
+    cfg = rec.get("hot_config") or {}
+    out = []
+    n = rec.get("hot_sites_rewritten", 0)
+    if cfg.get("forward", "bf16") != "bf16" and n and rec.get("hot_forward_fp8", n) < n:
+        why = "; ".join(rec.get("hot_forward_reasons") or []) or "reason not recorded"
+        out.append(f"FP8 forward on {rec['hot_forward_fp8']}/{n} sites ({why})")
+    if cfg.get("saved_activations") in ("fp8", "fp8_all") and rec.get("hot_saved_activations"):
+        formats: Dict[str, int] = {}
+        for g in rec["hot_saved_activations"].values():
+            for f, k in (g.get("formats") or {}).items():
+                formats[f] = formats.get(f, 0) + k
+        if not formats.get("fp8"):
+            got = ", ".join(f"{k} in {f}" for f, k in sorted(formats.items())) or "none narrowed"
+            out.append(f"kept activations: none in e4m3 ({got})")
+    return "; ".join(out)
+
 def _ranks_text(hist: Optional[dict]) -> str:
     if not hist:
         return ""
@@ -382,7 +404,9 @@ def train_lm(mode: str, cfg: dict, data: dict, device, amp: Optional[str], hot_e
 # ----------------------------------------------------------------------------- digits part
 def train_digits(mode: str, cfg: dict, data, device, hot_extra: dict, seed: int) -> dict:
     """Train from ``cfg["seeds"]`` initialisations (one compiled graph reused: the weights
-    are re-initialised in place, LQS re-calibrates); report the mean test accuracy."""
+    are re-initialised in place, LQS re-calibrates); report the mean test accuracy.
+    ``cfg["amp"]`` (default none: the whole gate in fp32) puts the compiled modes under
+    autocast, as the LM runs: what an FP8 forward or e4m3 kept activations need to engage."""
     C.reset_compile_state()
     xtr, ytr, xte, yte = (t.to(device) for t in data)
     seeds = [seed + i for i in range(cfg.get("seeds", 1))]
@@ -395,12 +419,13 @@ def train_digits(mode: str, cfg: dict, data, device, hot_extra: dict, seed: int)
     vit = fresh(seeds[0])
     wrapper = C.ClsLoss(vit)
     base_mode, variant = C.split_mode(mode)
+    amp = cfg.get("amp") if C.MODE_INFO[base_mode][1] else None
     step_fn, be = C.compile_model(wrapper, base_mode,
                                   _hot_kwargs(cfg["d"] < 256, {**hot_extra, **variant}))
     steps, batch, s = cfg["steps"], cfg["batch"], cfg["shift"]
 
     def evaluate() -> float:
-        with torch.no_grad():
+        with torch.no_grad(), C.amp_ctx(device, amp):
             return float((vit(xte).argmax(1) == yte).float().mean()) * 100
 
     curves, accs, finals, finite = [], [], [], True
@@ -428,7 +453,8 @@ def train_digits(mode: str, cfg: dict, data, device, hot_extra: dict, seed: int)
                 grp["lr"] = cfg["lr"] * _schedule(step, steps, cfg["warmup"])
             idx = order[step]
             x = torch.roll(xtr[idx], shifts=tuple(shifts[step]), dims=(2, 3))
-            loss = step_fn(x, ytr[idx])
+            with C.amp_ctx(device, amp):
+                loss = step_fn(x, ytr[idx])
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -446,7 +472,7 @@ def train_digits(mode: str, cfg: dict, data, device, hot_extra: dict, seed: int)
     rec = {"mode": mode, "variant": variant, "status": "ok", "test_acc": sum(accs) / n,
            "test_acc_seeds": accs,
            "test_acc_std": statistics.pstdev(accs) if n > 1 else 0.0, "seeds": seeds,
-           "acc_curve": mean_curve, "final_train_loss": sum(finals) / n,
+           "acc_curve": mean_curve, "final_train_loss": sum(finals) / n, "amp": amp or "none",
            "seconds": time.perf_counter() - t_run,
            "params_m": round(C.count_params(vit) / 1e6, 2)}
     rec.update(hot_info(be))
@@ -818,6 +844,8 @@ def run_suite(args) -> dict:
         dg_cfg["steps"] = args.digits_steps
     if args.digits_seeds is not None:
         dg_cfg["seeds"] = args.digits_seeds
+    if args.digits_amp not in (None, "none"):
+        dg_cfg["amp"] = args.digits_amp
     if args.no_tf32:
         lm_cfg["tf32"] = False
     if args.lm_modes:
@@ -985,6 +1013,7 @@ def _common_flags(args, seed: bool = True) -> List[str]:
                       ("--lm-max-bytes", args.lm_max_bytes),
                       ("--digits-steps", args.digits_steps),
                       ("--digits-seeds", args.digits_seeds), ("--amp", args.amp),
+                      ("--digits-amp", args.digits_amp),
                       ("--fidelity-warmup", args.fidelity_warmup),
                       ("--fidelity-avg", args.fidelity_avg), ("--device", args.device),
                       ("--cache-dir", args.cache_dir)):
@@ -1141,17 +1170,20 @@ def _lm_line(r, cfg, corpus: str = "", show_seed: bool = False) -> str:
            if "hot_sites_total" in r else "")
     if r.get("hot_ranks"):
         hot += f" ({_ranks_text(r['hot_ranks'])})"
+    miss = unapplied(r)
     return (f"{tag:<16} {r['mode']:<9} val loss {r['final_val_loss']:.4f}  train "
             f"{r['final_train_loss']:.4f}  {cfg['steps']} steps in {r['seconds']:.0f} s "
-            f"({C.fmt(r['step_ms'])} ms/step){hot}")
+            f"({C.fmt(r['step_ms'])} ms/step){hot}" + (f"  NOT APPLIED: {miss}" if miss else ""))
 
 
 def _digits_line(r, cfg) -> str:
     if r.get("status") != "ok":
         return f"digits  {r['mode']:<9} {r['status'].upper()}: {r.get('error', '')}"
+    miss = unapplied(r)
     return (f"digits  {r['mode']:<9} test acc {r['test_acc']:.2f}% (seeds: "
             f"{', '.join(f'{a:.2f}' for a in r.get('test_acc_seeds', []))})  train loss "
-            f"{r['final_train_loss']:.4f}  ({cfg['steps']} steps, {r['seconds']:.0f} s)")
+            f"{r['final_train_loss']:.4f}  ({cfg['steps']} steps, {r['seconds']:.0f} s)"
+            + (f"  NOT APPLIED: {miss}" if miss else ""))
 
 
 def _fid_line(r) -> str:
@@ -1272,6 +1304,8 @@ def _lm_section(corpus: str, ent: dict, c: Optional[dict]) -> List[str]:
         note = "TF32 matmuls" if r.get("tf32") else ""
         if "hot_sites_total" in r:
             note = f"HOT {r['hot_sites_rewritten']}/{r['hot_sites_total']} sites"
+            if unapplied(r):
+                note += f"; not applied: {unapplied(r)}"
         rows.append([r["mode"], *seed_col, C.fmt(r["final_val_loss"], 4), *vs,
                      C.fmt(r["final_train_loss"], 4), C.fmt(r.get("step_ms")),
                      _ranks_text(r.get("hot_ranks")) or "-", note])
@@ -1328,9 +1362,12 @@ def markdown(result: dict, title: bool = True, per_site: bool = True) -> str:
                 continue
             dd = (f"{r['test_acc'] - ref['fp32']['test_acc']:+.2f}" if "fp32" in ref else "-")
             per = ", ".join(f"{a:.2f}" for a in r.get("test_acc_seeds", []))
+            note = f"not applied: {unapplied(r)}" if unapplied(r) else ""
+            if r.get("amp", "none") != "none":
+                note = "; ".join(x for x in (f"{r['amp']} autocast", note) if x)
             rows.append([r["mode"], f"{C.fmt(r['test_acc'])} ± {C.fmt(r.get('test_acc_std'))}",
                          dd, per, C.fmt(r["final_train_loss"], 4),
-                         _ranks_text(r.get("hot_ranks")) or "-", ""])
+                         _ranks_text(r.get("hot_ranks")) or "-", note])
         L.append(C.md_table(["mode", "test accuracy % (mean ± sd)", "vs fp32 (points)",
                              "per seed", "final train loss", "HLA ranks (sites)", "note"], rows))
     fi = result.get("fidelity")
@@ -1515,6 +1552,10 @@ def parse_args(argv=None):
     p.add_argument("--fidelity-avg", type=int, help="measured HOT passes per site (default 4)")
     p.add_argument("--fidelity-variants", choices=["default", "all"], default="default",
                    help="measure fidelity for `hot` only (default) or every --hot-variants entry")
+    p.add_argument("--digits-amp", choices=["bf16", "fp16", "none"],
+                   help="autocast of the digits ViT's compiled modes (default none: fp32, where "
+                        "a row-wise FP8 forward and e4m3 kept activations do not engage; fp32 "
+                        "stays the reference)")
     p.add_argument("--no-tf32", action="store_true", help="strict fp32 matmuls in the fp32 LM")
     p.add_argument("--amp", choices=["bf16", "fp16", "none"],
                    help="autocast of the LM's inductor/hot modes and of the fidelity step "

@@ -280,6 +280,8 @@ def hot_summary(be) -> dict:
             "hot_report_saved_x_after": after,
             "hot_forward": sorted({r.forward for r in rep.rewritten}),
             "hot_forward_fp8": sum(r.forward.startswith("fp8") for r in rep.rewritten),
+            "hot_forward_reasons": sorted({r.forward_reason for r in rep.rewritten
+                                           if r.forward_reason}),
             # saved_activations="fp8": per graph, what the kept activations became
             "hot_saved_activations": {str(g): d for g, d in rep.saved.items()}}
 

@@ -603,3 +603,34 @@ def test_gate_pool_gaps_against_the_mean_of_every_baseline(tmp_path):
     assert rows["inductor"]["mean"] == pytest.approx(0.0)
     text = open(md).read()
     assert text == out.stdout and "| stdlib | `hot` | 4 |" in text and "**no**" in text
+
+
+def test_digits_says_what_an_fp32_model_did_not_apply():
+    """The digits ViT trains in fp32 unless --digits-amp: there a row-wise FP8 forward and
+    e4m3 kept activations do not engage, and its rows must say so (a pass there tests
+    nothing of them); under bf16 autocast both engage and the note goes away."""
+    A = _load("accuracy")
+    g = torch.Generator().manual_seed(0)
+    data = (torch.randn(32, 1, 16, 16, generator=g), torch.randint(0, 10, (32,), generator=g),
+            torch.randn(16, 1, 16, 16, generator=g), torch.randint(0, 10, (16,), generator=g))
+    cfg = dict(img=16, patch=4, d=64, layers=1, heads=4, batch=16, steps=2, lr=1e-3, warmup=1,
+               eval_every=2, shift=1, seeds=1)
+    mode = "hot[forward=fp8_rowwise,saved_activations=fp8]"
+    dev = torch.device("cpu")
+    r32 = A.train_digits(mode, cfg, data, dev, {}, 0)
+    assert r32["status"] == "ok" and r32["amp"] == "none" and r32["hot_sites_rewritten"] >= 1
+    note = A.unapplied(r32)
+    assert f"FP8 forward on 0/{r32['hot_sites_rewritten']} sites" in note, note
+    assert "row-wise FP8 needs a bf16 forward (got float32)" in note, note
+    assert "kept activations: none in e4m3" in note and " in bf16" in note, note
+    assert "NOT APPLIED" in A._digits_line(r32, cfg)
+    rbf = A.train_digits(mode, dict(cfg, amp="bf16"), data, dev, {}, 0)
+    assert rbf["status"] == "ok" and rbf["amp"] == "bf16", rbf
+    # every site but the 10-class head (cuBLAS's FP8 layout needs multiples of 16)
+    n = rbf["hot_sites_rewritten"]
+    assert rbf["hot_forward_fp8"] == n - 1 >= 1, rbf["hot_forward_reasons"]
+    assert A.unapplied(rbf) == (f"FP8 forward on {n - 1}/{n} sites (FP8 forward needs "
+                                "out-features a multiple of 16 (got 10))"), A.unapplied(rbf)
+    # a run that asked for neither has nothing to say
+    assert A.unapplied({"hot_config": {"forward": "bf16", "saved_activations": "exact"},
+                        "hot_sites_rewritten": 3, "hot_forward_fp8": 0}) == ""
