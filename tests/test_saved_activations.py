@@ -54,6 +54,41 @@ def test_round_trip_of_a_row_with_nan_or_inf_is_nan_and_leaves_the_other_rows():
     assert torch.isfinite(back[0]).all() and rel(back[0], t[0]) < 0.03
 
 
+def test_rows_longer_than_a_persistent_reduction_are_cut_in_blocks():
+    assert [S.block_of(w) for w in (64, 768, 1024, 3072, 4096, 5632, 11008)] == \
+        [64, 768, 1024, 1024, 1024, 704, 688]
+    # no divisor in [256, 1024] that is a multiple of 16: the whole row
+    assert S.block_of(1031) == 1031 and S.block_of(2050) == 2050
+    assert all(w % S.block_of(w) == 0 for w in range(64, 20000, 7))
+
+
+@pytest.mark.parametrize("fmt,centred,tol", [("fp8", False, 0.03), ("fp8", True, 0.03),
+                                              ("bf16", True, 0.004)])
+def test_each_block_of_a_long_row_takes_its_own_scale(fmt, centred, tol):
+    """A 3072-wide row in three blocks of 1024 whose sizes differ by 10^3 each: every block
+    comes back within its own format's error; one scale for the row would flush the smallest
+    block to zero in e4m3 (1e-3 against a row max near 3e3)."""
+    torch.manual_seed(12)
+    t = torch.randn(4, 5, 3072) * torch.tensor([1e-3, 1.0, 1e3]).repeat_interleave(1024)
+    t = t + 5 * torch.tensor([1e-3, 1.0, 1e3]).repeat_interleave(1024)     # and an offset
+    if fmt == "fp8":
+        parts = S.compress_centred(t) if centred else S.compress(t)
+        assert parts[0].shape == t.shape and parts[0].dtype == torch.float8_e4m3fn
+        assert all(p.shape == (4 * 5 * 3, 1) for p in parts[1:])
+    else:
+        b, m = S.narrow(t)
+        assert b.shape == t.shape and b.dtype == torch.bfloat16 and m.shape == (60, 1)
+    back = S.round_trip(t, centred=centred, fmt=fmt)
+    assert back.shape == t.shape
+    for k in range(3):
+        blk = slice(1024 * k, 1024 * (k + 1))
+        assert rel(back[..., blk], t[..., blk]) < tol, (k, rel(back[..., blk], t[..., blk]))
+    whole = S.Rows(3072, 3072, tuple(t.shape))          # one scale a row, for contrast
+    if fmt == "fp8" and not centred:
+        q, s = S.compress(t, whole)
+        assert rel(S.decompress(q, s, t.dtype, rows=whole)[..., :1024], t[..., :1024]) > 0.5
+
+
 # --------------------------------------------------------------------------- compiled graphs
 def test_compiled_gradient_is_the_round_trip_reference():
     """h = x @ w kept (an mm is never recomputed); w^T, kept for g_x, is a view of a graph
@@ -76,6 +111,32 @@ def test_compiled_gradient_is_the_round_trip_reference():
                      ([96, 48], "a view of a graph input")], kinds
     # h: 4 bytes an element -> 1, and a 4-byte scale and a 4-byte mean for each of its 32 rows
     assert d["bytes_before"] - d["bytes_after"] == 32 * 96 * 3 - 32 * 8
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_compiled_blocks_of_a_wide_row_are_the_reference(dynamic):
+    """A kept h 2048 wide: scaled in two blocks a row, in the forward graph and back in the
+    backward's, static and with a dynamic batch (the view back reads the batch off the
+    tensor); the gradients are the exact backward of h * h with h's blocked round trip."""
+    torch.manual_seed(13)
+    lin = torch.nn.Linear(48, 2048, bias=False)
+    be = hotcompile.backend(_cfg())
+    fn = torch.compile(lambda a: (lin(a) * lin(a)).sum(), backend=be, dynamic=dynamic)
+    for batch in (3, 5) if dynamic else (3,):
+        x = torch.randn(batch, 16, 48, requires_grad=True)
+        lin.weight.grad = None
+        fn(x).backward()
+        h = lin(x).detach()
+        g_h = 2 * S.round_trip(h, centred=True)
+        w = lin.weight.detach()
+        assert rel(x.grad, g_h @ w) < 1e-5
+        assert rel(lin.weight.grad, g_h.flatten(0, 1).T @ x.detach().flatten(0, 1)) < 1e-5
+        assert rel(x.grad, 2 * h @ w) > 1e-3                             # it did compress
+    (d,) = be.report.saved.values()
+    assert [t[3] for t in d["tensors"]].count("fp8, centred") == 1, d["tensors"]
+    if not dynamic:
+        # h: 4 bytes an element -> 1, and a scale and a mean for each of 48 rows' 2 blocks
+        assert d["bytes_before"] - d["bytes_after"] == 48 * 2048 * 3 - 48 * 2 * 8
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

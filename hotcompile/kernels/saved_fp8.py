@@ -23,8 +23,18 @@ sum((t - m)^2) <= sum(t^2), so centring never makes the row's error larger in th
 an exact zero of t comes back as a value near zero, so it is only for tensors no backward op
 compares (ReLU's mask). amax(|t - m|) is max(max(t) - m, m - min(t)): the mean, max and min are
 one reduction loop over the row, the same fl(t_i - m) the levels take.
+
+Row blocks (``Rows``): a row longer than ``ROW_BLOCK`` is scaled (and centred) in blocks of
+``block_of(width)`` elements, each with its own scale and mean. Why: Inductor keeps a row in
+registers (a persistent reduction: one read of the producer, the statistics and the levels in
+one pass) only up to 1024 elements; a longer row is read twice, and the producer (a GELU of a
+GEMM's output) recomputed, in a loop. ViT-B's 3072-wide GELU output took 277 us a layer that
+way (4x its bandwidth time; docs/BENCHMARKS.md, twenty-sixth stop). A block's error is 2^-4 of
+its own spread, never more than the whole row's.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -37,13 +47,51 @@ prims = torch.ops.prims
 # fp16 ones as e4m3 rows and narrows fp32 ones to bf16; "fp8_all" keeps fp32 ones as e4m3 too
 FORMATS = ("exact", "bf16", "fp8", "fp8_all")
 
+ROW_BLOCK = 1024        # Inductor's limit for a persistent inner reduction
+MIN_BLOCK = 256         # shorter blocks: a scale and a mean cost more than 3% of the e4m3 bytes
 
-def compress(t):
-    """``t`` (any float dtype, at least 1-D) -> (e4m3 levels, shape of ``t``; fp32 scale,
-    ``t``'s shape with a last axis of 1)."""
-    t32 = prims.convert_element_type.default(t, torch.float32)
+
+def block_of(width: int) -> int:
+    """The length of the blocks a row of ``width`` elements is scaled in: the row itself up
+    to ``ROW_BLOCK``, else its largest divisor in [MIN_BLOCK, ROW_BLOCK] that is a multiple of
+    16 (3072 -> 1024, 11008 -> 688), else the row (a width with no such divisor)."""
+    if width <= ROW_BLOCK:
+        return width
+    for b in range(ROW_BLOCK, MIN_BLOCK - 1, -16):
+        if width % b == 0:
+            return b
+    return width
+
+
+@dataclasses.dataclass(frozen=True)
+class Rows:
+    """The blocks one kept tensor is scaled in: its rows (last axis, ``width`` long) cut into
+    blocks of ``block``; ``shape`` views the blocks back (ints; on ``torch.fx.Proxy`` tensors
+    the proxies of ``aten.sym_size`` for dynamic sizes). One block a row: no view at all, and
+    the statistics keep the tensor's shape with a last axis of 1."""
+    width: int
+    block: int
+    shape: tuple = ()
+
+    @classmethod
+    def of(cls, t) -> "Rows":
+        return cls(int(t.shape[-1]), block_of(int(t.shape[-1])), tuple(t.shape))
+
+    def split(self, t):
+        return t if self.block == self.width else aten.view.default(t, [-1, self.block])
+
+    def join(self, t):
+        return t if self.block == self.width else aten.view.default(t, list(self.shape))
+
+
+def compress(t, rows: Rows | None = None):
+    """``t`` (any float dtype, at least 1-D) -> (e4m3 levels, shape of ``t``; fp32 scale, one
+    per block of ``rows`` (default ``Rows.of(t)``): ``t``'s shape with a last axis of 1 when a
+    row is one block, else (blocks, 1))."""
+    rows = rows or Rows.of(t)
+    t32 = rows.split(prims.convert_element_type.default(t, torch.float32))
     scale = scale_from_amax(aten.amax.default(aten.abs.default(t32), [-1], True))
-    return e4m3_levels(t32, aten.reciprocal.default(scale)), scale
+    return rows.join(e4m3_levels(t32, aten.reciprocal.default(scale))), scale
 
 
 def _centre(t32, n: int):
@@ -64,20 +112,24 @@ def _centre(t32, n: int):
     return mean, amax
 
 
-def compress_centred(t, width: int | None = None):
-    """``t`` -> (e4m3 levels of t - m, fp32 scale, fp32 row mean m); the scale and m have
-    ``t``'s shape with a last axis of 1. ``width``: the rows' length (given when ``t`` is a
-    ``torch.fx.Proxy``, whose shape is not known here)."""
-    t32 = prims.convert_element_type.default(t, torch.float32)
-    mean, amax = _centre(t32, t.shape[-1] if width is None else width)
+def compress_centred(t, rows: Rows | None = None):
+    """``t`` -> (e4m3 levels of t - m, fp32 scale, fp32 block mean m); the scale and m as
+    ``compress``'s scale. ``rows``: given when ``t`` is a ``torch.fx.Proxy``, whose shape is
+    not known here."""
+    rows = rows or Rows.of(t)
+    t32 = rows.split(prims.convert_element_type.default(t, torch.float32))
+    mean, amax = _centre(t32, rows.block)
     scale = scale_from_amax(amax)
-    return e4m3_levels(aten.sub.Tensor(t32, mean), aten.reciprocal.default(scale)), scale, mean
+    q = e4m3_levels(aten.sub.Tensor(t32, mean), aten.reciprocal.default(scale))
+    return rows.join(q), scale, mean
 
 
-def decompress(q, scale, dtype: torch.dtype, mean=None):
+def decompress(q, scale, dtype: torch.dtype, mean=None, rows: Rows | None = None):
     """The saved tensor back in ``dtype`` from ``compress``'s pair (or ``compress_centred``'s
-    triple: ``mean`` added back)."""
-    t32 = aten.mul.Tensor(prims.convert_element_type.default(q, torch.float32), scale)
+    triple: ``mean`` added back); ``rows`` as they were compressed (default ``Rows.of(q)``)."""
+    rows = rows or Rows.of(q)
+    t32 = aten.mul.Tensor(rows.split(prims.convert_element_type.default(q, torch.float32)),
+                          scale)
     if mean is not None:
         t32 = aten.add.Tensor(t32, mean)
         if dtype != torch.float32:
@@ -85,28 +137,33 @@ def decompress(q, scale, dtype: torch.dtype, mean=None):
             # no element of t did (fp16: 65000 came back as inf)
             big = torch.finfo(dtype).max
             t32 = aten.clamp_max.default(aten.clamp_min.default(t32, -big), big)
-    return prims.convert_element_type.default(t32, dtype)
+    return rows.join(prims.convert_element_type.default(t32, dtype))
 
 
-def narrow(t, width: int | None = None, centred: bool = True):
+def narrow(t, rows: Rows | None = None, centred: bool = True):
     """An fp32 kept tensor as bf16 (``saved_activations="bf16"`` / ``"fp8"``): 2x, a relative
     error of 2^-9 (a LayerNorm's fp32 x_hat, whose e4m3 round trip cost the byte-level GPT
     gate 1.3% beside the FP8 forward, docs/BENCHMARKS.md, twenty-fifth stop). Centred as
     ``compress_centred`` is, for the same reason (an offset of 16 against a spread of 1 made
-    an error of 2.5% in LayerNorm's x - mean): (bf16 t - m, fp32 m); plain: (bf16 t,)."""
+    an error of 2.5% in LayerNorm's x - mean): (bf16 t - m, fp32 m of each block of
+    ``rows``); plain: (bf16 t,)."""
     if not centred:
         return (prims.convert_element_type.default(t, torch.bfloat16),)
-    t32 = prims.convert_element_type.default(t, torch.float32)
-    mean, _ = _centre(t32, t.shape[-1] if width is None else width)
-    return prims.convert_element_type.default(aten.sub.Tensor(t32, mean), torch.bfloat16), mean
+    rows = rows or Rows.of(t)
+    t32 = rows.split(prims.convert_element_type.default(t, torch.float32))
+    mean, _ = _centre(t32, rows.block)
+    b = prims.convert_element_type.default(aten.sub.Tensor(t32, mean), torch.bfloat16)
+    return rows.join(b), mean
 
 
-def widen(b, dtype: torch.dtype, mean=None):
+def widen(b, dtype: torch.dtype, mean=None, rows: Rows | None = None):
     """``narrow``'s tensor back in ``dtype``."""
     if mean is None:
         return prims.convert_element_type.default(b, dtype)
-    t32 = aten.add.Tensor(prims.convert_element_type.default(b, torch.float32), mean)
-    return prims.convert_element_type.default(t32, dtype)
+    rows = rows or Rows.of(b)
+    t32 = aten.add.Tensor(rows.split(prims.convert_element_type.default(b, torch.float32)),
+                          mean)
+    return rows.join(prims.convert_element_type.default(t32, dtype))
 
 
 def round_trip(t, centred: bool = False, fmt: str = "fp8"):

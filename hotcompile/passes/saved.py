@@ -28,6 +28,8 @@ Rows are stored centred (``saved_fp8.compress_centred``: t - mean, the mean kept
 backward op compares S (``comparison_step``): the error is then 2^-4 of S's spread, not of an
 offset it carries (a residual-stream summand with a large bias, whose LayerNorm backward
 recomputes x - mean); a compared S (ReLU's mask) keeps plain rows, where zero stays zero.
+A row longer than 1024 is scaled in blocks (``saved_fp8.block_of``: 3072 -> 3 x 1024), so
+that Inductor compresses it in one pass with its producer (a persistent reduction).
 """
 from __future__ import annotations
 
@@ -158,21 +160,33 @@ def _compress_one(fw: GraphModule, bw: GraphModule, s: Node, ph: Node, first_bw:
                   fmt: str) -> List[Node]:
     """Kept tensor ``s`` (``ph`` in the backward) -> the forward's nodes of its compressed
     form (``fmt``: "fp8": e4m3 levels and scale, "bf16": the narrowed tensor; ", centred":
-    of t - m, with the row mean m as one more part); the backward's readers of ``ph`` read
-    its restoration instead. Centred rows are the memory's rows (``memory_order``)."""
+    of t - m, with the block mean m as one more part); the backward's readers of ``ph`` read
+    its restoration instead. Rows are the memory's rows (``memory_order``), scaled in the
+    blocks of ``saved_fp8.block_of``."""
     val = s.meta["val"]
     centred = fmt.endswith("centred")
     order = memory_order(val)                            # dense: ``_reject_layout`` passed
     identity = order == list(range(len(order)))
     back = None if identity else sorted(range(len(order)), key=order.__getitem__)
-    width = int(val.shape[order[-1]])                    # static: ``_reject_layout`` passed
+    shape = [val.shape[i] for i in order]                # of the rows in memory order
+    width = int(shape[-1])                               # static: ``_reject_layout`` passed
+    block = saved_fp8.block_of(width)
+
+    def rows_of(t):
+        """The blocks of ``t`` (a proxy of ``shape``): a dynamic size is read off ``t``."""
+        if block == width:
+            return saved_fp8.Rows(width, block)
+        return saved_fp8.Rows(width, block, tuple(
+            d if isinstance(d, int) else aten.sym_size.int(t, i) for i, d in enumerate(shape)))
+
     if fmt.startswith("fp8"):
-        pack = (functools.partial(saved_fp8.compress_centred, width=width) if centred
-                else saved_fp8.compress)
-        unpack = lambda q, scale, *mean: saved_fp8.decompress(q, scale, val.dtype, *mean)  # noqa: E731
+        compress = saved_fp8.compress_centred if centred else saved_fp8.compress
+        pack = lambda t: compress(t, rows_of(t))  # noqa: E731
+        unpack = lambda q, scale, *mean: saved_fp8.decompress(  # noqa: E731
+            q, scale, val.dtype, *(mean or [None]), rows=rows_of(q))
     else:
-        pack = functools.partial(saved_fp8.narrow, width=width, centred=centred)
-        unpack = lambda b, *mean: saved_fp8.widen(b, val.dtype, *mean)  # noqa: E731
+        pack = lambda t: saved_fp8.narrow(t, rows_of(t), centred=centred)  # noqa: E731
+        unpack = lambda b, *mean: saved_fp8.widen(b, val.dtype, *mean, rows=rows_of(b))  # noqa: E731
     # right after S: Inductor fuses the compression with S's producer and frees S at its
     # last forward read, not at the end of the forward
     parts = emit(fw.graph, lambda t: pack(t if identity else aten.permute.default(t, order)),
