@@ -62,6 +62,18 @@ def test_rows_longer_than_a_persistent_reduction_are_cut_in_blocks():
     assert all(w % S.block_of(w) == 0 for w in range(64, 20000, 7))
 
 
+def test_blocks_of_a_transposed_reference_input_and_a_rows_without_its_shape():
+    """The reference functions take a non-contiguous tensor (its blocks are those of its
+    contiguous copy); a Rows that cuts blocks but cannot view them back is refused."""
+    torch.manual_seed(14)
+    t = torch.randn(2048, 8).T                                      # (8, 2048), strided
+    back = S.round_trip(t, centred=True)
+    assert back.shape == t.shape and torch.equal(back, S.round_trip(t.contiguous(), centred=True))
+    assert rel(back, t) < 0.03
+    with pytest.raises(ValueError, match="needs the shape"):
+        S.Rows(3072, 1024)
+
+
 @pytest.mark.parametrize("fmt,centred,tol", [("fp8", False, 0.03), ("fp8", True, 0.03),
                                               ("bf16", True, 0.004)])
 def test_each_block_of_a_long_row_takes_its_own_scale(fmt, centred, tol):

@@ -1,5 +1,6 @@
 """Activations kept for backward in FP8 (``HOTConfig(saved_activations="fp8")``): each row
-of a saved tensor as e4m3 levels and one fp32 scale, written in aten ops only.
+of a saved tensor (each block of a long row, below) as e4m3 levels and one fp32 scale,
+written in aten ops only.
 
 Why aten ops: the compression is an amax over each row and one pointwise pass, which
 Inductor fuses with the kernel that produces the tensor in the forward (the residual add,
@@ -8,12 +9,13 @@ kernels that read it (LayerNorm's and GELU's backward) or, before a GEMM, one pa
 on real tensors these functions are the reference; called on ``torch.fx.Proxy`` objects
 (``passes/graph_utils.emit``) they record the same ops into the compiled graphs.
 
-Numerics: rows along the last axis, s = max(amax(|row|), 1e-12) * (1 / 448), q =
-e4m3(clamp(t * (1 / s), -448, 448)) rounded to nearest even; back: q * s in the saved
-tensor's dtype. e4m3 keeps 3 mantissa bits: a relative error of at most 2^-4 per element
-(6.25%), values under about 2^-18 of the row's max round to zero. A NaN or an infinity in a row
-makes the whole row NaN after the round trip (amax is NaN or inf; inf * 0 is NaN): a
-non-finite activation still gives non-finite gradients, as it would have exactly.
+Numerics: rows along the last axis (a "row" below is a block of a long one), s =
+max(amax(|row|), 1e-12) * (1 / 448), q = e4m3(clamp(t * (1 / s), -448, 448)) rounded to
+nearest even; back: q * s in the saved tensor's dtype. e4m3 keeps 3 mantissa bits: a relative
+error of at most 2^-4 per element (6.25%), values under about 2^-18 of the row's max round to
+zero. A NaN or an infinity in a row makes that whole row (block) NaN after the round trip
+(amax is NaN or inf; inf * 0 is NaN): a non-finite activation still gives non-finite
+gradients, as it would have exactly.
 
 Centred rows (``compress_centred``): the row's mean m is kept beside the scale (4 more bytes a
 row) and the levels hold t - m. Why: the error is 2^-4 of what is stored, and a backward that
@@ -29,8 +31,11 @@ Row blocks (``Rows``): a row longer than ``ROW_BLOCK`` is scaled (and centred) i
 registers (a persistent reduction: one read of the producer, the statistics and the levels in
 one pass) only up to 1024 elements; a longer row is read twice, and the producer (a GELU of a
 GEMM's output) recomputed, in a loop. ViT-B's 3072-wide GELU output took 277 us a layer that
-way (4x its bandwidth time; docs/BENCHMARKS.md, twenty-sixth stop). A block's error is 2^-4 of
-its own spread, never more than the whole row's.
+way (4x its bandwidth time; docs/BENCHMARKS.md, twenty-sixth stop). The per-element bound is
+the same (2^-4 of the value, plain; of the block's spread, centred), and a block's scale
+follows its own values; a width with no divisor ``block_of`` accepts stays one looped row.
+Blocks are views: on real tensors the functions take a contiguous copy of a non-contiguous
+input (the pass hands them its memory order, which is contiguous).
 """
 from __future__ import annotations
 
@@ -48,7 +53,7 @@ prims = torch.ops.prims
 FORMATS = ("exact", "bf16", "fp8", "fp8_all")
 
 ROW_BLOCK = 1024        # Inductor's limit for a persistent inner reduction
-MIN_BLOCK = 256         # shorter blocks: a scale and a mean cost more than 3% of the e4m3 bytes
+MIN_BLOCK = 256         # at 256, a scale and a mean already cost 3% of the e4m3 bytes
 
 
 def block_of(width: int) -> int:
@@ -73,12 +78,21 @@ class Rows:
     block: int
     shape: tuple = ()
 
+    def __post_init__(self):
+        if self.block != self.width and len(self.shape) == 0:
+            raise ValueError(f"Rows({self.width}, {self.block}) needs the shape to view the "
+                             "blocks back")
+
     @classmethod
     def of(cls, t) -> "Rows":
         return cls(int(t.shape[-1]), block_of(int(t.shape[-1])), tuple(t.shape))
 
     def split(self, t):
-        return t if self.block == self.width else aten.view.default(t, [-1, self.block])
+        if self.block == self.width:
+            return t
+        if isinstance(t, torch.Tensor) and not t.is_contiguous():   # a real tensor (reference)
+            t = t.contiguous()
+        return aten.view.default(t, [-1, self.block])
 
     def join(self, t):
         return t if self.block == self.width else aten.view.default(t, list(self.shape))

@@ -12,7 +12,7 @@ wherever it read S.
 What is eligible, and why the rest is not (each kept tensor's reason goes to the report):
 - a floating-point tensor of bf16, fp16 or fp32, dense (contiguous or a permutation of
   it: a transposed input), whose rows (its memory's last axis) hold at least ``MIN_ROW``
-  elements: a per-row scale costs 4 bytes a row;
+  elements: a per-row scale costs 4 bytes a row (a row over 1024 wide is scaled in blocks);
 - made from the step's activations: not a graph input, not a user output (kept anyway),
   not made from parameters and constants only (a weight's bf16 copy: its error would
   enter every g_x; a causal mask);
@@ -185,8 +185,11 @@ def _compress_one(fw: GraphModule, bw: GraphModule, s: Node, ph: Node, first_bw:
         unpack = lambda q, scale, *mean: saved_fp8.decompress(  # noqa: E731
             q, scale, val.dtype, *(mean or [None]), rows=rows_of(q))
     else:
-        pack = lambda t: saved_fp8.narrow(t, rows_of(t), centred=centred)  # noqa: E731
-        unpack = lambda b, *mean: saved_fp8.widen(b, val.dtype, *mean, rows=rows_of(b))  # noqa: E731
+        # plain bf16 has no statistics: no blocks, no size read off the tensor
+        pack = lambda t: saved_fp8.narrow(  # noqa: E731
+            t, rows_of(t) if centred else None, centred=centred)
+        unpack = lambda b, *mean: saved_fp8.widen(  # noqa: E731
+            b, val.dtype, *mean, rows=rows_of(b) if mean else None)
     # right after S: Inductor fuses the compression with S's producer and frees S at its
     # last forward read, not at the end of the forward
     parts = emit(fw.graph, lambda t: pack(t if identity else aten.permute.default(t, order)),
