@@ -119,6 +119,9 @@ def memory_order(val) -> Optional[List[int]]:
     activation it transposes. Sizes and strides by their hints (no guard installed)."""
     sizes = [_hint(d) for d in val.shape]
     strides = [_hint(d) for d in val.stride()]
+    # at equal strides the larger axis goes outside: a (rows, 1) statistic (LayerNorm's mean,
+    # rstd, strides (1, 1)) keeps rows of 1, so it is never narrowed; the price is that a
+    # (1, n) tensor with strides (1, 1) has rows of 1 too and stays exact
     order = sorted(range(val.dim()), key=lambda i: (-strides[i], -sizes[i]))
     expect = 1
     for i in reversed(order):
