@@ -610,7 +610,10 @@ def _progress(i, n, rec, wall) -> str:
     if "hot_sites_total" in rec:
         hot = f", HOT {rec['hot_sites_rewritten']}/{rec['hot_sites_total']} sites" + (
             f" ({rec['hot_forward_fp8']} FP8 forward)" if rec.get("hot_forward_fp8") else "")
-    return (f"{head} {rec['step_ms']:8.2f} ms/step  {rec['tokens_per_s']:11.0f} tok/s  {mem}"
+    # the min beside the median: a host-bound step (ViT-B bs64: host time near GPU time)
+    # moves its median by tens of percent between processes, its min much less
+    low = f" (min {rec['step_ms_min']:.2f})" if rec.get("step_ms_min") is not None else ""
+    return (f"{head} {rec['step_ms']:8.2f} ms/step{low}  {rec['tokens_per_s']:11.0f} tok/s  {mem}"
             f"  saved {rec['saved_bytes'] / 2 ** 20:8.1f} MiB  compile {rec['compile_s']:.1f} s"
             f"  {_host_launches(rec)}{hot} ({wall:.0f} s)")
 
