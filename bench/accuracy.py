@@ -224,7 +224,6 @@ def hot_info(be) -> dict:
     return info
 
 
-
 def unapplied(rec: dict) -> str:
     """What a run's HOTConfig asked for and its report says it did not get: an FP8 forward
     some rewritten sites kept in bf16 (row-wise FP8 needs a bf16 forward, so an fp32 model
@@ -245,6 +244,7 @@ def unapplied(rec: dict) -> str:
             got = ", ".join(f"{k} in {f}" for f, k in sorted(formats.items())) or "none narrowed"
             out.append(f"kept activations: none in e4m3 ({got})")
     return "; ".join(out)
+
 
 def _ranks_text(hist: Optional[dict]) -> str:
     if not hist:
@@ -1304,8 +1304,8 @@ def _lm_section(corpus: str, ent: dict, c: Optional[dict]) -> List[str]:
         note = "TF32 matmuls" if r.get("tf32") else ""
         if "hot_sites_total" in r:
             note = f"HOT {r['hot_sites_rewritten']}/{r['hot_sites_total']} sites"
-            if unapplied(r):
-                note += f"; not applied: {unapplied(r)}"
+            miss = unapplied(r)
+            note += f"; not applied: {miss}" if miss else ""
         rows.append([r["mode"], *seed_col, C.fmt(r["final_val_loss"], 4), *vs,
                      C.fmt(r["final_train_loss"], 4), C.fmt(r.get("step_ms")),
                      _ranks_text(r.get("hot_ranks")) or "-", note])
@@ -1362,9 +1362,9 @@ def markdown(result: dict, title: bool = True, per_site: bool = True) -> str:
                 continue
             dd = (f"{r['test_acc'] - ref['fp32']['test_acc']:+.2f}" if "fp32" in ref else "-")
             per = ", ".join(f"{a:.2f}" for a in r.get("test_acc_seeds", []))
-            note = f"not applied: {unapplied(r)}" if unapplied(r) else ""
-            if r.get("amp", "none") != "none":
-                note = "; ".join(x for x in (f"{r['amp']} autocast", note) if x)
+            miss = unapplied(r)
+            amp = f"{r['amp']} autocast" if r.get("amp", "none") != "none" else ""
+            note = "; ".join(x for x in (amp, miss and f"not applied: {miss}") if x)
             rows.append([r["mode"], f"{C.fmt(r['test_acc'])} ± {C.fmt(r.get('test_acc_std'))}",
                          dd, per, C.fmt(r["final_train_loss"], 4),
                          _ranks_text(r.get("hot_ranks")) or "-", note])

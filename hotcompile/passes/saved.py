@@ -186,7 +186,7 @@ def _compress_one(fw: GraphModule, bw: GraphModule, s: Node, ph: Node, first_bw:
         compress = saved_fp8.compress_centred if centred else saved_fp8.compress
         pack = lambda t: compress(t, rows_of(t))  # noqa: E731
         unpack = lambda q, scale, *mean: saved_fp8.decompress(  # noqa: E731
-            q, scale, val.dtype, *(mean or [None]), rows=rows_of(q))
+            q, scale, val.dtype, *mean, rows=rows_of(q))
     else:
         # plain bf16 has no statistics: no blocks, no size read off the tensor
         pack = lambda t: saved_fp8.narrow(  # noqa: E731

@@ -40,7 +40,6 @@ TOLERANT = {
 }
 
 
-
 def _readers(node: Node) -> Iterable[Node]:
     """S's readers in backward, through the ops that only view or re-type it."""
     for u in node.users:
