@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import itertools
 import logging
 import traceback
@@ -365,7 +366,10 @@ class HotBackend:
         with torch._functorch.config.patch(enable_autograd_cache=caches
                                            and torch._functorch.config.enable_autograd_cache), \
                 memoized_kernel_access():
-            compiled = compile_fx(gm, example_inputs, inner_compile=_inner_compile,
+            inner = _inner_compile
+            if self.config.saved_activations != "exact":
+                inner = functools.partial(_inner_compile, backward_patches=SAVED_BACKWARD_PATCHES)
+            compiled = compile_fx(gm, example_inputs, inner_compile=inner,
                                   config_patches=patches)
         if not joint.ran and not joint.restore():
             msg = (f"graph {graph_index}: served from Inductor's cache, but its site records "
@@ -375,15 +379,25 @@ class HotBackend:
         return compiled, joint
 
 
-def _inner_compile(*args, **kwargs):
-    """Inductor's per-graph compile inside the launch-analysis memo (``kernel_access``).
+# Inductor config for the backward of a graph whose kept activations are compressed. Why no
+# peak-memory reorder: its estimate chose, for ViT-B with FP8 kept tensors in row blocks, an
+# order that runs every restoration and weight-gradient GEMM after the whole g_x chain, each
+# layer's GELU and qkv gradients (129 MiB a layer) alive until then: peak 4.12 GiB against
+# 3.90 with the partitioner's layer-by-layer order (H100, docs/BENCHMARKS.md, 27th stop).
+SAVED_BACKWARD_PATCHES = {"reorder_for_peak_memory": False}
+
+
+def _inner_compile(*args, backward_patches: Optional[dict] = None, **kwargs):
+    """Inductor's per-graph compile inside the launch-analysis memo (``kernel_access``), the
+    backward with ``backward_patches`` to Inductor's config.
 
     Why here and not only around ``compile_fx``: AOTAutograd compiles the backward lazily,
     on its first call, outside the backend's scope (Inductor wraps this same function to
     keep its config patches there). Unmemoized, lowering the backward re-analyses every HOT
     launch in it (Triton's mutation analysis took 4.4 s of Llama d4096's cold first step on
     the H100, the splicing pass's memoized share included)."""
-    with memoized_kernel_access():
+    patches = backward_patches if backward_patches and kwargs.get("is_backward") else {}
+    with memoized_kernel_access(), torch._inductor.config.patch(patches):
         return compile_fx_inner(*args, **kwargs)
 
 

@@ -151,6 +151,57 @@ def test_compiled_blocks_of_a_wide_row_are_the_reference(dynamic):
         assert d["bytes_before"] - d["bytes_after"] == 48 * 2048 * 3 - 48 * 2 * 8
 
 
+def test_restorations_sit_before_their_first_reader_in_a_backward_kept_in_graph_order(
+        monkeypatch):
+    """Three layers, each keeping a wide h: in the rewritten backward, the first node of the
+    partitioner's own after each restoration reads what it restored (a restoration at the
+    backward's start held every layer's restored tensor from there on), and that backward,
+    and only it, is compiled without Inductor's peak-memory reorder, whose estimate ran
+    ViT-B's restorations and weight-gradient GEMMs after the whole g_x chain (H100, 27th
+    stop). A graph that keeps its activations exact is compiled as Inductor would."""
+    from hotcompile import entry
+    checked, reorder = [], []
+    real_compress, real_inner = entry.compress_saved, entry.compile_fx_inner
+
+    def compress(fw, bw, n, params, mode):
+        original = {v.name for v in bw.graph.nodes}
+        summary = real_compress(fw, bw, n, params, mode)
+        nodes = list(bw.graph.nodes)
+        for i, q in enumerate(nodes):
+            if q.op != "placeholder" or q.name in original:
+                continue                                   # a part of a compressed tensor
+            start = min(nodes.index(u) for u in q.users)
+            reader = next(v for v in nodes[start:] if v.name in original)
+            front, seen = [q], set()
+            while front:                                   # everything made from q
+                v = front.pop()
+                seen.add(v)
+                front += [u for u in v.users if u not in seen]
+            checked.append(q.name)
+            assert reader in seen, (q.name, reader.name)
+        return summary
+
+    def inner(*args, **kwargs):
+        reorder.append((bool(kwargs.get("is_backward")),
+                        torch._inductor.config.reorder_for_peak_memory))
+        return real_inner(*args, **kwargs)
+    monkeypatch.setattr(entry, "compress_saved", compress)
+    monkeypatch.setattr(entry, "compile_fx_inner", inner)
+    torch.manual_seed(17)
+    net = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 1536), torch.nn.GELU(),
+                                                    torch.nn.Linear(1536, 64))
+                                for _ in range(3)])
+    x = torch.randn(2, 40, 64, requires_grad=True)
+    torch.compile(net, backend=hotcompile.backend(_cfg()))(x).pow(2).sum().backward()
+    assert len(checked) >= 6, checked                      # levels and scales of 3 layers
+    assert reorder == [(False, True), (True, False)], reorder
+    reorder.clear()
+    torch._dynamo.reset()
+    torch.compile(net, backend=hotcompile.backend(_cfg(saved_activations="exact")))(
+        x).pow(2).sum().backward()
+    assert reorder == [(False, True), (True, True)], reorder
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_centred_round_trip_bounds_the_error_by_the_spread_not_the_offset(dtype):
     torch.manual_seed(11)

@@ -159,7 +159,7 @@ def device_reason(fw: GraphModule) -> Optional[str]:
     return None
 
 
-def _compress_one(fw: GraphModule, bw: GraphModule, s: Node, ph: Node, first_bw: Node, fake,
+def _compress_one(fw: GraphModule, bw: GraphModule, s: Node, ph: Node, first_use: Node, fake,
                   fmt: str) -> List[Node]:
     """Kept tensor ``s`` (``ph`` in the backward) -> the forward's nodes of its compressed
     form (``fmt``: "fp8": e4m3 levels and scale, "bf16": the narrowed tensor; ", centred":
@@ -205,7 +205,10 @@ def _compress_one(fw: GraphModule, bw: GraphModule, s: Node, ph: Node, first_bw:
     def restore(*packed):
         t = unpack(*packed)
         return t if identity else aten.permute.default(t, back)
-    t = emit(bw.graph, restore, tuple(bparts), first_bw, "is_backward", ph, fake)
+    # right before its first reader: the backward is compiled without Inductor's peak-memory
+    # reorder (``entry.SAVED_BACKWARD_PATCHES``), so it runs in this order, and a restoration
+    # at the backward's start would hold every layer's restored tensor from the start
+    t = emit(bw.graph, restore, tuple(bparts), first_use, "is_backward", ph, fake)
     ph.replace_all_uses_with(t)
     bw.graph.erase_node(ph)
     return list(parts)
@@ -264,6 +267,7 @@ def compress_saved(fw: GraphModule, bw: GraphModule, num_fwd_outputs: int,
     live = _from_activations(fw, params)
     no_device = device_reason(fw)
     first_bw = next(n for n in bw.graph.nodes if n.op != "placeholder")
+    position = {n: i for i, n in enumerate(bw.graph.nodes)}
     fake = fake_mode_of(fw.graph)
     new_saved: List = []
     for s in saved:
@@ -294,7 +298,8 @@ def compress_saved(fw: GraphModule, bw: GraphModule, num_fwd_outputs: int,
         if not reaches(ph, comparison_step):
             fmt += ", centred"
         summary.tensors[-1][3] = fmt
-        parts = _compress_one(fw, bw, s, ph, first_bw, fake, fmt)
+        first_use = min(ph.users, key=position.__getitem__, default=first_bw)
+        parts = _compress_one(fw, bw, s, ph, first_use, fake, fmt)
         new_saved += parts
         summary.compressed += 1
         summary.formats[fmt.split(",")[0]] = summary.formats.get(fmt.split(",")[0], 0) + 1
