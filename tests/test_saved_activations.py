@@ -151,6 +151,36 @@ def test_compiled_blocks_of_a_wide_row_are_the_reference(dynamic):
         assert d["bytes_before"] - d["bytes_after"] == 48 * 2048 * 3 - 48 * 2 * 8
 
 
+def test_a_kept_gelu_output_is_rebuilt_from_its_kept_input():
+    """The partitioner keeps fc1's output h (GELU's backward reads it) and GELU(h) (fc2's
+    weight gradient reads it). Only h is compressed (in row blocks: 1536 wide); the
+    backward rebuilds GELU(h) from h's restoration, so the gradients are the exact
+    backward with h replaced by its round trip everywhere, and GELU(h) costs no bytes."""
+    torch.manual_seed(19)
+    fc1, fc2 = torch.nn.Linear(64, 1536), torch.nn.Linear(1536, 64)
+    x = torch.randn(3, 24, 64, requires_grad=True)
+    c = torch.randn(3, 24, 64)
+    be = hotcompile.backend(_cfg())
+    fn = torch.compile(lambda a: (fc2(F.gelu(fc1(a))) * c).sum(), backend=be)
+    fn(x).backward()
+    got = [t.grad.clone() for t in (x, fc1.weight, fc1.bias, fc2.weight, fc2.bias)]
+    for t in (x, fc1.weight, fc1.bias, fc2.weight, fc2.bias):
+        t.grad = None
+    h = S.round_trip(fc1(x).detach(), centred=True).requires_grad_()
+    (fc2(F.gelu(h)) * c).sum().backward()
+    g_h = h.grad
+    want = [g_h @ fc1.weight.detach(), g_h.flatten(0, 1).T @ x.detach().flatten(0, 1),
+            g_h.sum((0, 1)), fc2.weight.grad, fc2.bias.grad]
+    for g, w in zip(got, want):
+        assert rel(g, w) < 1e-5, rel(g, w)
+    (d,) = be.report.saved.values()
+    rows = {t[3].split(" from ")[0] for t in d["tensors"] if t[2] == [3, 24, 1536]
+            or t[2] == [72, 1536]}
+    assert rows == {"fp8, centred", "rebuilt"}, d["tensors"]
+    assert d["formats"]["rebuilt"] == 1, d["formats"]
+    assert "1 rebuilt from another in backward" in "\n".join(be.report._saved_lines())
+
+
 def test_restorations_sit_before_their_first_reader_in_a_backward_kept_in_graph_order(
         monkeypatch):
     """Three layers, each keeping a wide h: in the rewritten backward, the first node of the
@@ -393,7 +423,9 @@ def test_block_forward_unchanged_backward_close_and_what_stays_exact(monkeypatch
     assert "exponentiated in backward (softmax of saved logits)" in reasons, reasons
     assert "made from parameters or constants only" in reasons, reasons   # the weights' copies
     fp8 = [t for t in d["tensors"] if t[3].startswith("fp8")]
-    assert len(fp8) == d["compressed"] >= 8
+    rebuilt = [t for t in d["tensors"] if t[3].startswith("rebuilt from")]
+    assert len(fp8) + len(rebuilt) == d["compressed"] and len(fp8) >= 8
+    assert len(rebuilt) == 2, d["tensors"]                  # each block's GELU output
     assert not any(t[2] == [256, 320] for t in fp8)                    # not the logits
     assert kept1 < 0.8 * kept0, (kept1, kept0)
     assert "activations kept for backward" in str(report)

@@ -192,8 +192,9 @@ class Report:
         lines = []
         for g, d in sorted(self.saved.items()):
             formats = d.get("formats", {"fp8": d["compressed"]})    # older stores: all FP8
-            narrowed = ", ".join(f"{n} in {'FP8' if f == 'fp8' else f}"
-                                 for f, n in sorted(formats.items()) if n)
+            narrowed = ", ".join(
+                f"{n} rebuilt from another in backward" if f == "rebuilt"
+                else f"{n} in {'FP8' if f == 'fp8' else f}" for f, n in sorted(formats.items()) if n)
             line = (f"graph {g}: activations kept for backward {_fmt_bytes(d['bytes_before'])} "
                     f"-> {_fmt_bytes(d['bytes_after'])} ({narrowed or 'none narrowed'}, "
                     f"{d['kept']} exact")

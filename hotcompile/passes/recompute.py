@@ -15,13 +15,21 @@ materialize anyway). HOT's ops read two operands that are often cheap to rebuild
   reads (``hadamard.hq_weight_quant(round_to=)``, ``reference.hq_grad_input``): the same
   values, no copy kept, and no extra pass (2 more bytes read per weight).
 
+After the partition (``passes/saved.py``, kept activations compressed), one more case:
+
+* a kept tensor that is a pointwise function of another kept tensor (a GELU's output, kept
+  for the next GEMM's weight gradient, beside its input, kept for GELU's backward). The
+  partitioner keeps both; with both compressed, the backward rebuilds the first from the
+  restoration of the second (``kept_chain``, ``replay``): half the bytes, and the forward
+  kernel that compressed both lost half its row statistics.
+
 ``bench/saved_tensors.py`` shows what it is worth: on Llama d4096 the bf16 weight copies are
 most of what the step keeps at 2048 tokens; on ViT-B the compressed input buffers are ~15%.
 ``HOTConfig.recompute_operands`` turns both on.
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 from torch.fx import Node
@@ -68,7 +76,7 @@ def needed_in_backward(x: Node, exclude: set) -> bool:
 MAX_RECOMPUTE = 24      # nodes: a norm's affine tail, GELU's or SwiGLU's few pointwise ops
 
 
-def _cheap(n: Node) -> bool:
+def cheap(n: Node) -> bool:
     """A forward op the backward may run again at no memory cost: a view, or a pointwise
     op that draws no random numbers."""
     if n.op != "call_function":
@@ -99,7 +107,7 @@ def recompute_chain(x: Node, exclude: set) -> Optional[List[Node]]:
             continue
         if n is not x and needed_in_backward(n, exclude):
             continue
-        if not _cheap(n) or is_backward(n) or n.meta.get("recompute") is not None:
+        if not cheap(n) or is_backward(n) or n.meta.get("recompute") is not None:
             return None
         chain.append(n)
         if len(chain) > MAX_RECOMPUTE:
@@ -151,6 +159,45 @@ def replay_without_cast(graph, chain: List[Node], before: Node, like: Node, fake
             mapped[n] = mapped.get(n.args[0], n.args[0])
             continue
         args = torch.fx.node.map_arg(n.args, lambda a: mapped.get(a, a))
+        mapped[n] = add_node(graph, n.target, args, before=before, tag="is_backward",
+                             like=like, fake_mode=fake_mode)
+    return mapped[chain[-1]]
+
+
+def kept_chain(s: Node, sources: set, position: dict) -> Optional[Tuple[Node, List[Node]]]:
+    """(the source, the forward nodes from it to ``s`` in graph order) when kept tensor
+    ``s`` is made from exactly one node of ``sources`` (other kept tensors) by ``cheap``
+    ops whose every other input is a constant; else None. Why so strict: the backward
+    replays the chain on the source's restoration, where a parameter, a size computed in
+    the forward (a SymInt node) or a second activation does not exist. No kwargs, at most
+    ``MAX_RECOMPUTE`` nodes."""
+    chain, todo, seen, found = [], [s], set(), set()
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n is not s and n in sources:
+            found.add(n)
+            continue
+        if not cheap(n) or n.kwargs or not all(
+                isinstance(a.meta.get("val"), torch.Tensor) for a in n.all_input_nodes):
+            return None
+        chain.append(n)
+        if len(chain) > MAX_RECOMPUTE:
+            return None
+        todo.extend(n.all_input_nodes)
+    if len(found) != 1:
+        return None
+    return found.pop(), sorted(chain, key=position.__getitem__)
+
+
+def replay(graph, chain: List[Node], inputs: dict, before: Node, like: Node, fake_mode) -> Node:
+    """``kept_chain``'s nodes again in ``graph`` (the backward) before ``before``, reading
+    ``inputs`` (forward node -> backward node) where they read the forward's; its last."""
+    mapped = dict(inputs)
+    for n in chain:
+        args = torch.fx.node.map_arg(n.args, lambda a: mapped[a])
         mapped[n] = add_node(graph, n.target, args, before=before, tag="is_backward",
                              like=like, fake_mode=fake_mode)
     return mapped[chain[-1]]

@@ -36,13 +36,14 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-from typing import Dict, List, Optional, Set
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 from torch.fx import GraphModule, Node
 
 from ..kernels import saved_fp8
 from .graph_utils import emit, fake_mode_of
+from .recompute import kept_chain, replay
 from .saved_readers import VIEWS, comparison_step, reaches, reject_reader
 
 aten = torch.ops.aten
@@ -160,12 +161,13 @@ def device_reason(fw: GraphModule) -> Optional[str]:
 
 
 def _compress_one(fw: GraphModule, bw: GraphModule, s: Node, ph: Node, first_use: Node, fake,
-                  fmt: str) -> List[Node]:
+                  fmt: str) -> Tuple[List[Node], Callable[[Node], Node]]:
     """Kept tensor ``s`` (``ph`` in the backward) -> the forward's nodes of its compressed
     form (``fmt``: "fp8": e4m3 levels and scale, "bf16": the narrowed tensor; ", centred":
     of t - m, with the block mean m as one more part); the backward's readers of ``ph`` read
     its restoration instead. Rows are the memory's rows (``memory_order``), scaled in the
-    blocks of ``saved_fp8.block_of``."""
+    blocks of ``saved_fp8.block_of``. Also returned: a function that restores it once more,
+    before a given backward node (for a kept tensor rebuilt from it)."""
     val = s.meta["val"]
     centred = fmt.endswith("centred")
     order = memory_order(val)                            # dense: ``_reject_layout`` passed
@@ -205,13 +207,33 @@ def _compress_one(fw: GraphModule, bw: GraphModule, s: Node, ph: Node, first_use
     def restore(*packed):
         t = unpack(*packed)
         return t if identity else aten.permute.default(t, back)
+
+    def restore_before(node: Node) -> Node:
+        return emit(bw.graph, restore, tuple(bparts), node, "is_backward", ph, fake)
     # right before its first reader: the backward is compiled without Inductor's peak-memory
     # reorder (``entry.SAVED_BACKWARD_PATCHES``), so it runs in this order, and a restoration
     # at the backward's start would hold every layer's restored tensor from the start
-    t = emit(bw.graph, restore, tuple(bparts), first_use, "is_backward", ph, fake)
-    ph.replace_all_uses_with(t)
+    ph.replace_all_uses_with(restore_before(first_use))
     bw.graph.erase_node(ph)
-    return list(parts)
+    return list(parts), restore_before
+
+
+def _rebuilt(fw: GraphModule, plan: List) -> Dict[Node, tuple]:
+    """Which of the tensors to compress the backward rebuilds instead, from the restoration
+    of another (``recompute.kept_chain``): kept tensor -> (source, chain). Walked in forward
+    order, so a source is decided before what is made from it; a tensor rebuilt is no
+    source, and one made from it walks on to that tensor's own source. Only centred ones: a
+    tensor a backward op compares (ReLU's mask) keeps the forward's values, not a function
+    of a round trip."""
+    position = {n: i for i, n in enumerate(fw.graph.nodes)}
+    sources = {s for s, *_ in plan}
+    rebuilt = {}
+    for s, _, fmt, *_ in sorted(plan, key=lambda p: position[p[0]]):
+        found = kept_chain(s, sources - {s}, position) if fmt.endswith("centred") else None
+        if found is not None:
+            rebuilt[s] = found
+            sources.discard(s)
+    return rebuilt
 
 
 def _saved_descs(out: Node, num_fwd_outputs: int, outs: List, new_saved: List):
@@ -269,11 +291,12 @@ def compress_saved(fw: GraphModule, bw: GraphModule, num_fwd_outputs: int,
     first_bw = next(n for n in bw.graph.nodes if n.op != "placeholder")
     position = {n: i for i, n in enumerate(bw.graph.nodes)}
     fake = fake_mode_of(fw.graph)
-    new_saved: List = []
-    for s in saved:
+    # what takes each saved value's place, in the order of the backward's inputs
+    slots: Dict[int, List] = {i: [s] for i, s in enumerate(saved)}
+    plan = []                                   # (forward node, backward input, format, row)
+    for i, s in enumerate(saved):
         val = s.meta.get("val") if isinstance(s, Node) else None
         if not isinstance(val, torch.Tensor):
-            new_saved.append(s)
             continue
         size = _nbytes(val)
         summary.bytes_before += size
@@ -293,17 +316,34 @@ def compress_saved(fw: GraphModule, bw: GraphModule, num_fwd_outputs: int,
             reasons[why] += 1
             summary.kept += 1
             summary.bytes_after += size
-            new_saved.append(s)
             continue
         if not reaches(ph, comparison_step):
             fmt += ", centred"
         summary.tensors[-1][3] = fmt
+        plan.append((s, ph, fmt, summary.tensors[-1], i))
+    rebuilt = _rebuilt(fw, plan)
+    restorers = {}
+    for s, ph, fmt, row, i in plan:
+        if s in rebuilt:
+            slots[i] = []
+            continue
         first_use = min(ph.users, key=position.__getitem__, default=first_bw)
-        parts = _compress_one(fw, bw, s, ph, first_use, fake, fmt)
-        new_saved += parts
+        slots[i], restorers[s] = _compress_one(fw, bw, s, ph, first_use, fake, fmt)
         summary.compressed += 1
         summary.formats[fmt.split(",")[0]] = summary.formats.get(fmt.split(",")[0], 0) + 1
-        summary.bytes_after += sum(_nbytes(p.meta["val"]) for p in parts)
+        summary.bytes_after += sum(_nbytes(p.meta["val"]) for p in slots[i])
+    for s, ph, fmt, row, _ in plan:
+        if s not in rebuilt:
+            continue
+        source, chain = rebuilt[s]
+        first_use = min(ph.users, key=position.__getitem__, default=first_bw)
+        t = replay(bw.graph, chain, {source: restorers[source](first_use)}, first_use, ph, fake)
+        ph.replace_all_uses_with(t)
+        bw.graph.erase_node(ph)
+        row[3] = f"rebuilt from {source.name}"
+        summary.compressed += 1
+        summary.formats["rebuilt"] = summary.formats.get("rebuilt", 0) + 1
+    new_saved = [v for i in range(len(saved)) for v in slots[i]]
     if summary.compressed:
         _saved_descs(out, num_fwd_outputs, outs, new_saved)
         kept = type(out.args[0])(list(outs[:num_fwd_outputs]) + new_saved)
