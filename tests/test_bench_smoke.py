@@ -359,6 +359,30 @@ def test_train_table_separates_compile_modes():
     assert rows["hot (reduce-overhead)"][6] == "n/m" and rows["hot (reduce-overhead)"][7] == "-"
 
 
+def test_accuracy_gates_judge_a_lone_hot_variant():
+    """A run of one hot variant without plain ``hot`` (the gates of ``forward=fp8_rowwise``
+    or of kept activations in FP8) gets verdicts for that variant, named in the target;
+    with plain ``hot`` present the gates judge ``hot``."""
+    A = _load("accuracy")
+    m = "hot[saved_activations=fp8]"
+    run = lambda mode, seed, v: {"mode": mode, "status": "ok", "seed": seed,  # noqa: E731
+                                 "final_val_loss": v}
+    lm = {"corpora": {"stdlib": {"runs": [run("inductor", 0, 1.0), run(m, 0, 1.004),
+                                           run("inductor", 1, 1.0), run(m, 1, 1.02)]}}}
+    for ent in lm["corpora"].values():
+        ent["gap"] = A.lm_gap(ent["runs"])
+    digits = {"runs": [{"mode": "fp32", "status": "ok", "test_acc": 98.6},
+                       {"mode": m, "status": "ok", "test_acc": 98.2}]}
+    got = A.targets({"lm": lm, "digits": digits})
+    assert got[0]["what"].startswith(f"byte-level GPT on stdlib: final val loss, {m} vs")
+    assert got[0]["measured"].startswith("+1.20%") and got[0]["verdict"] == "FAIL"
+    assert got[1]["what"] == f"digits ViT test accuracy, fp32 minus {m}"
+    assert got[1]["measured"] == "+0.40 points" and got[1]["verdict"] == "PASS"
+    digits["runs"].append({"mode": "hot", "status": "ok", "test_acc": 97.0})
+    assert A.targets({"lm": lm, "digits": digits})[1]["verdict"] == "FAIL"   # plain hot
+    assert A.gated_mode(["inductor", "hot[a=1]", "hot[b=2]"]) == "hot"      # two: none alone
+
+
 def test_train_variant_modes_are_judged_by_their_own_targets():
     """``hot[k=v]`` modes run side by side with ``hot`` against one Inductor run; each is
     labelled with every override it ran under and judged against its own target only."""
