@@ -30,6 +30,11 @@ offset it carries (a residual-stream summand with a large bias, whose LayerNorm 
 recomputes x - mean); a compared S (ReLU's mask) keeps plain rows, where zero stays zero.
 A row longer than 1024 is scaled in blocks (``saved_fp8.block_of``: 3072 -> 3 x 1024), so
 that Inductor compresses it in one pass with its producer (a persistent reduction).
+
+A kept tensor that is a pointwise function of another one to compress (GELU's output beside
+its input: ``recompute.kept_chain``) is not kept: the backward rebuilds it from the other's
+restoration. Each restoration sits right before its first reader, and the backward is
+compiled in this order (``entry.SAVED_BACKWARD_PATCHES``).
 """
 from __future__ import annotations
 
