@@ -22,7 +22,8 @@ def fake_mode_of(graph: Graph):
 
 
 def _fake_args(args):
-    return tuple(a.meta["val"] if isinstance(a, Node) else a for a in args)
+    """The args' fake values, nested lists included (a view's SymInt sizes)."""
+    return tuple(torch.fx.node.map_arg(tuple(args), lambda a: a.meta["val"]))
 
 
 def fake_run(op, args, fake_mode):

@@ -164,12 +164,14 @@ def replay_without_cast(graph, chain: List[Node], before: Node, like: Node, fake
     return mapped[chain[-1]]
 
 
-def kept_chain(s: Node, sources: set, position: dict) -> Optional[Tuple[Node, List[Node]]]:
+def kept_chain(s: Node, sources: set, position: dict,
+               symbols: frozenset = frozenset()) -> Optional[Tuple[Node, List[Node]]]:
     """(the source, the forward nodes from it to ``s`` in graph order) when kept tensor
     ``s`` is made from exactly one node of ``sources`` (other kept tensors) by ``cheap``
-    ops whose every other input is a constant; else None. Why so strict: the backward
-    replays the chain on the source's restoration, where a parameter, a size computed in
-    the forward (a SymInt node) or a second activation does not exist. No kwargs, at most
+    ops whose every other input is a constant or one of ``symbols`` (sizes the backward
+    receives too: a dynamic batch's SymInts); else None. Why so strict: the backward
+    replays the chain on the source's restoration, where a parameter, a size only the
+    forward computed or a second activation does not exist. No kwargs, at most
     ``MAX_RECOMPUTE`` nodes."""
     chain, todo, seen, found = [], [s], set(), set()
     while todo:
@@ -180,13 +182,14 @@ def kept_chain(s: Node, sources: set, position: dict) -> Optional[Tuple[Node, Li
         if n is not s and n in sources:
             found.add(n)
             continue
+        inputs = [a for a in n.all_input_nodes if a not in symbols]
         if not cheap(n) or n.kwargs or not all(
-                isinstance(a.meta.get("val"), torch.Tensor) for a in n.all_input_nodes):
+                isinstance(a.meta.get("val"), torch.Tensor) for a in inputs):
             return None
         chain.append(n)
         if len(chain) > MAX_RECOMPUTE:
             return None
-        todo.extend(n.all_input_nodes)
+        todo.extend(inputs)
     if len(found) != 1:
         return None
     return found.pop(), sorted(chain, key=position.__getitem__)
@@ -194,7 +197,8 @@ def kept_chain(s: Node, sources: set, position: dict) -> Optional[Tuple[Node, Li
 
 def replay(graph, chain: List[Node], inputs: dict, before: Node, like: Node, fake_mode) -> Node:
     """``kept_chain``'s nodes again in ``graph`` (the backward) before ``before``, reading
-    ``inputs`` (forward node -> backward node) where they read the forward's; its last."""
+    ``inputs`` (forward node -> backward node: the source's restoration, the symbols) where
+    they read the forward's; its last."""
     mapped = dict(inputs)
     for n in chain:
         args = torch.fx.node.map_arg(n.args, lambda a: mapped[a])

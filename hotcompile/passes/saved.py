@@ -223,7 +223,7 @@ def _compress_one(fw: GraphModule, bw: GraphModule, s: Node, ph: Node, first_use
     return list(parts), restore_before
 
 
-def _rebuilt(fw: GraphModule, plan: List) -> Dict[Node, tuple]:
+def _rebuilt(fw: GraphModule, plan: List, symbols: frozenset) -> Dict[Node, tuple]:
     """Which of the tensors to compress the backward rebuilds instead, from the restoration
     of another (``recompute.kept_chain``): kept tensor -> (source, chain). Walked in forward
     order, so a source is decided before what is made from it; a tensor rebuilt is no
@@ -234,7 +234,8 @@ def _rebuilt(fw: GraphModule, plan: List) -> Dict[Node, tuple]:
     sources = {s for s, *_ in plan}
     rebuilt = {}
     for s, _, fmt, *_ in sorted(plan, key=lambda p: position[p[0]]):
-        found = kept_chain(s, sources - {s}, position) if fmt.endswith("centred") else None
+        found = (kept_chain(s, sources - {s}, position, symbols) if fmt.endswith("centred")
+                 else None)
         if found is not None:
             rebuilt[s] = found
             sources.discard(s)
@@ -326,7 +327,10 @@ def compress_saved(fw: GraphModule, bw: GraphModule, num_fwd_outputs: int,
             fmt += ", centred"
         summary.tensors[-1][3] = fmt
         plan.append((s, ph, fmt, summary.tensors[-1], i))
-    rebuilt = _rebuilt(fw, plan)
+    # the sizes the backward receives (a dynamic batch's SymInts), for a rebuilt tensor's views
+    symbols = {s: bw_inputs[s.name] for s in saved if isinstance(s, Node) and s.name in bw_inputs
+               and not isinstance(s.meta.get("val"), torch.Tensor)}
+    rebuilt = _rebuilt(fw, plan, frozenset(symbols))
     restorers = {}
     for s, ph, fmt, row, i in plan:
         if s in rebuilt:
@@ -342,7 +346,8 @@ def compress_saved(fw: GraphModule, bw: GraphModule, num_fwd_outputs: int,
             continue
         source, chain = rebuilt[s]
         first_use = min(ph.users, key=position.__getitem__, default=first_bw)
-        t = replay(bw.graph, chain, {source: restorers[source](first_use)}, first_use, ph, fake)
+        t = replay(bw.graph, chain, {**symbols, source: restorers[source](first_use)},
+                   first_use, ph, fake)
         ph.replace_all_uses_with(t)
         bw.graph.erase_node(ph)
         row[3] = f"rebuilt from {source.name}"
