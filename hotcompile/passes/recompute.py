@@ -153,15 +153,8 @@ def parameter_weight_chain(s: LinearSite) -> Optional[List[Node]]:
 def replay_without_cast(graph, chain: List[Node], before: Node, like: Node, fake_mode) -> Node:
     """The chain's views applied to the parameter itself, in backward: W (in fp32) with the
     operand's layout."""
-    mapped = {}
-    for n in chain:
-        if n.target in _CASTS:
-            mapped[n] = mapped.get(n.args[0], n.args[0])
-            continue
-        args = torch.fx.node.map_arg(n.args, lambda a: mapped.get(a, a))
-        mapped[n] = add_node(graph, n.target, args, before=before, tag="is_backward",
-                             like=like, fake_mode=fake_mode)
-    return mapped[chain[-1]]
+    leaves = {a: a for n in chain for a in n.all_input_nodes if a not in chain}
+    return replay(graph, chain, leaves, before, like, fake_mode, skip=_CASTS)
 
 
 def kept_chain(s: Node, sources: set, position: dict,
@@ -195,12 +188,17 @@ def kept_chain(s: Node, sources: set, position: dict,
     return found.pop(), sorted(chain, key=position.__getitem__)
 
 
-def replay(graph, chain: List[Node], inputs: dict, before: Node, like: Node, fake_mode) -> Node:
-    """``kept_chain``'s nodes again in ``graph`` (the backward) before ``before``, reading
-    ``inputs`` (forward node -> backward node: the source's restoration, the symbols) where
-    they read the forward's; its last."""
+def replay(graph, chain: List[Node], inputs: dict, before: Node, like: Node, fake_mode,
+           skip=frozenset()) -> Node:
+    """A chain's nodes again in ``graph`` (the backward) before ``before``, reading
+    ``inputs`` (node -> backward node: a kept tensor's restoration, the symbols; every
+    input from outside the chain must be there) where they read the originals; its last.
+    A node whose target is in ``skip`` is not replayed: its readers read its first arg."""
     mapped = dict(inputs)
     for n in chain:
+        if n.target in skip:
+            mapped[n] = mapped[n.args[0]]
+            continue
         args = torch.fx.node.map_arg(n.args, lambda a: mapped[a])
         mapped[n] = add_node(graph, n.target, args, before=before, tag="is_backward",
                              like=like, fake_mode=fake_mode)
