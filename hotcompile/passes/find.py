@@ -22,12 +22,12 @@ from torch.fx import Graph, Node
 
 from ..debug.report import hint
 from ..debug.sources import split_source
+from .op_sets import CASTS
 
 aten = torch.ops.aten
 prims = torch.ops.prims
 
 FWD_GEMMS = (aten.mm.default, aten.addmm.default)
-CASTS = (prims.convert_element_type.default, aten._to_copy.default)
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 # parameters gathered *inside* the graph (SimpleFSDP-style, functional collectives):
 # W = wait_tensor(all_gather_into_tensor(shard)), the shard a placeholder up to casts/views

@@ -22,12 +22,11 @@ import torch
 from torch.fx import Graph, Node
 
 from .graph_utils import fake_run
+from .op_sets import LAYOUT_VIEWS
 
 aten = torch.ops.aten
 prims = torch.ops.prims
 
-_VIEWS = (aten.permute.default, aten.t.default, aten.transpose.int, aten.view.default,
-          aten._unsafe_view.default, aten.reshape.default)
 _HALF = (torch.bfloat16, torch.float16)
 
 
@@ -48,7 +47,7 @@ def _fp32_cast_through_views(out: Node) -> Optional[tuple]:
         (u,) = n.users
         if u.args[0] is not n:
             return None
-        if u.target in _VIEWS:
+        if u.target in LAYOUT_VIEWS:
             chain.append(u)
             n = u
             continue

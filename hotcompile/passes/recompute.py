@@ -37,14 +37,9 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from .find import LinearSite, is_backward
 from .graph_utils import add_node
+from .op_sets import CASTS, SAME_DATA
 
 aten = torch.ops.aten
-# ops through which X is "the same data": if any of these ancestors is needed in backward,
-# the partitioner can rebuild X from it, so X costs nothing extra to keep
-_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default,
-          aten.permute.default, aten.transpose.int, aten.t.default, aten.clone.default,
-          aten.alias.default, aten.expand.default, aten.squeeze.dim, aten.unsqueeze.default,
-          torch.ops.prims.convert_element_type.default, aten._to_copy.default}
 
 
 def needed_in_backward(x: Node, exclude: set) -> bool:
@@ -52,7 +47,7 @@ def needed_in_backward(x: Node, exclude: set) -> bool:
     connected to it, up or down): then the partitioner keeps it and compressing in the
     forward would only add a buffer."""
     def is_view(n):
-        return n.op == "call_function" and n.target in _VIEWS
+        return n.op == "call_function" and n.target in SAME_DATA
 
     seen, todo = set(), [x]
     while todo:
@@ -81,7 +76,7 @@ def cheap(n: Node) -> bool:
     op that draws no random numbers."""
     if n.op != "call_function":
         return False
-    if n.target in _VIEWS:
+    if n.target in SAME_DATA:
         return True
     tags = getattr(n.target, "tags", ())
     return torch.Tag.pointwise in tags and torch.Tag.nondeterministic_seeded not in tags
@@ -121,7 +116,6 @@ def mark_recompute(chain: List[Node]) -> None:
         n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
 
 
-_CASTS = {torch.ops.prims.convert_element_type.default, aten._to_copy.default}
 
 
 def parameter_weight_chain(s: LinearSite) -> Optional[List[Node]]:
@@ -135,10 +129,10 @@ def parameter_weight_chain(s: LinearSite) -> Optional[List[Node]]:
     chain = recompute_chain(s.wt, {s.gx})
     if not chain:
         return None
-    casts = [n for n in chain if n.target in _CASTS]
-    rest = [n for n in chain if n.target not in _CASTS]
+    casts = [n for n in chain if n.target in CASTS]
+    rest = [n for n in chain if n.target not in CASTS]
     leaves = {a for n in chain for a in n.all_input_nodes if a not in chain}
-    if (len(casts) != 1 or any(n.target not in _VIEWS or n.kwargs for n in rest)
+    if (len(casts) != 1 or any(n.target not in SAME_DATA or n.kwargs for n in rest)
             or len(leaves) != 1 or next(iter(leaves)).op != "placeholder"):
         return None
     src = casts[0].args[0].meta.get("val")
@@ -154,7 +148,7 @@ def replay_without_cast(graph, chain: List[Node], before: Node, like: Node, fake
     """The chain's views applied to the parameter itself, in backward: W (in fp32) with the
     operand's layout."""
     leaves = {a: a for n in chain for a in n.all_input_nodes if a not in chain}
-    return replay(graph, chain, leaves, before, like, fake_mode, skip=_CASTS)
+    return replay(graph, chain, leaves, before, like, fake_mode, skip=CASTS)
 
 
 def kept_chain(s: Node, sources: set, position: dict,

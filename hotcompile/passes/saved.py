@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 from typing import Callable, Dict, List, Optional, Set, Tuple
 
 import torch

@@ -13,6 +13,8 @@ from typing import Iterable, Optional
 import torch
 from torch.fx import Node
 
+from .op_sets import CASTS
+
 aten = torch.ops.aten
 prims = torch.ops.prims
 
@@ -137,7 +139,6 @@ _COMPARISONS = _ops(
     "leaky_relu_backward.default", "elu_backward.default", "hardshrink_backward.default",
     "softshrink_backward.default", "hardsigmoid_backward.default",
     "hardswish_backward.default", "prelu.default")
-_CASTS = {prims.convert_element_type.default, aten._to_copy.default}
 
 
 def comparison_step(u: Node, n: Node) -> Optional[bool]:
@@ -147,7 +148,7 @@ def comparison_step(u: Node, n: Node) -> Optional[bool]:
     does only without the row mean."""
     if u.target in _COMPARISONS:
         return True
-    if u.target in _CASTS:
+    if u.target in CASTS:
         dtype = u.args[1] if len(u.args) > 1 else u.kwargs.get("dtype")
         if dtype is not None and not (dtype.is_floating_point or dtype.is_complex):
             return True

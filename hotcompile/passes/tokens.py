@@ -29,6 +29,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch.fx import Graph, Node
 
+from .op_sets import SHAPE_VIEWS
+
 aten = torch.ops.aten
 prims = torch.ops.prims
 
@@ -39,9 +41,6 @@ _fresh = itertools.count()
 
 _SAME = {aten.clone.default, aten.alias.default, aten._to_copy.default, aten.detach.default,
          prims.convert_element_type.default, aten.contiguous.default, aten.lift_fresh_copy.default}
-_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default,
-          aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.unsqueeze.default,
-          aten.flatten.using_ints, aten.unflatten.int}
 _REDUCE = {aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default,
            aten.var.correction, aten.var_mean.correction, aten.max.dim, aten.min.dim,
            aten.logsumexp.default, aten.prod.dim_int, aten.std.correction}
@@ -216,7 +215,7 @@ class AxisLabels:
             return src[args[1]] if isinstance(src, tuple) and args[1] < len(src) else None
         if t in _SAME:
             return a0
-        if t in _VIEWS:
+        if t in SHAPE_VIEWS:
             return self._regroup(a0, _shape(n)) if a0 is not None else None
         if t == aten.expand.default and a0 is not None:
             sh = _shape(n)
@@ -348,7 +347,7 @@ class AxisLabels:
                 for i, a in enumerate(ax):
                     if tuple(a) == target:
                         return n, i
-            if n.op != "call_function" or not (n.target in _VIEWS or n.target in _SAME
+            if n.op != "call_function" or not (n.target in SHAPE_VIEWS or n.target in _SAME
                                                or n.target == aten.permute.default):
                 break
             n = n.args[0]

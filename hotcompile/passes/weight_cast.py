@@ -38,7 +38,8 @@ import torch
 from torch.fx import Graph, Node
 
 from ..kernels.formats import unit_w_is_e4m3
-from .find import CASTS, LinearSite
+from .find import LinearSite
+from .op_sets import CASTS, LAYOUT_VIEWS
 from .graph_utils import add_node
 from .recompute import needed_in_backward
 
@@ -46,14 +47,13 @@ aten = torch.ops.aten
 WEIGHT_CAST_OP = torch.ops.hot.weight_cast.default
 WEIGHT_OPERANDS_OP = torch.ops.hot.weight_operands.default
 UNIT_OP = torch.ops.hot.linear_backward.default
-_VIEWS = (aten.permute.default, aten.t.default, aten.transpose.int, aten.view.default,
-          aten._unsafe_view.default, aten.reshape.default, aten.alias.default)
+_COPY_VIEWS = LAYOUT_VIEWS | {aten.alias.default}   # W's copy, read through a transpose or alias
 _W_ARG = 10          # hot::linear_backward's w
 
 
 def _source(n: Node) -> Node:
-    """The node ``n`` is a view of (through ``_VIEWS``)."""
-    while n.op == "call_function" and n.target in _VIEWS:
+    """The node ``n`` is a view of (through ``_COPY_VIEWS``)."""
+    while n.op == "call_function" and n.target in _COPY_VIEWS:
         n = n.args[0]
     return n
 
