@@ -462,6 +462,60 @@ def test_block_forward_unchanged_backward_close_and_what_stays_exact(monkeypatch
     assert "activations kept for backward" in str(report)
 
 
+class _CheckpointedNet(_Net):
+    """``_Net`` with each block under activation checkpointing, or with dropout between
+    GELU and fc2 (train mode): the two ways a user's model changes what the partitioner
+    keeps and what a rebuilt chain may replay."""
+
+    def __init__(self, variant):
+        super().__init__()
+        self.variant = variant
+        self.drop = torch.nn.Dropout(0.1)
+
+    def forward(self, x, y):
+        for b in self.blocks:
+            if self.variant == "checkpoint":
+                x = torch.utils.checkpoint.checkpoint(b, x, use_reentrant=False)
+                continue
+            t, d = x.shape[1], x.shape[2]
+            q, k, v = b.qkv(b.ln1(x)).view(-1, t, 3, b.heads, d // b.heads).unbind(2)
+            a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                               v.transpose(1, 2))
+            x = x + b.proj(a.transpose(1, 2).reshape(-1, t, d))
+            x = x + b.fc2(self.drop(F.gelu(b.fc1(b.ln2(x)))))
+        return F.cross_entropy(self.head(x).flatten(0, 1), y.flatten())
+
+
+@pytest.mark.parametrize("variant", ["checkpoint", "dropout"])
+def test_checkpointed_blocks_and_dropout_before_a_linear(variant):
+    """Checkpointed blocks: the partitioner keeps little beyond the blocks' inputs, and
+    what it keeps is compressed. Dropout: fc2's input is GELU's output times the kept mask,
+    a chain of two kept tensors, so it is compressed and not rebuilt. Either way every
+    gradient stays within the round trip's error of the exact backward's, and the forward
+    (the same dropout masks: the same seed) is untouched."""
+    def step(cfg):
+        torch._dynamo.reset()
+        torch.manual_seed(3)
+        net = _CheckpointedNet(variant)
+        x, y = torch.randn(4, 64, 128), torch.randint(0, 320, (4, 64))
+        be = hotcompile.backend(cfg)
+        torch.manual_seed(11)                                   # the same dropout masks
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = torch.compile(net, backend=be)(x, y)
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in net.named_parameters()}, be.report
+
+    loss0, g0, _ = step(HOTConfig(min_features=10 ** 6))
+    loss1, g1, report = step(_cfg(saved_activations="fp8"))
+    assert not report.errors and torch.equal(loss0, loss1)
+    errs = {n: rel(g1[n], g0[n]) for n in g0}
+    assert 1e-4 < max(errs.values()) < 0.06, errs
+    (d,) = report.saved.values()
+    assert d["compressed"] >= 2, d
+    if variant == "dropout":
+        assert not any(t[3].startswith("rebuilt from") for t in d["tensors"]), d["tensors"]
+
+
 def test_a_failing_rewrite_leaves_inductors_partition(monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("injected")
