@@ -406,6 +406,9 @@ def run_one(model: str, mode: str, opts: dict) -> dict:
     graphs_after, breaks = _counters()
     med = statistics.median(full)
     rec.update(step_ms=med, step_ms_min=min(full), step_ms_max=max(full),
+               # each timed step in order: whether slow steps are periodic (a collector, the
+               # allocator) or scattered (the host) shows here, not in the median
+               step_ms_each=[round(v, 3) for v in full],
                fwd_bwd_ms=statistics.median(fb) if fb else None,
                tokens_per_s=rec["tokens_per_step"] / med * 1e3,
                samples_per_s=wl.batch / med * 1e3,

@@ -109,6 +109,8 @@ def test_train_smoke_every_mode(smoke):
         for key in TRAIN_NUMBERS:
             assert _finite(r[key]), (r["mode"], key, r.get(key))
         assert r["step_ms"] > 0 and r["saved_bytes"] > 0 and r["host_ms_per_step"] > 0
+        each = r["step_ms_each"]                                # every timed step, in order
+        assert len(each) == 3 and min(each) == pytest.approx(r["step_ms_min"], abs=1e-3)
         assert all(k in r and r[k] is None for k in TRAIN_NONE_ON_CPU), r
         for v in r.values():
             if isinstance(v, float):
