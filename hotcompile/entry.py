@@ -34,7 +34,7 @@ import itertools
 import logging
 import traceback
 import weakref
-from typing import List, Optional, Set
+from typing import Callable, List, Optional, Set
 
 import torch
 
@@ -368,7 +368,12 @@ class HotBackend:
                 memoized_kernel_access():
             inner = _inner_compile
             if self.config.saved_activations != "exact":
-                inner = functools.partial(_inner_compile, backward_patches=SAVED_BACKWARD_PATCHES)
+                # only where the partitioner's pair was rewritten ("auto" leaves an fp32
+                # graph's kept tensors as they are: its backward is Inductor's as usual)
+                compressed = lambda: (self.report.saved.get(graph_index) or {}).get("compressed")  # noqa: E731
+                inner = functools.partial(
+                    _inner_compile,
+                    backward_patches=lambda: SAVED_BACKWARD_PATCHES if compressed() else None)
             compiled = compile_fx(gm, example_inputs, inner_compile=inner,
                                   config_patches=patches)
         if not joint.ran and not joint.restore():
@@ -387,16 +392,18 @@ class HotBackend:
 SAVED_BACKWARD_PATCHES = {"reorder_for_peak_memory": False}
 
 
-def _inner_compile(*args, backward_patches: Optional[dict] = None, **kwargs):
+def _inner_compile(*args, backward_patches: Optional[Callable[[], Optional[dict]]] = None,
+                   **kwargs):
     """Inductor's per-graph compile inside the launch-analysis memo (``kernel_access``), the
-    backward with ``backward_patches`` to Inductor's config.
+    backward with ``backward_patches()`` to Inductor's config (asked when the backward is
+    compiled: after the partition, which decides whether it applies).
 
     Why here and not only around ``compile_fx``: AOTAutograd compiles the backward lazily,
     on its first call, outside the backend's scope (Inductor wraps this same function to
     keep its config patches there). Unmemoized, lowering the backward re-analyses every HOT
     launch in it (Triton's mutation analysis took 4.4 s of Llama d4096's cold first step on
     the H100, the splicing pass's memoized share included)."""
-    patches = backward_patches if backward_patches and kwargs.get("is_backward") else {}
+    patches = (backward_patches() if backward_patches and kwargs.get("is_backward") else None) or {}
     with memoized_kernel_access(), torch._inductor.config.patch(patches):
         return compile_fx_inner(*args, **kwargs)
 

@@ -22,7 +22,7 @@ def _cfg(**kw):
 def test_config_field_is_validated():
     with pytest.raises(ValueError, match="HOTConfig.saved_activations"):
         HOTConfig(saved_activations="int8")
-    assert HOTConfig().saved_activations == "exact"
+    assert HOTConfig().saved_activations == "auto"
 
 
 # --------------------------------------------------------------------------- reference twin
@@ -261,6 +261,15 @@ def test_restorations_sit_before_their_first_reader_in_a_backward_kept_in_graph_
     torch.compile(net, backend=hotcompile.backend(_cfg(saved_activations="exact")))(
         x).pow(2).sum().backward()
     assert reorder == [(False, True), (True, True)], reorder
+    # the default ("auto") in this fp32 graph: nothing narrowed, Inductor's backward as usual
+    reorder.clear()
+    torch._dynamo.reset()
+    be = hotcompile.backend(HOTConfig(min_features=10 ** 6))
+    torch.compile(net, backend=be)(x).pow(2).sum().backward()
+    assert reorder == [(False, True), (True, True)], reorder
+    (d,) = be.report.saved.values()
+    assert d["compressed"] == 0 and \
+        "float32 kept as it is (saved_activations=auto: an fp32 graph)" in d["reasons"], d
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -419,7 +428,7 @@ def _train_step(cfg, seed=3):
 @functools.lru_cache(maxsize=1)
 def _exact_step():
     """The baseline every block test compares with, compiled once."""
-    return _train_step(HOTConfig(min_features=10 ** 6))
+    return _train_step(HOTConfig(min_features=10 ** 6, saved_activations="exact"))
 
 
 def test_block_forward_unchanged_backward_close_and_what_stays_exact(monkeypatch):
@@ -613,13 +622,16 @@ def test_swiglu_gate_is_compressed_but_not_the_logits():
     assert torch.isfinite(gate.weight.grad).all()
 
 
-@pytest.mark.parametrize("mode", ["bf16", "fp8"])
+@pytest.mark.parametrize("mode", ["bf16", "fp8", "auto"])
 def test_fp32_kept_tensors_are_narrowed_to_bf16(mode):
     """``bf16``: fp32 kept tensors (LayerNorm's x_hat, the residual stream under autocast) as
-    bf16 and nothing else; ``fp8``: those as bf16 and the bf16 ones as e4m3 rows. The
-    backward reads the bf16 round trip of each fp32 tensor (gradients within 1% there)."""
+    bf16 and nothing else; ``fp8``: those as bf16 and the bf16 ones as e4m3 rows; ``auto``
+    (the default) is ``bf16`` in this autocast graph. The backward reads the bf16 round trip
+    of each fp32 tensor (gradients within 1% there)."""
     loss0, g0, _, kept0 = _exact_step()
-    loss1, g1, report, kept1 = _train_step(_cfg(saved_activations=mode))
+    cfg = HOTConfig(min_features=10 ** 6) if mode == "auto" else _cfg(saved_activations=mode)
+    assert cfg.saved_activations == mode
+    loss1, g1, report, kept1 = _train_step(cfg)
     assert torch.equal(loss0, loss1)
     (d,) = report.saved.values()
     by = {}
@@ -627,9 +639,10 @@ def test_fp32_kept_tensors_are_narrowed_to_bf16(mode):
         by.setdefault((dtype, verdict.split(",")[0]), []).append(name)
     assert by.get(("float32", "bf16")), by
     assert not by.get(("float32", "fp8")), by
-    if mode == "bf16":
+    if mode != "fp8":
+        asked = "auto: a bf16 / fp16 graph" if mode == "auto" else mode
         assert d["formats"] == {"bf16": d["compressed"]}
-        assert ("bfloat16", "bfloat16 kept as it is (saved_activations=bf16)") in by, by
+        assert ("bfloat16", f"bfloat16 kept as it is (saved_activations={asked})") in by, by
         errs = {n: rel(g1[n], g0[n]) for n in g0}
         assert max(errs.values()) < 0.01, errs
     else:

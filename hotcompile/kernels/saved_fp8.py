@@ -50,7 +50,7 @@ prims = torch.ops.prims
 
 # HOTConfig.saved_activations: "bf16" narrows fp32 kept tensors to bf16 only; "fp8" keeps bf16 /
 # fp16 ones as e4m3 rows and narrows fp32 ones to bf16; "fp8_all" keeps fp32 ones as e4m3 too
-FORMATS = ("exact", "bf16", "fp8", "fp8_all")
+FORMATS = ("auto", "exact", "bf16", "fp8", "fp8_all")
 
 ROW_BLOCK = 1024        # Inductor's limit for a persistent inner reduction
 MIN_BLOCK = 256         # at 256, a scale and a mean already cost 3% of the e4m3 bytes

@@ -55,6 +55,7 @@ prims = torch.ops.prims
 
 MIN_ROW = 64
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_HALF = (torch.bfloat16, torch.float16)
 
 
 @dataclasses.dataclass
@@ -269,6 +270,14 @@ def _saved_descs(out: Node, num_fwd_outputs: int, outs: List, new_saved: List):
     out.meta["desc"] = new
 
 
+def computes_in_half(fw: GraphModule) -> bool:
+    """Whether the forward computes anything in bf16 or fp16 (autocast, a half-precision
+    model): where ``saved_activations="auto"`` keeps fp32 tensors as bf16. An fp32 graph's
+    user has asked for fp32 throughout, so there it keeps them exact."""
+    return any(isinstance(v := n.meta.get("val"), torch.Tensor) and v.dtype in _HALF
+               for n in fw.graph.nodes if n.op == "call_function")
+
+
 def _format(dtype: torch.dtype, mode: str) -> Optional[str]:
     """How ``saved_activations=mode`` keeps a tensor of ``dtype``: "bf16", "fp8" or None
     (as it is)."""
@@ -286,6 +295,10 @@ def compress_saved(fw: GraphModule, bw: GraphModule, num_fwd_outputs: int,
     ``HOTConfig.saved_activations``."""
     summary = SavedSummary()
     reasons: collections.Counter = collections.Counter()
+    asked = mode
+    if mode == "auto":
+        mode = "bf16" if computes_in_half(fw) else "exact"
+        asked = f"auto: {'a bf16 / fp16' if mode == 'bf16' else 'an fp32'} graph"
     out = next(iter(fw.graph.find_nodes(op="output")))
     outs = list(out.args[0])
     user_outs = {o for o in outs[:num_fwd_outputs] if isinstance(o, Node)}
@@ -310,7 +323,7 @@ def compress_saved(fw: GraphModule, bw: GraphModule, num_fwd_outputs: int,
         layout = _reject_layout(val)
         why = ((None if fmt == "bf16" else no_device) or _reject_saved(s, user_outs, live)
                or (f"{str(val.dtype).replace('torch.', '')} kept as it is "
-                   f"(saved_activations={mode})" if fmt is None else None)
+                   f"(saved_activations={asked})" if fmt is None else None)
                or ("not found among the backward's inputs" if ph is None else reject_reader(ph))
                # bf16 too: a row statistic ((rows, 1): LayerNorm's mean, rstd) narrowed saves
                # 2 bytes a row and puts |mean| / 512 into x - mean
