@@ -272,6 +272,14 @@ def test_restorations_sit_before_their_first_reader_in_a_backward_kept_in_graph_
         "float32 kept as it is (saved_activations=auto: an fp32 graph)" in d["reasons"], d
 
 
+def test_only_a_backward_restoring_e4m3_rows_loses_the_peak_memory_reorder():
+    from hotcompile.entry import _rows_restored
+    assert _rows_restored({"formats": {"fp8": 3, "bf16": 2}})
+    assert _rows_restored({"formats": {"bf16": 1, "rebuilt": 1}})
+    assert not _rows_restored({"formats": {"bf16": 4}})         # casts Inductor fuses
+    assert not _rows_restored({"formats": {}}) and not _rows_restored(None)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_centred_round_trip_bounds_the_error_by_the_spread_not_the_offset(dtype):
     torch.manual_seed(11)
