@@ -178,11 +178,12 @@ _AUTO_ERRS: dict = {}
 def test_default_config_cost_gate_keeps_small_layers_exact_on_the_gpu():
     """With the default min_speedup the H100 model predicts a d=256 block's layers slower
     with HOT: they stay exact (reason names the gate and both predictions), and the
-    gradients are exactly the Inductor ones."""
+    gradients are exactly the Inductor ones (with the kept activations exact too: the
+    default ``saved_activations="auto"`` keeps this autocast graph's fp32 ones as bf16)."""
     torch.manual_seed(0)
     model = Block(d=256, heads=4).cuda()
     x = torch.randn(8, 256, 256, device="cuda")
-    be = hotcompile.backend(HOTConfig(min_features=0, exclude=()))
+    be = hotcompile.backend(HOTConfig(min_features=0, exclude=(), saved_activations="exact"))
     hot = _grads(model, x, be)
     torch._dynamo.reset()
     ind = _grads(model, x, "inductor")

@@ -564,7 +564,7 @@ def test_dynamic_batch_recompiles_nothing_and_compresses():
 def test_gpu_block_keeps_less_and_gradients_stay_close(mode, bound):
     torch.manual_seed(5)
     out = {}
-    for name, cfg in (("exact", HOTConfig(min_features=10 ** 6)),
+    for name, cfg in (("exact", HOTConfig(min_features=10 ** 6, saved_activations="exact")),
                       ("fp8", _cfg(saved_activations=mode))):
         torch.manual_seed(5)
         net = _Net(d=256, vocab=512).cuda()
