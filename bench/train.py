@@ -382,6 +382,11 @@ def run_one(model: str, mode: str, opts: dict) -> dict:
     rec["saved_bytes"], rec["saved_tensors"] = sb.nbytes, sb.count
     del loss
     _free(device)
+    # one untimed step after the probe: the first timed step ran 32-40 ms against 22 on ViT-B
+    # in every mode (H100, 28th stop's step_ms_each), most likely the allocator refilling the
+    # cache the probe's empty_cache() returned; this keeps that out of the timed steps
+    step(0)
+    C.sync(device)
 
     graphs_before, breaks = _counters()
     steps = opts.get("steps", 20)
