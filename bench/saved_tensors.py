@@ -167,7 +167,9 @@ def main(argv=None) -> int:
             print(f"{model}: skipped ({why})")
             continue
         with tempfile.TemporaryDirectory() as d0, tempfile.TemporaryDirectory() as d1:
-            res = {"inductor": measure(model, {"include": (NOTHING,)}, opts, d0,
+            # Inductor's own partition: no layer rewritten and every kept tensor as it is
+            res = {"inductor": measure(model, {"include": (NOTHING,), "saved_activations": "exact"},
+                                       opts, d0,
                                        args.peak_breakdown),
                    "hot": measure(model, hot_kw, opts, d1, args.peak_breakdown),
                    "hot_config": hot_kw}

@@ -227,10 +227,11 @@ class SavedPartitioner(CustomPartitionerFn):
         primals = [n for n in gm.graph.find_nodes(op="placeholder") if "tangents" not in n.name]
         params = {primals[i].name for i in joint.param_positions or () if i < len(primals)}
         fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
-        if not joint_inputs or not joint.ran:
+        if not joint_inputs or not joint.ran or joint.failed:
             # a higher-order op's subgraph, partitioned on its own (AOTAutograd passes it no
             # joint inputs): its placeholders are not the joint graph's, so which of them
-            # are parameters is unknown here; kept as Inductor partitioned it
+            # are parameters is unknown here; kept as Inductor partitioned it. A graph whose
+            # HOT pass failed is compiled as Inductor would, its kept tensors included.
             return fw, bw
         try:
             summary = compress_saved(fw, bw, kwargs["num_fwd_outputs"], params,

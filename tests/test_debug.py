@@ -257,7 +257,7 @@ def test_kept_bytes_match_autograd_under_autocast(tmp_path):
     and GELU outputs): no copy and no compressed buffer is kept for them."""
     from hotcompile.debug.summary import load_dump
     kept_by = {}
-    for name, cfg in (("exact", dict(include=("-nothing-",))), ("hot", ALL),
+    for name, cfg in (("exact", dict(include=("-nothing-",), saved_activations="exact")), ("hot", ALL),
                       ("recompute", dict(ALL, recompute_operands=True))):
         torch._dynamo.reset()
         torch.manual_seed(0)

@@ -188,7 +188,8 @@ class Report:
                 "notes": self.notes, "saved": {str(g): d for g, d in self.saved.items()}}
 
     def _saved_lines(self) -> List[str]:
-        """One line per graph whose kept activations ``saved_activations="fp8"`` compressed."""
+        """One line per graph whose kept activations ``saved_activations`` looked at: what it
+        narrowed, or why nothing (an fp32 graph under the default ``"auto"``)."""
         lines = []
         for g, d in sorted(self.saved.items()):
             formats = d.get("formats", {"fp8": d["compressed"]})    # older stores: all FP8

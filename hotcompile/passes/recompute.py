@@ -116,8 +116,6 @@ def mark_recompute(chain: List[Node]) -> None:
         n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
 
 
-
-
 def parameter_weight_chain(s: LinearSite) -> Optional[List[Node]]:
     """The views and the one cast that make the site's W operand from an fp32 parameter
     (autocast's bf16 copy), in graph order, when no other backward op reads that copy; else

@@ -321,7 +321,7 @@ def compress_saved(fw: GraphModule, bw: GraphModule, num_fwd_outputs: int,
         ph = bw_inputs.get(s.name)
         fmt = _format(val.dtype, mode)
         layout = _reject_layout(val)
-        why = ((None if fmt == "bf16" else no_device) or _reject_saved(s, user_outs, live)
+        why = ((no_device if fmt == "fp8" else None) or _reject_saved(s, user_outs, live)
                or (f"{str(val.dtype).replace('torch.', '')} kept as it is "
                    f"(saved_activations={asked})" if fmt is None else None)
                or ("not found among the backward's inputs" if ph is None else reject_reader(ph))
