@@ -3,9 +3,10 @@
 Why one module: "a view" means different things to different passes. The token analysis
 follows shape-only views (a token dimension survives a reshape, not a transpose); the weight
 and gradient casts follow layout changes too; the partitioner-cost analysis follows anything
-that leaves the same data, casts and clones included. Before this module five passes each
-owned a private ``_VIEWS`` with one of those meanings; the names below say which one a
-pass uses, and a new op is added in one place.
+that leaves the same data, casts and clones included, and the kept-tensor analysis also
+what reads a part of it (``saved_readers.VIEWS``). Before this module six passes each owned
+a set of their own with one of those meanings; the names below say which one a pass uses,
+and a new op is added in one place.
 """
 from __future__ import annotations
 

@@ -13,19 +13,15 @@ from typing import Iterable, Optional
 import torch
 from torch.fx import Node
 
-from .op_sets import CASTS
+from .op_sets import CASTS, SAME_DATA
 
 aten = torch.ops.aten
 prims = torch.ops.prims
 
-# ops that only move or re-type S: the pass follows them to S's real readers
-VIEWS = {
-    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.permute.default,
-    aten.transpose.int, aten.t.default, aten.expand.default, aten.unsqueeze.default,
-    aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.slice.Tensor,
-    aten.select.int, aten.clone.default, aten.alias.default,
-    prims.convert_element_type.default, aten._to_copy.default,
-}
+# ops that only move or re-type S, or read part of it: the pass follows them to S's real
+# readers
+VIEWS = SAME_DATA | {aten.squeeze.dims, aten.squeeze.default, aten.slice.Tensor,
+                     aten.select.int}
 # readers for which S's e4m3 round trip is an error of the size HOT's own operands have
 TOLERANT = {
     aten.mm.default, aten.bmm.default, aten.addmm.default,
