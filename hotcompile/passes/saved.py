@@ -29,7 +29,9 @@ backward op compares S (``comparison_step``): the error is then 2^-4 of S's spre
 offset it carries (a residual-stream summand with a large bias, whose LayerNorm backward
 recomputes x - mean); a compared S (ReLU's mask) keeps plain rows, where zero stays zero.
 A row longer than 1024 is scaled in blocks (``saved_fp8.block_of``: 3072 -> 3 x 1024), so
-that Inductor compresses it in one pass with its producer (a persistent reduction).
+that Inductor compresses it in one pass with its producer (a persistent reduction). A bf16
+row is centred whole (``saved_fp8.narrow``): its mean joins the kernel of the norm that
+reads the row.
 
 A kept tensor that is a pointwise function of another one to compress (GELU's output beside
 its input: ``recompute.kept_chain``) is not kept: the backward rebuilds it from the other's
@@ -169,9 +171,9 @@ def _compress_one(fw: GraphModule, bw: GraphModule, s: Node, ph: Node, first_use
                   fmt: str) -> Tuple[List[Node], Callable[[Node], Node]]:
     """Kept tensor ``s`` (``ph`` in the backward) -> the forward's nodes of its compressed
     form (``fmt``: "fp8": e4m3 levels and scale, "bf16": the narrowed tensor; ", centred":
-    of t - m, with the block mean m as one more part); the backward's readers of ``ph`` read
-    its restoration instead. Rows are the memory's rows (``memory_order``), scaled in the
-    blocks of ``saved_fp8.block_of``. Also returned: a function that restores it once more,
+    of t - m, with the block's (bf16: the row's) mean m as one more part); the backward's
+    readers of ``ph`` read its restoration instead. Rows are the memory's rows
+    (``memory_order``), e4m3 ones scaled in the blocks of ``saved_fp8.block_of``. Also returned: a function that restores it once more,
     before a given backward node (for a kept tensor rebuilt from it)."""
     val = s.meta["val"]
     centred = fmt.endswith("centred")
@@ -195,11 +197,9 @@ def _compress_one(fw: GraphModule, bw: GraphModule, s: Node, ph: Node, first_use
         unpack = lambda q, scale, *mean: saved_fp8.decompress(  # noqa: E731
             q, scale, val.dtype, *mean, rows=rows_of(q))
     else:
-        # plain bf16 has no statistics: no blocks, no size read off the tensor
-        pack = lambda t: saved_fp8.narrow(  # noqa: E731
-            t, rows_of(t) if centred else None, centred=centred)
-        unpack = lambda b, *mean: saved_fp8.widen(  # noqa: E731
-            b, val.dtype, *mean, rows=rows_of(b) if mean else None)
+        # bf16 centres whole rows (``saved_fp8.narrow``): no blocks, no size read off it
+        pack = lambda t: saved_fp8.narrow(t, centred, width)  # noqa: E731
+        unpack = lambda b, *mean: saved_fp8.widen(b, val.dtype, *mean)  # noqa: E731
     # right after S: Inductor fuses the compression with S's producer and frees S at its
     # last forward read, not at the end of the forward
     parts = emit(fw.graph, lambda t: pack(t if identity else aten.permute.default(t, order)),
