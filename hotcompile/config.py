@@ -87,7 +87,7 @@ class HOTConfig:
     activations Inductor's partitioner keeps for backward, other than HOT's own buffers,
     kept narrower (``passes/saved.py`` says which: a LayerNorm's input or x_hat, a GELU's,
     an exact layer's input; never attention's, a log-softmax's or a weight's). ``bf16``:
-    fp32 ones as bf16 (error 2^-9). ``fp8``: bf16 / fp16 ones as e4m3 rows with an fp32
+    fp32 ones as bf16 (error 2^-9 of t - m, m the row's mean). ``fp8``: bf16 / fp16 ones as e4m3 rows with an fp32
     scale (and the row mean) each (a row over 1024 wide in blocks), fp32 ones as bf16;
     a kept tensor that is a pointwise function of another compressed one (GELU's output
     beside its input) is rebuilt from that one's restoration in backward, not kept.
@@ -96,9 +96,10 @@ class HOTConfig:
     (issue 12: a ViT-B/16 step's peak), for every model, whatever the cost gate decides.
     ``auto``: ``bf16`` in a graph that computes in bf16 or fp16 (autocast, a half-precision
     model), ``exact`` in an fp32 one, whose user has not asked for bf16 anywhere. Why
-    ``bf16`` by default there: the same speed as Inductor (0.994-1.012x on ViT-B, GPT-2
-    and Llama), 0.93x the peak on ViT-B and GPT-2, and it passed the gates alone (byte-level
-    GPT -0.15% over 5 seeds, digits 0.19 point; docs/BENCHMARKS.md, 28th stop). ``fp8``
+    ``bf16`` by default there: the same speed as Inductor (1.000-1.009x on ViT-B and GPT-2;
+    on Llama equal to ``exact`` within noise), 0.93x the peak on ViT-B and GPT-2, and it
+    passed the gates alone (byte-level GPT -0.15% over 5 seeds, digits 0.19 point;
+    docs/BENCHMARKS.md, 28th and 29th stops). ``fp8``
     stays opt-in: 0.67-0.70x the peak at 0.96x the speed.
     splice: on a GPU, copy each HOT op's fused kernels into the graph (``passes/splice.py``)
     so Inductor launches them from its own wrapper, with no Python between kernels (True);
