@@ -154,33 +154,39 @@ def decompress(q, scale, dtype: torch.dtype, mean=None, rows: Rows | None = None
     return rows.join(prims.convert_element_type.default(t32, dtype))
 
 
-def narrow(t, centred: bool = True, width: int | None = None):
+def narrow(t, rows: Rows | None = None, centred: bool = True):
     """An fp32 kept tensor as bf16 (``saved_activations="bf16"`` / ``"fp8"``): 2x, a relative
     error of 2^-9 (a LayerNorm's fp32 x_hat, whose e4m3 round trip cost the byte-level GPT
     gate 1.3% beside the FP8 forward, docs/BENCHMARKS.md, twenty-fifth stop). Centred as
     ``compress_centred`` is, for the same reason (an offset of 16 against a spread of 1 made
-    an error of 2.5% in LayerNorm's x - mean): (bf16 t - m, fp32 mean m of each row);
-    plain: (bf16 t,). ``width``: the rows' length, given when ``t`` is a ``torch.fx.Proxy``.
+    an error of 2.5% in LayerNorm's x - mean): (bf16 t - m, fp32 mean m of each block of
+    ``rows``); plain: (bf16 t,).
 
-    Whole rows, never ``Rows`` blocks: bf16 has no scale to follow a block's values, and
-    the mean over the whole row is the one LayerNorm subtracts. It is also a reduction over
-    the same row as the norm that reads the tensor, so Inductor computes it in the norm's
-    kernel and writes t - m in that kernel's second loop. Blocks of 1024 (a reduction of
-    another length) cost Llama d4096 a separate pass over each 4096-wide residual, 0.3-0.5 ms
-    a step (docs/BENCHMARKS.md, twenty-ninth stop)."""
+    ``rows`` default: whole rows (``Rows(width, width)`` on a ``torch.fx.Proxy``, whose
+    width is not known here). The pass centres a row that a norm reduces in the forward
+    whole: bf16 has no scale to follow a block, the row's mean is the one LayerNorm
+    subtracts, and it is a reduction over the same row as the norm's, so Inductor computes
+    it in the norm's kernel. Blocks of 1024 there cost Llama d4096 a pass of its own per
+    4096-wide residual, 0.3-0.5 ms a step (docs/BENCHMARKS.md, twenty-ninth stop). Any other
+    wide row keeps e4m3's blocks: one persistent reduction with its producer."""
     if not centred:
         return (prims.convert_element_type.default(t, torch.bfloat16),)
-    t32 = prims.convert_element_type.default(t, torch.float32)
-    mean, _ = _centre(t32, width or int(t.shape[-1]))
-    return prims.convert_element_type.default(aten.sub.Tensor(t32, mean), torch.bfloat16), mean
+    rows = rows or Rows(int(t.shape[-1]), int(t.shape[-1]))
+    t32 = rows.split(prims.convert_element_type.default(t, torch.float32))
+    mean, _ = _centre(t32, rows.block)
+    b = prims.convert_element_type.default(aten.sub.Tensor(t32, mean), torch.bfloat16)
+    return rows.join(b), mean
 
 
-def widen(b, dtype: torch.dtype, mean=None):
-    """``narrow``'s tensor back in ``dtype``."""
+def widen(b, dtype: torch.dtype, mean=None, rows: Rows | None = None):
+    """``narrow``'s tensor back in ``dtype`` (``rows`` as it was narrowed; default whole)."""
     if mean is None:
         return prims.convert_element_type.default(b, dtype)
-    return prims.convert_element_type.default(
-        aten.add.Tensor(prims.convert_element_type.default(b, torch.float32), mean), dtype)
+    t32 = prims.convert_element_type.default(b, torch.float32)
+    if rows is None:                                            # whole rows: no view
+        return prims.convert_element_type.default(aten.add.Tensor(t32, mean), dtype)
+    t32 = aten.add.Tensor(rows.split(t32), mean)
+    return rows.join(prims.convert_element_type.default(t32, dtype))
 
 
 def round_trip(t, centred: bool = False, fmt: str = "fp8"):

@@ -30,8 +30,8 @@ offset it carries (a residual-stream summand with a large bias, whose LayerNorm 
 recomputes x - mean); a compared S (ReLU's mask) keeps plain rows, where zero stays zero.
 A row longer than 1024 is scaled in blocks (``saved_fp8.block_of``: 3072 -> 3 x 1024), so
 that Inductor compresses it in one pass with its producer (a persistent reduction). A bf16
-row is centred whole (``saved_fp8.narrow``): its mean joins the kernel of the norm that
-reads the row.
+row that a norm reduces in the forward is centred whole (``norm_reads_rows``): its mean
+joins the norm's kernel.
 
 A kept tensor that is a pointwise function of another one to compress (GELU's output beside
 its input: ``recompute.kept_chain``) is not kept: the backward rebuilds it from the other's
@@ -48,6 +48,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from ..kernels import saved_fp8
+from . import op_sets
 from .graph_utils import emit, fake_mode_of
 from .recompute import kept_chain, replay
 from .saved_readers import VIEWS, comparison_step, reaches, reject_reader
@@ -167,14 +168,44 @@ def device_reason(fw: GraphModule) -> Optional[str]:
     return None
 
 
+# what a norm's statistics take of its input on the way to the row reduction: RMSNorm's
+# x * x or x ** 2, a cast under autocast, a residual or bias added in the norm's kernel
+_NORM_WALK = op_sets.CASTS | {aten.pow.Tensor_Scalar, aten.mul.Tensor, aten.square.default,
+                              aten.add.Tensor, aten.sub.Tensor}
+_ROW_REDUCTIONS = frozenset({aten.mean.dim, aten.sum.dim_IntList, aten.var_mean.correction,
+                             aten.var.correction})
+
+
+def norm_reads_rows(s: Node) -> bool:
+    """Whether the forward reduces ``s`` over its last axis (through casts and the square a
+    norm takes): LayerNorm's mean and variance, RMSNorm's mean of squares. A bf16 row mean
+    of ``s`` is then one more reduction of that kernel's row (``saved_fp8.narrow``)."""
+    shape = list(s.meta["val"].shape)
+    last = len(shape) - 1
+    todo, walked = [s], {s}
+    while todo:
+        n = todo.pop()
+        for u in n.users:
+            if u.target in _ROW_REDUCTIONS and u.args[0] is n:
+                dims = u.args[1] if len(u.args) > 1 else u.kwargs.get("dim")
+                if dims is not None and [d % (last + 1) for d in dims] == [last]:
+                    return True
+            elif (u.target in _NORM_WALK and u not in walked
+                  and list(getattr(u.meta.get("val"), "shape", ())) == shape):
+                walked.add(u)
+                todo.append(u)
+    return False
+
+
 def _compress_one(fw: GraphModule, bw: GraphModule, s: Node, ph: Node, first_use: Node, fake,
                   fmt: str) -> Tuple[List[Node], Callable[[Node], Node]]:
     """Kept tensor ``s`` (``ph`` in the backward) -> the forward's nodes of its compressed
     form (``fmt``: "fp8": e4m3 levels and scale, "bf16": the narrowed tensor; ", centred":
-    of t - m, with the block's (bf16: the row's) mean m as one more part); the backward's
-    readers of ``ph`` read its restoration instead. Rows are the memory's rows
-    (``memory_order``), e4m3 ones scaled in the blocks of ``saved_fp8.block_of``. Also returned: a function that restores it once more,
-    before a given backward node (for a kept tensor rebuilt from it)."""
+    of t - m, with the block's mean m as one more part); the backward's readers of ``ph``
+    read its restoration instead. Rows are the memory's rows (``memory_order``), scaled and
+    centred in the blocks of ``saved_fp8.block_of`` (bf16 rows a norm reduces: whole). Also
+    returned: a function that restores it once more, before a given backward node (for a
+    kept tensor rebuilt from it)."""
     val = s.meta["val"]
     centred = fmt.endswith("centred")
     order = memory_order(val)                            # dense: ``_reject_layout`` passed
@@ -196,10 +227,15 @@ def _compress_one(fw: GraphModule, bw: GraphModule, s: Node, ph: Node, first_use
         pack = lambda t: compress(t, rows_of(t))  # noqa: E731
         unpack = lambda q, scale, *mean: saved_fp8.decompress(  # noqa: E731
             q, scale, val.dtype, *mean, rows=rows_of(q))
-    else:
-        # bf16 centres whole rows (``saved_fp8.narrow``): no blocks, no size read off it
-        pack = lambda t: saved_fp8.narrow(t, centred, width)  # noqa: E731
+    elif block == width or (identity and norm_reads_rows(s)):
+        # bf16, whole rows (``saved_fp8.narrow``): no view, no size read off the tensor
+        whole = saved_fp8.Rows(width, width)
+        pack = lambda t: saved_fp8.narrow(t, whole, centred)  # noqa: E731
         unpack = lambda b, *mean: saved_fp8.widen(b, val.dtype, *mean)  # noqa: E731
+    else:
+        pack = lambda t: saved_fp8.narrow(t, rows_of(t), centred)  # noqa: E731
+        unpack = lambda b, *mean: saved_fp8.widen(  # noqa: E731
+            b, val.dtype, *mean, rows=rows_of(b) if mean else None)
     # right after S: Inductor fuses the compression with S's producer and frees S at its
     # last forward read, not at the end of the forward
     parts = emit(fw.graph, lambda t: pack(t if identity else aten.permute.default(t, order)),
