@@ -177,8 +177,8 @@ _ROW_REDUCTIONS = frozenset({aten.mean.dim, aten.sum.dim_IntList, aten.var_mean.
 
 
 def norm_reads_rows(s: Node) -> bool:
-    """Whether the forward reduces ``s`` over its last axis (through casts and the square a
-    norm takes): LayerNorm's mean and variance, RMSNorm's mean of squares. A bf16 row mean
+    """Whether the forward reduces ``s`` over its last axis (through casts, squares and
+    adds): LayerNorm's mean and variance, RMSNorm's mean of squares. A bf16 row mean
     of ``s`` is then one more reduction of that kernel's row (``saved_fp8.narrow``)."""
     shape = list(s.meta["val"].shape)
     last = len(shape) - 1
@@ -188,7 +188,8 @@ def norm_reads_rows(s: Node) -> bool:
         for u in n.users:
             if u.target in _ROW_REDUCTIONS and u.args[0] is n:
                 dims = u.args[1] if len(u.args) > 1 else u.kwargs.get("dim")
-                if dims is not None and [d % (last + 1) for d in dims] == [last]:
+                dims = [dims] if isinstance(dims, int) else dims or ()     # None: every axis
+                if [d % (last + 1) for d in dims] == [last]:
                     return True
             elif (u.target in _NORM_WALK and u not in walked
                   and list(getattr(u.meta.get("val"), "shape", ())) == shape):
