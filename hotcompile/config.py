@@ -87,8 +87,9 @@ class HOTConfig:
     activations Inductor's partitioner keeps for backward, other than HOT's own buffers,
     kept narrower (``passes/saved.py`` says which: a LayerNorm's input or x_hat, a GELU's,
     an exact layer's input; never attention's, a log-softmax's or a weight's). ``bf16``:
-    fp32 ones as bf16 (error 2^-9 of t - m, m the row's mean). ``fp8``: bf16 / fp16 ones as e4m3 rows with an fp32
-    scale (and the row mean) each (a row over 1024 wide in blocks), fp32 ones as bf16;
+    fp32 ones as bf16 (an error of 2^-9 RMS, 2^-8 at most, of t - m, m the mean of the row or
+    of its block). ``fp8``: bf16 / fp16 ones as e4m3 rows with an fp32 scale (and the row
+    mean) each (a row over 1024 wide in blocks), fp32 ones as bf16;
     a kept tensor that is a pointwise function of another compressed one (GELU's output
     beside its input) is rebuilt from that one's restoration in backward, not kept.
     ``fp8_all``: fp32 ones as e4m3 rows too (error 2^-4: it failed the byte-level GPT gate

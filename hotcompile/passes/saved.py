@@ -176,23 +176,34 @@ _ROW_REDUCTIONS = frozenset({aten.mean.dim, aten.sum.dim_IntList, aten.var_mean.
                              aten.var.correction})
 
 
+def _shape(n) -> Optional[list]:
+    v = n.meta.get("val") if isinstance(n, Node) else None
+    return list(v.shape) if isinstance(v, torch.Tensor) else None
+
+
 def norm_reads_rows(s: Node) -> bool:
-    """Whether the forward reduces ``s`` over its last axis (through casts, squares and
-    adds): LayerNorm's mean and variance, RMSNorm's mean of squares. A bf16 row mean
-    of ``s`` is then one more reduction of that kernel's row (``saved_fp8.narrow``)."""
-    shape = list(s.meta["val"].shape)
-    last = len(shape) - 1
+    """Whether the forward reduces ``s`` over its last axis (through casts, squares, adds and
+    views that keep its rows: a linear's 2-D output viewed back to (batch, seq, width)):
+    LayerNorm's mean and variance, RMSNorm's mean of squares. A bf16 row mean of ``s`` is
+    then one more reduction of that kernel's row (``saved_fp8.narrow``)."""
+    width = _shape(s)[-1]
     todo, walked = [s], {s}
     while todo:
         n = todo.pop()
+        shape = _shape(n)
         for u in n.users:
             if u.target in _ROW_REDUCTIONS and u.args[0] is n:
                 dims = u.args[1] if len(u.args) > 1 else u.kwargs.get("dim")
                 dims = [dims] if isinstance(dims, int) else dims or ()     # None: every axis
-                if [d % (last + 1) for d in dims] == [last]:
+                if [d % len(shape) for d in dims] == [len(shape) - 1]:
                     return True
-            elif (u.target in _NORM_WALK and u not in walked
-                  and list(getattr(u.meta.get("val"), "shape", ())) == shape):
+                continue
+            out = _shape(u)
+            if u in walked or out is None:
+                continue
+            # pointwise: n itself, not broadcast; a view: the same rows of ``width``
+            if ((u.target in _NORM_WALK and out == shape)
+                    or (u.target in op_sets.SHAPE_VIEWS and out and out[-1] == width)):
                 walked.add(u)
                 todo.append(u)
     return False
@@ -234,7 +245,9 @@ def _compress_one(fw: GraphModule, bw: GraphModule, s: Node, ph: Node, first_use
         pack = lambda t: saved_fp8.narrow(t, whole, centred)  # noqa: E731
         unpack = lambda b, *mean: saved_fp8.widen(b, val.dtype, *mean)  # noqa: E731
     else:
-        pack = lambda t: saved_fp8.narrow(t, rows_of(t), centred)  # noqa: E731
+        # plain bf16 has no statistics: no blocks, no size read off the tensor
+        pack = lambda t: saved_fp8.narrow(  # noqa: E731
+            t, rows_of(t) if centred else None, centred)
         unpack = lambda b, *mean: saved_fp8.widen(  # noqa: E731
             b, val.dtype, *mean, rows=rows_of(b) if mean else None)
     # right after S: Inductor fuses the compression with S's producer and frees S at its
