@@ -1,5 +1,7 @@
 """Shared test models and graph-capture helpers."""
 import contextlib
+import pathlib
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -72,3 +74,13 @@ def is_bw(graph) -> bool:
 
 def rel(a, b) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def bench_common():
+    """``bench/common.py`` (the benchmark models: Llama, RMSNorm), importable from any
+    working directory."""
+    repo = str(pathlib.Path(__file__).resolve().parents[1])
+    if repo not in sys.path:
+        sys.path.insert(0, repo)
+    from bench import common
+    return common

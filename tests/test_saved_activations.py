@@ -11,7 +11,7 @@ import hotcompile
 from hotcompile import HOTConfig
 from hotcompile.kernels import saved_fp8 as S
 
-from helpers import Block, rel
+from helpers import Block, bench_common, rel
 
 
 def _cfg(**kw):
@@ -226,15 +226,10 @@ def test_bf16_rows_add_no_kernel_to_a_wide_rmsnorm_models_forward():
     blocks of 1024 (another reduction length) each 2048-wide residual took a kernel of its
     own (on the H100, Llama d4096 lost 0.3-0.5 ms a step that way). Counted here on the CPU
     backend's forward, which fuses by the same scheduler."""
-    import pathlib
     import re
-    import sys
 
     from torch._inductor.utils import run_and_get_code
-    repo = str(pathlib.Path(__file__).resolve().parents[1])
-    if repo not in sys.path:
-        sys.path.insert(0, repo)
-    from bench import common as C
+    C = bench_common()
 
     def forward_kernels(mode):
         torch._dynamo.reset()

@@ -31,22 +31,11 @@ from hypothesis import strategies as st  # noqa: E402
 import hotcompile  # noqa: E402
 from hotcompile import HOTConfig  # noqa: E402
 
-from helpers import rel  # noqa: E402
+from helpers import bench_common, rel  # noqa: E402
 
 SETTINGS = dict(deadline=None, derandomize=True, database=None, print_blob=False,
                 phases=(Phase.explicit, Phase.generate),
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-
-
-class RMSNorm(torch.nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.weight = torch.nn.Parameter(1 + 0.1 * torch.randn(d))
-
-    def forward(self, x):
-        x32 = x.float()
-        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).type_as(x) \
-            * self.weight
 
 
 class Residual(torch.nn.Module):
@@ -55,7 +44,7 @@ class Residual(torch.nn.Module):
 
     def __init__(self, width, norm, act, offset, layers):
         super().__init__()
-        make = {"layer": lambda: torch.nn.LayerNorm(width), "rms": lambda: RMSNorm(width),
+        make = {"layer": lambda: torch.nn.LayerNorm(width), "rms": lambda: bench_common().RMSNorm(width),
                 "none": torch.nn.Identity}[norm]
         self.inp = torch.nn.Linear(32, width)
         with torch.no_grad():

@@ -166,9 +166,10 @@ def narrow(t, rows: Rows | None = None, centred: bool = True):
     not known here, the caller passes ``Rows(width, width)``). The pass centres a row that
     a norm reduces in the forward whole: bf16 has no scale to follow a block, the row's mean
     is the one LayerNorm subtracts, and it is a reduction over the same row as the norm's,
-    so Inductor computes it in the norm's kernel. Blocks of 1024 there cost Llama d4096 a pass of its own per
-    4096-wide residual, 0.3-0.5 ms a step (docs/BENCHMARKS.md, twenty-ninth stop). Any other
-    wide row keeps e4m3's blocks: one persistent reduction with its producer."""
+    so Inductor computes it in the norm's kernel. Blocks of 1024 there cost Llama d4096 a
+    pass of its own per 4096-wide residual, 0.3-0.5 ms a step (docs/BENCHMARKS.md,
+    twenty-ninth stop). Any other wide row keeps e4m3's blocks: one persistent reduction
+    with its producer."""
     if not centred:
         return (prims.convert_element_type.default(t, torch.bfloat16),)
     rows = rows or Rows(int(t.shape[-1]), int(t.shape[-1]))

@@ -1,4 +1,5 @@
-"""Small helpers every pass needs: the graph's fake mode, and inserting a node with metadata.
+"""Small helpers every pass needs: the graph's fake mode, inserting a node with metadata,
+comparing sizes that may be symbolic.
 
 Why: a node inserted into the joint graph must look like one AOTAutograd made — a
 ``meta["val"]`` fake tensor (shape inference downstream, the partitioner's byte counts) and
@@ -10,6 +11,18 @@ from typing import Any, Optional
 
 import torch
 from torch.fx import Graph, Node
+
+def same_size(a, b) -> bool:
+    """Two sizes that are the same int or the same symbolic expression. Compared by their
+    expressions: ``==`` on a SymInt evaluates it, which after tracing would add a guard."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    return not isinstance(a, int) and not isinstance(b, int) and str(a) == str(b)
+
+
+def same_shape(a, b) -> bool:
+    return len(a) == len(b) and all(map(same_size, a, b))
+
 
 _COPIED_META = ("seq_nr", "stack_trace", "nn_module_stack", "fwd_nn_module_stack",
                 "fwd_source_fn_stack", "source_fn_stack")

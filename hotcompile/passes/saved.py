@@ -49,7 +49,7 @@ from torch.fx import GraphModule, Node
 
 from ..kernels import saved_fp8
 from . import op_sets
-from .graph_utils import emit, fake_mode_of
+from .graph_utils import emit, fake_mode_of, same_shape, same_size
 from .recompute import kept_chain, replay
 from .saved_readers import VIEWS, comparison_step, reaches, reject_reader
 
@@ -202,8 +202,8 @@ def norm_reads_rows(s: Node) -> bool:
             if u in walked or out is None:
                 continue
             # pointwise: n itself, not broadcast; a view: the same rows of ``width``
-            if ((u.target in _NORM_WALK and out == shape)
-                    or (u.target in op_sets.SHAPE_VIEWS and out and out[-1] == width)):
+            if ((u.target in _NORM_WALK and same_shape(out, shape))
+                    or (u.target in op_sets.SHAPE_VIEWS and out and same_size(out[-1], width))):
                 walked.add(u)
                 todo.append(u)
     return False

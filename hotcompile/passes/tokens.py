@@ -29,6 +29,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch.fx import Graph, Node
 
+from .graph_utils import same_size
 from .op_sets import SHAPE_VIEWS
 
 aten = torch.ops.aten
@@ -62,13 +63,6 @@ def _size(v) -> Optional[int]:
 
 def _val(n):
     return n.meta.get("val") if isinstance(n, Node) else None
-
-
-def _same_size(a, b) -> bool:
-    """Two sizes that are the same int or the same symbolic expression."""
-    if isinstance(a, int) and isinstance(b, int):
-        return a == b
-    return not isinstance(a, int) and not isinstance(b, int) and str(a) == str(b)
 
 
 def _shape(n) -> Optional[List[Optional[int]]]:
@@ -277,7 +271,7 @@ class AxisLabels:
             # a part of an axis is a new one (compared as expressions: no guard installed)
             d = (args[1] if len(args) > 1 else 0) % len(a0)
             step = args[4] if len(args) > 4 else 1
-            full = step == 1 and _same_size(_val(n).shape[d], _val(args[0]).shape[d])
+            full = step == 1 and same_size(_val(n).shape[d], _val(args[0]).shape[d])
             out = list(a0)
             if not full:
                 out[d] = (("in", next(_fresh)),) if _size(_val(n).shape[d]) != 1 else ()
