@@ -32,6 +32,7 @@ import dataclasses
 import functools
 import itertools
 import logging
+import os
 import traceback
 import weakref
 from typing import Callable, List, Optional, Set
@@ -351,7 +352,7 @@ class HotBackend:
     def _compile(self, gm, example_inputs, graph_index, positions, plan, kwargs, naming=None):
         joint = JointPass(self.config, self.report, graph_index, positions, plan, naming=naming)
         joint.store_key = compile_cache.graph_key(gm, example_inputs, joint.uuid())
-        patches = {"joint_custom_pre_pass": joint}
+        patches = {"joint_custom_pre_pass": joint, **graph_patches()}
         if self.config.saved_activations != "exact":
             patches["custom_partitioner_fn"] = SavedPartitioner(joint)
         mode, options = kwargs.get("mode"), kwargs.get("options")
@@ -381,6 +382,24 @@ class HotBackend:
             log.warning("hotcompile: %s", msg)
             self.report.notes.append(msg)
         return compiled, joint
+
+
+def graph_patches() -> dict:
+    """Inductor config for every graph HOT compiles: no dynamic RBLOCK scaling
+    (``dynamic_scale_rblock``), unless the user's environment sets it
+    (``TORCHINDUCTOR_DYNAMIC_SCALE_RBLOCK``); ``options`` passed to ``torch.compile`` win too.
+
+    Why: that heuristic compiles a halved-RBLOCK variant of a register-heavy reduction after
+    loading it, but only when its tuned config is not in the autotune cache, which is the
+    case in the first process that loads a graph from a warm cache, not in the cold one that
+    compiled it. HOT's graphs have such reductions (RMSNorms that also centre the kept bf16
+    residual, ``passes/saved.py``), so the second process recompiled four Triton kernels on
+    its first step: Llama d4096's first step with a warm cache took 5.2-6.1 s against
+    Inductor's 3.0-3.5 s (1.70-1.74x); without the scaling 2.69 s against 2.17 (1.24x), at
+    the same step time (H100, docs/BENCHMARKS.md, thirtieth stop)."""
+    if "TORCHINDUCTOR_DYNAMIC_SCALE_RBLOCK" in os.environ:
+        return {}
+    return {"dynamic_scale_rblock": False}
 
 
 # Inductor config for the backward of a graph whose kept activations are compressed. Why no

@@ -337,6 +337,33 @@ def test_the_lazy_backward_compiles_inside_the_launch_analysis_memo(monkeypatch)
     assert KA._DEPTH == 0
 
 
+@pytest.mark.parametrize("env", [None, "1"])
+def test_graphs_compile_without_dynamic_rblock_scaling_unless_the_environment_asks(
+        monkeypatch, env):
+    """Forward and backward compile with ``dynamic_scale_rblock`` off (``entry.graph_patches``:
+    a warm-cache process otherwise recompiles HOT's heavier reductions on its first step),
+    and an explicit ``TORCHINDUCTOR_DYNAMIC_SCALE_RBLOCK`` in the environment still decides."""
+    from hotcompile import entry as E
+    seen = []
+    real = E.compile_fx_inner
+
+    def spy(*a, **k):
+        seen.append(torch._inductor.config.dynamic_scale_rblock)
+        return real(*a, **k)
+
+    monkeypatch.setattr(E, "compile_fx_inner", spy)
+    if env is None:
+        monkeypatch.delenv("TORCHINDUCTOR_DYNAMIC_SCALE_RBLOCK", raising=False)
+    else:
+        monkeypatch.setenv("TORCHINDUCTOR_DYNAMIC_SCALE_RBLOCK", env)
+    torch._dynamo.reset()
+    with torch._functorch.config.patch(enable_autograd_cache=False), \
+            torch._inductor.config.patch(fx_graph_cache=False, dynamic_scale_rblock=True):
+        report, _, _ = run_step(MLP(), torch.randn(64, 64))
+    assert len(report.rewritten) == 2
+    assert seen == ([False, False] if env is None else [True, True]), seen   # forward, backward
+
+
 def _autocast_step(model: str):
     """One compiled bf16-autocast training step of the MLP or the block under ``ALL`` (fp32
     parameters): (parameter grads, captured graphs, report)."""
