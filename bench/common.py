@@ -49,6 +49,13 @@ def device_slug(device: torch.device) -> str:
     return re.sub(r"[^a-z0-9]+", "-", s).strip("-")
 
 
+def file_part(name: str) -> str:
+    """``name`` (a mode such as ``hot[saved_activations=exact]``) as a file-name part of
+    letters, digits, ``.``, ``_`` and ``-`` only: files with brackets or ``=`` in their names
+    do not come back from the device tool."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-")
+
+
 def git_commit() -> Optional[str]:
     """HEAD's short hash, with "+dirty" when tracked files differ from it: the device
     machines get a copy of the working tree next to a .git that can be older, and a result

@@ -123,7 +123,7 @@ def profile_one(model: str, mode: str, opts: dict) -> dict:
     }
     rec.update(C.hot_summary(be))
     if opts.get("trace"):
-        path = os.path.join(opts["out"], f"trace_{model}_{mode}.json")
+        path = os.path.join(opts["out"], f"trace_{model}_{C.file_part(mode)}.json")
         prof.export_chrome_trace(path)
         rec["trace"] = path
     return rec

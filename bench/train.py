@@ -367,7 +367,7 @@ def run_one(model: str, mode: str, opts: dict) -> dict:
                                     for k, v in after.items() if v != phases_before.get(k, 0)}
         rec["compile_call_s"] = run.compile_call_s
     if opts.get("profile_first"):
-        C.write_text(f"{opts['profile_first']}_{model}_{mode}.txt", sampler.report())
+        C.write_text(f"{opts['profile_first']}_{model}_{C.file_part(mode)}.txt", sampler.report())
     rec["loss_first"] = float(loss.detach())
     for i in range(opts.get("warmup", 5)):
         step(i + 1)

@@ -223,6 +223,11 @@ def test_accuracy_cli_helpers():
     assert C.split_mode("hot[exclude=head,lm_head]") == \
         ("hot", {"exclude": ("head", "lm_head")})
     assert C.split_mode("inductor") == ("inductor", {})
+    # result files named after a mode come back from the device (no brackets, no "=")
+    assert C.file_part("hot[saved_activations=exact]") == "hot-saved_activations-exact"
+    assert C.file_part("hot[exclude=,exact_gx=head,lm_head]") == \
+        "hot-exclude-exact_gx-head-lm_head"
+    assert C.file_part("inductor") == "inductor"
     assert C.split_mode("hot[exclude=]") == ("hot", {"exclude": ()})
     assert C.split_mode("hot[exclude=,exact_gx=head,lm_head]") == \
         ("hot", {"exclude": (), "exact_gx": ("head", "lm_head")})
