@@ -665,3 +665,25 @@ def test_digits_says_what_an_fp32_model_did_not_apply():
     # a run that asked for neither has nothing to say
     assert A.unapplied({"hot_config": {"forward": "bf16", "saved_activations": "exact"},
                         "hot_sites_rewritten": 3, "hot_forward_fp8": 0}) == ""
+
+
+def test_first_step_lists_what_each_warm_process_compiled(tmp_path):
+    """bench/first_step.py: the binaries a phase wrote (by kernel name, only the new ones)
+    and the table's ratio of each mode's first step to Inductor's in the same phase."""
+    F = _load("first_step")
+    old = tmp_path / "triton" / "A" / "triton_red_fused_old.cubin"
+    old.parent.mkdir(parents=True)
+    old.write_bytes(b"x")
+    os.utime(old, (1000.0, 1000.0))
+    for rel in ("triton/B/triton_red_fused_new_16.cubin", "triton/B/triton_red_fused_new_16.json",
+                "xy/cxy.so"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_bytes(b"y")
+    assert F.new_files(str(tmp_path), since=2000.0) == {
+        ".cubin": ["triton_red_fused_new_16"], ".so": ["cxy"]}
+    phases = [{"phase": "warm1", "new_binaries": {".cubin": ["k1", "k2"]},
+               "runs": [{"model": "m", "mode": "inductor", "first_step_s": 2.0, "step_ms": 5.0},
+                        {"model": "m", "mode": "hot", "first_step_s": 3.4, "step_ms": 4.0}]}]
+    text = F.table(phases)
+    assert "| warm1 | m | hot | 3.40 | 1.70x | 4.00 | 2 |" in text, text
+    assert "| warm1 | m | inductor | 2.00 | - | 5.00 | 2 |" in text, text

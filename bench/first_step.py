@@ -1,0 +1,120 @@
+"""Issue 11 item 5 in one command: the first step of a cold process and of the next ones on
+the same cache, HOT against Inductor, and what each warm process still had to compile.
+
+    python bench/first_step.py --out $OUT                              # Llama d4096, H100
+    python bench/first_step.py --models tiny_gpt --device cpu --out /tmp/r --warm 1
+
+Each phase is one ``bench/train.py`` invocation (every mode in a process of its own) on one
+``--cache-dir``: the cold one fills the empty folder, each warm one reads it. Why the files
+each warm process adds are listed: a warm first step can be slow for a reason no phase
+timer names. The thirtieth stop found HOT's first warm process at 1.70x Inductor's because
+it compiled four Triton kernels that the cold one had not left in the cache (Inductor's
+dynamic RBLOCK scaling; docs/BENCHMARKS.md); the second warm process was at 1.13x, so a
+measurement that skipped the first warm process looked fine. Results:
+``<out>/first_step_<date>_<device>[_tag].{json,md}``.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Dict, List
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import common as C  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+COMPILED = (".cubin", ".so", ".hsaco")     # what a process compiled: Triton / C++ binaries
+
+
+def new_files(folder: str, since: float) -> Dict[str, List[str]]:
+    """The binaries written below ``folder`` after ``since``, by kernel name (file stem)."""
+    out: Dict[str, List[str]] = {}
+    for root, _, files in os.walk(folder):
+        for f in files:
+            p = os.path.join(root, f)
+            if f.endswith(COMPILED) and os.path.getmtime(p) > since:
+                out.setdefault(os.path.splitext(f)[1], []).append(os.path.splitext(f)[0])
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def run_phase(args, phase: str, cache: str, scratch: str) -> dict:
+    """One train.py invocation: its runs' first steps and the binaries it added."""
+    out = os.path.join(scratch, phase)
+    cmd = [sys.executable, os.path.join(HERE, "train.py"), "--models", args.models,
+           "--modes", args.modes, "--steps", str(args.steps), "--warmup", str(args.warmup),
+           "--cache-dir", cache, "--timeout-s", str(args.timeout_s), "--out", out]
+    if args.device:
+        cmd += ["--device", args.device]
+    since = time.time()
+    time.sleep(0.01)                   # mtimes of files written from here on are later
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=args.timeout_s * (1 + args.modes.count(",")) + 120)
+    files = sorted(glob.glob(os.path.join(out, "train_*.json")))
+    if proc.returncode != 0 or not files:
+        raise RuntimeError(f"{phase}: train.py exited {proc.returncode}\n{proc.stdout[-3000:]}")
+    with open(files[-1]) as f:
+        runs = json.load(f)["runs"]
+    return {"phase": phase, "new_binaries": new_files(cache, since),
+            "runs": [{k: r.get(k) for k in ("model", "mode", "status", "first_step_s",
+                                            "step_ms", "first_step_phases")} for r in runs]}
+
+
+def table(phases: List[dict]) -> str:
+    rows = []
+    for ph in phases:
+        base = {r["model"]: r["first_step_s"] for r in ph["runs"] if r["mode"] == "inductor"}
+        compiled = sum(len(v) for v in ph["new_binaries"].values())
+        for r in ph["runs"]:
+            b, t = base.get(r["model"]), r["first_step_s"]
+            ratio = f"{t / b:.2f}x" if b and t and r["mode"] != "inductor" else "-"
+            rows.append([ph["phase"], r["model"], r["mode"], C.fmt(t), ratio,
+                         C.fmt(r.get("step_ms")), compiled])
+    return C.md_table(["phase", "model", "mode", "first step s", "vs inductor", "ms/step",
+                       "binaries the phase compiled (all its modes)"], rows)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="llama_d4096")
+    p.add_argument("--modes", default="inductor,hot")
+    p.add_argument("--warm", type=int, default=2, help="warm processes after the cold one")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--device", help="cuda / cpu (default: cuda when available)")
+    p.add_argument("--cache-dir", help="an empty folder (default: a new temporary one)")
+    p.add_argument("--timeout-s", type=float, default=190.0, help="per mode and phase")
+    p.add_argument("--out", help="output folder (default bench/results)")
+    p.add_argument("--tag", default="")
+    args = p.parse_args(argv)
+    if args.cache_dir and os.path.exists(args.cache_dir) and os.listdir(args.cache_dir):
+        p.error(f"--cache-dir {args.cache_dir} is not empty: the first phase must be cold")
+    scratch = tempfile.mkdtemp(prefix="first_step_")
+    cache = args.cache_dir or os.path.join(scratch, "cache")
+    phases = [run_phase(args, "cold", cache, scratch)]
+    for i in range(1, args.warm + 1):
+        phases.append(run_phase(args, f"warm{i}", cache, scratch))
+    device = C.pick_device(args.device)
+    base = C.result_base(args.out or os.path.join(HERE, "results"), "first_step", device,
+                         args.tag)
+    C.write_json(base + ".json", {"env": C.environment(device), "options": vars(args),
+                                  "phases": phases})
+    lines = [f"# First step, cold then warm: {C.device_name(device)}", "", table(phases), ""]
+    for ph in phases[1:]:
+        for ext, names in ph["new_binaries"].items():
+            lines.append(f"- {ph['phase']} compiled {len(names)} `{ext}`: "
+                         + ", ".join(f"`{n}`" for n in names[:12])
+                         + (" ..." if len(names) > 12 else ""))
+    C.write_text(base + ".md", "\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
