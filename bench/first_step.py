@@ -1,7 +1,7 @@
 """Issue 11 item 5 in one command: the first step of a cold process and of the next ones on
 the same cache, HOT against Inductor, and what each warm process still had to compile.
 
-    python bench/first_step.py --out $OUT                              # Llama d4096, H100
+    python bench/first_step.py --out $OUT [--sample]                   # Llama d4096, H100
     python bench/first_step.py --models tiny_gpt --device cpu --out /tmp/r --warm 1
 
 Each phase is one ``bench/train.py`` invocation (every mode in a process of its own) on one
@@ -52,6 +52,8 @@ def run_phase(args, phase: str, cache: str, scratch: str) -> dict:
            "--cache-dir", cache, "--timeout-s", str(args.timeout_s), "--out", out]
     if args.device:
         cmd += ["--device", args.device]
+    if args.sample:                    # train.py's stack sampler over each first step
+        cmd += ["--profile-first", os.path.join(args.out_dir, f"first_step_sample_{phase}")]
     since = time.time()
     time.sleep(0.01)                   # mtimes of files written from here on are later
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -92,7 +94,12 @@ def main(argv=None) -> int:
     p.add_argument("--timeout-s", type=float, default=190.0, help="per mode and phase")
     p.add_argument("--out", help="output folder (default bench/results)")
     p.add_argument("--tag", default="")
+    p.add_argument("--sample", action="store_true",
+                   help="sample each first step's stacks (bench/sampler.py): "
+                        "<out>/first_step_sample_<phase>_<model>_<mode>.txt")
     args = p.parse_args(argv)
+    args.out_dir = os.path.abspath(args.out or os.path.join(HERE, "results"))
+    os.makedirs(args.out_dir, exist_ok=True)
     if args.cache_dir and os.path.exists(args.cache_dir) and os.listdir(args.cache_dir):
         p.error(f"--cache-dir {args.cache_dir} is not empty: the first phase must be cold")
     scratch = tempfile.mkdtemp(prefix="first_step_")
@@ -101,8 +108,7 @@ def main(argv=None) -> int:
     for i in range(1, args.warm + 1):
         phases.append(run_phase(args, f"warm{i}", cache, scratch))
     device = C.pick_device(args.device)
-    base = C.result_base(args.out or os.path.join(HERE, "results"), "first_step", device,
-                         args.tag)
+    base = C.result_base(args.out_dir, "first_step", device, args.tag)
     C.write_json(base + ".json", {"env": C.environment(device), "options": vars(args),
                                   "phases": phases})
     lines = [f"# First step, cold then warm: {C.device_name(device)}", "", table(phases), ""]
