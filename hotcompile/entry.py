@@ -395,8 +395,8 @@ def graph_patches() -> dict:
     compiled it. HOT's graphs have such reductions (RMSNorms that also centre the kept bf16
     residual, ``passes/saved.py``), so the second process recompiled four Triton kernels on
     its first step: Llama d4096's first step with a warm cache took 5.2-6.1 s against
-    Inductor's 3.0-3.5 s (1.70-1.74x); without the scaling 2.69 s against 2.17 (1.24x), at
-    the same step time (H100, docs/BENCHMARKS.md, thirtieth stop)."""
+    Inductor's 3.0-3.6 s (1.70-1.74x); without the scaling in HOT's graphs 3.05 s against
+    2.76 (1.10x), at the same step time (H100, docs/BENCHMARKS.md, thirtieth stop)."""
     if "TORCHINDUCTOR_DYNAMIC_SCALE_RBLOCK" in os.environ:
         return {}
     return {"dynamic_scale_rblock": False}
