@@ -57,7 +57,7 @@ def run_phase(args, phase: str, cache: str, scratch: str) -> dict:
     since = time.time()
     time.sleep(0.01)                   # mtimes of files written from here on are later
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=args.timeout_s * (1 + args.modes.count(",")) + 120)
+                          timeout=args.timeout_s * len(C.mode_list(args.modes)) + 120)
     files = sorted(glob.glob(os.path.join(out, "train_*.json")))
     if proc.returncode != 0 or not files:
         raise RuntimeError(f"{phase}: train.py exited {proc.returncode}\n{proc.stdout[-3000:]}")

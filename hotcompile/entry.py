@@ -392,9 +392,9 @@ def graph_patches() -> dict:
     Why: that heuristic compiles a halved-RBLOCK variant of a register-heavy reduction after
     loading it, but only when its tuned config is not in the autotune cache, which is the
     case in the first process that loads a graph from a warm cache, not in the cold one that
-    compiled it. HOT's graphs have such reductions (RMSNorms that also centre the kept bf16
-    residual, ``passes/saved.py``), so the second process recompiled four Triton kernels on
-    its first step: Llama d4096's first step with a warm cache took 5.2-6.1 s against
+    compiled it. HOT's graphs have such reductions (by elimination, the RMSNorms that also
+    centre the kept bf16 residual, ``passes/saved.py``), so the second process recompiled
+    four Triton kernels on its first step: Llama d4096's first step with a warm cache took 5.2-6.1 s against
     Inductor's 3.0-3.6 s (1.70-1.74x); without the scaling in HOT's graphs 3.05 s against
     2.76 (1.10x), at the same step time (H100, docs/BENCHMARKS.md, thirtieth stop)."""
     if "TORCHINDUCTOR_DYNAMIC_SCALE_RBLOCK" in os.environ:

@@ -12,6 +12,7 @@ from typing import Any, Optional
 import torch
 from torch.fx import Graph, Node
 
+
 def same_size(a, b) -> bool:
     """Two sizes that are the same int or the same symbolic expression. Compared by their
     expressions: ``==`` on a SymInt evaluates it, which after tracing would add a guard."""
@@ -21,6 +22,7 @@ def same_size(a, b) -> bool:
 
 
 def same_shape(a, b) -> bool:
+    """Two shapes of the same rank whose sizes are each ``same_size``."""
     return len(a) == len(b) and all(map(same_size, a, b))
 
 
