@@ -23,7 +23,9 @@ window is measured, compiled once more with the chosen ranks (``_AutoRankGraph``
 
 Start-up: Inductor's ``compile_fx`` is imported with this module, as ``torch.compile``
 imports it for Inductor's own backend when it is called (1.3 s on the H100 machine, which
-would otherwise land in the first step).
+would otherwise land in the first step); the compile workers start when the backend is
+called, as Inductor's do. The few Inductor settings HOT's graphs compile with that plain
+``torch.compile`` does not use, and why, are in ``inductor_settings.py``.
 """
 from __future__ import annotations
 
@@ -32,7 +34,6 @@ import dataclasses
 import functools
 import itertools
 import logging
-import os
 import traceback
 import weakref
 from typing import Callable, List, Optional, Set
@@ -45,6 +46,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, CustomPartitioner
 from . import compile_cache
 from .config import HOTConfig
 from .debug.report import Report, SiteRecord, record_site
+from .inductor_settings import SAVED_BACKWARD_PATCHES, graph_patches, start_compile_workers
 from .kernels import ops as _ops  # noqa: F401  registers torch.ops.hot.*
 from .names import (SharedGraphNames, alias_records, compiled_root, naming_of, param_slots,
                     source_name)
@@ -296,6 +298,8 @@ class HotBackend:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: List, **kwargs):
         graph_index = next(_GRAPH_IDS)
+        if _device_of(example_inputs).type == "cuda":
+            start_compile_workers()
         positions = parameter_positions(gm, example_inputs)
         root = self.root()
         try:
@@ -382,32 +386,6 @@ class HotBackend:
             log.warning("hotcompile: %s", msg)
             self.report.notes.append(msg)
         return compiled, joint
-
-
-def graph_patches() -> dict:
-    """Inductor config for every graph HOT compiles: no dynamic RBLOCK scaling
-    (``dynamic_scale_rblock``), unless the user's environment sets it
-    (``TORCHINDUCTOR_DYNAMIC_SCALE_RBLOCK``); ``options`` passed to ``torch.compile`` win too.
-
-    Why: that heuristic compiles a halved-RBLOCK variant of a register-heavy reduction after
-    loading it, but only when its tuned config is not in the autotune cache, which is the
-    case in the first process that loads a graph from a warm cache, not in the cold one that
-    compiled it. HOT's graphs have such reductions (by elimination, the RMSNorms that also
-    centre the kept bf16 residual, ``passes/saved.py``), so the second process recompiled
-    four Triton kernels on its first step: Llama d4096's first step with a warm cache took 5.2-6.1 s against
-    Inductor's 3.0-3.6 s (1.70-1.74x); without the scaling in HOT's graphs 3.05 s against
-    2.76 (1.10x), at the same step time (H100, docs/BENCHMARKS.md, thirtieth stop)."""
-    if "TORCHINDUCTOR_DYNAMIC_SCALE_RBLOCK" in os.environ:
-        return {}
-    return {"dynamic_scale_rblock": False}
-
-
-# Inductor config for the backward of a graph whose kept activations are compressed. Why no
-# peak-memory reorder: its estimate chose, for ViT-B with FP8 kept tensors in row blocks, an
-# order that runs every restoration and weight-gradient GEMM after the whole g_x chain, each
-# layer's GELU and qkv gradients (129 MiB a layer) alive until then: peak 4.12 GiB against
-# 3.90 with the partitioner's layer-by-layer order (H100, docs/BENCHMARKS.md, 27th stop).
-SAVED_BACKWARD_PATCHES = {"reorder_for_peak_memory": False}
 
 
 def _rows_restored(summary: Optional[dict]) -> bool:

@@ -1,0 +1,103 @@
+"""Where HOT's compiles differ from plain ``torch.compile``'s Inductor, and why.
+
+Each setting here was measured to cost HOT's graphs first-step time that Inductor's own graphs
+do not pay (docs/BENCHMARKS.md, thirtieth and thirty-first stops). A user's explicit choice
+wins: an ``TORCHINDUCTOR_*`` variable in the environment, or ``torch.compile(options=...)``,
+which the backend applies after these.
+
+- ``graph_patches()``: the Inductor config every HOT graph compiles with.
+- ``start_compile_workers()``: Inductor's compile workers, started when the backend is
+  called, as Inductor's own backend starts them, with HOT's Triton kernels launched through
+  Inductor's static launcher.
+- ``SAVED_BACKWARD_PATCHES``: the backward of a graph whose kept activations are compressed.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+log = logging.getLogger("hotcompile")
+
+DYNAMIC_RBLOCK = "TORCHINDUCTOR_DYNAMIC_SCALE_RBLOCK"
+STATIC_USER_LAUNCH = "TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS"
+
+
+def _has_static_user_launch() -> bool:
+    return hasattr(torch._inductor.config, "static_launch_user_defined_triton_kernels")
+
+
+def graph_patches() -> dict:
+    """Inductor config for every graph HOT compiles.
+
+    ``dynamic_scale_rblock=False`` unless ``TORCHINDUCTOR_DYNAMIC_SCALE_RBLOCK`` is set. Why:
+    that heuristic compiles a halved-RBLOCK variant of a register-heavy reduction after
+    loading it, but only when its tuned config is not in the autotune cache, which is the
+    case in the first process that loads a graph from a warm cache, not in the cold one that
+    compiled it. HOT's graphs have such reductions (by elimination, the RMSNorms that also
+    centre the kept bf16 residual, ``passes/saved.py``), so the second process recompiled
+    four Triton kernels on its first step: Llama d4096's first step with a warm cache took
+    5.2-6.1 s against Inductor's 3.0-3.6 s (1.70-1.74x); without the scaling in HOT's graphs
+    3.05 s against 2.76 (1.10x), at the same step time (H100, thirtieth stop).
+
+    ``static_launch_user_defined_triton_kernels=True`` unless
+    ``TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS`` is set: for the kernels
+    compiled in this process (before the compile workers are ready); the workers' share is
+    ``start_compile_workers``'s."""
+    patches = {}
+    if DYNAMIC_RBLOCK not in os.environ:
+        patches["dynamic_scale_rblock"] = False
+    if STATIC_USER_LAUNCH not in os.environ and _has_static_user_launch():
+        patches["static_launch_user_defined_triton_kernels"] = True
+    return patches
+
+
+def _pool_started() -> bool:
+    from torch._inductor.async_compile import AsyncCompile
+    return AsyncCompile.process_pool.cache_info().currsize > 0
+
+
+def start_compile_workers() -> bool:
+    """Start Inductor's compile workers now, as Inductor's own backend does when it is
+    called (``maybe_warm_pool``), so that they start while AOTAutograd traces. Returns
+    whether the workers launch HOT's Triton kernels through Inductor's static launcher.
+
+    Why the static launcher: Inductor launches its own kernels through it, but a user-defined
+    kernel (every HOT kernel spliced into a graph) gets Triton's launcher unless
+    ``static_launch_user_defined_triton_kernels`` is on, and Triton builds that launcher with
+    the host C compiler, one per kernel signature, one after another in the compiling
+    process. Llama d4096's cold first step built six (4.5 s of HOT's 28.3 s against
+    Inductor's 21.3 s, H100, thirty-first stop). The workers read that setting from their
+    environment when they start (Inductor passes them no other config), so it is set in the
+    environment they start with, and only there: this process's environment is restored.
+
+    Nothing changes where the workers are already running (something compiled before HOT's
+    first graph) or where the user set the variable: their choice stands, and a kernel the
+    static launcher cannot launch still gets Triton's (Inductor checks each kernel)."""
+    from torch._inductor.async_compile import maybe_warm_pool
+    if STATIC_USER_LAUNCH in os.environ:
+        maybe_warm_pool()
+        return os.environ[STATIC_USER_LAUNCH] == "1"
+    from torch._inductor import config
+    if _pool_started() or not _has_static_user_launch() or \
+            config.worker_start_method != "subprocess":    # other pools start workers later
+        maybe_warm_pool()
+        return False
+    os.environ[STATIC_USER_LAUNCH] = "1"
+    try:
+        maybe_warm_pool()
+    finally:
+        del os.environ[STATIC_USER_LAUNCH]
+    started = _pool_started()
+    log.debug("hotcompile: compile workers %s", "started with static launches of user "
+              "kernels" if started else "not started (Inductor compiles in this process)")
+    return started
+
+
+# Inductor config for the backward of a graph whose kept activations are compressed. Why no
+# peak-memory reorder: its estimate chose, for ViT-B with FP8 kept tensors in row blocks, an
+# order that runs every restoration and weight-gradient GEMM after the whole g_x chain, each
+# layer's GELU and qkv gradients (129 MiB a layer) alive until then: peak 4.12 GiB against
+# 3.90 with the partitioner's layer-by-layer order (H100, docs/BENCHMARKS.md, 27th stop).
+SAVED_BACKWARD_PATCHES = {"reorder_for_peak_memory": False}
