@@ -53,7 +53,7 @@ def run_phase(args, phase: str, cache: str, scratch: str) -> dict:
     if args.device:
         cmd += ["--device", args.device]
     if args.sample:                    # train.py's stack sampler over each first step
-        cmd += ["--profile-first", os.path.join(args.out_dir, f"first_step_sample_{phase}")]
+        cmd += ["--profile-first", args.sample_base + f"_{phase}"]
     since = time.time()
     time.sleep(0.01)                   # mtimes of files written from here on are later
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -82,6 +82,22 @@ def table(phases: List[dict]) -> str:
                        "binaries the phase compiled (all its modes)"], rows)
 
 
+def compiled_lines(phases: List[dict]) -> List[str]:
+    """What each phase compiled: the cold one by count (with its C modules, Triton's
+    launchers among them: the thirty-first stop found six, 4.5 s of HOT's cold first step),
+    each warm one by kernel name (a warm process should compile nothing)."""
+    cold = phases[0]["new_binaries"]
+    lines = ["- cold compiled " + (", ".join(f"{len(v)} `{k}`" for k, v in sorted(cold.items()))
+                                   or "nothing")
+             + (f" (`.so`: {', '.join(sorted(set(cold['.so'])))})" if cold.get(".so") else "")]
+    for ph in phases[1:]:
+        for ext, names in ph["new_binaries"].items():
+            lines.append(f"- {ph['phase']} compiled {len(names)} `{ext}`: "
+                         + ", ".join(f"`{n}`" for n in names[:12])
+                         + (" ..." if len(names) > 12 else ""))
+    return lines
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="llama_d4096")
@@ -96,27 +112,25 @@ def main(argv=None) -> int:
     p.add_argument("--tag", default="")
     p.add_argument("--sample", action="store_true",
                    help="sample each first step's stacks (bench/sampler.py): "
-                        "<out>/first_step_sample_<phase>_<model>_<mode>.txt")
+                        "<out>/first_step_sample_<date>_<device>[_tag]_<phase>_<model>_<mode>.txt")
     args = p.parse_args(argv)
     args.out_dir = os.path.abspath(args.out or os.path.join(HERE, "results"))
     os.makedirs(args.out_dir, exist_ok=True)
     if args.cache_dir and os.path.exists(args.cache_dir) and os.listdir(args.cache_dir):
         p.error(f"--cache-dir {args.cache_dir} is not empty: the first phase must be cold")
+    device = C.pick_device(args.device)
+    base = C.result_base(args.out_dir, "first_step", device, args.tag)
+    args.sample_base = os.path.join(args.out_dir, "first_step_sample" + os.path.basename(base)[
+        len("first_step"):])
     scratch = tempfile.mkdtemp(prefix="first_step_")
     cache = args.cache_dir or os.path.join(scratch, "cache")
     phases = [run_phase(args, "cold", cache, scratch)]
     for i in range(1, args.warm + 1):
         phases.append(run_phase(args, f"warm{i}", cache, scratch))
-    device = C.pick_device(args.device)
-    base = C.result_base(args.out_dir, "first_step", device, args.tag)
     C.write_json(base + ".json", {"env": C.environment(device), "options": vars(args),
                                   "phases": phases})
     lines = [f"# First step, cold then warm: {C.device_name(device)}", "", table(phases), ""]
-    for ph in phases[1:]:
-        for ext, names in ph["new_binaries"].items():
-            lines.append(f"- {ph['phase']} compiled {len(names)} `{ext}`: "
-                         + ", ".join(f"`{n}`" for n in names[:12])
-                         + (" ..." if len(names) > 12 else ""))
+    lines += compiled_lines(phases)
     C.write_text(base + ".md", "\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -687,3 +687,9 @@ def test_first_step_lists_what_each_warm_process_compiled(tmp_path):
     text = F.table(phases)
     assert "| warm1 | m | hot | 3.40 | 1.70x | 4.00 | 2 |" in text, text
     assert "| warm1 | m | inductor | 2.00 | - | 5.00 | 2 |" in text, text
+    cold = {"phase": "cold", "new_binaries": {".cubin": ["a", "b", "c"],
+                                              ".so": ["__triton_launcher", "cuda_utils"]}}
+    assert F.compiled_lines([cold] + phases) == [
+        "- cold compiled 3 `.cubin`, 2 `.so` (`.so`: __triton_launcher, cuda_utils)",
+        "- warm1 compiled 2 `.cubin`: `k1`, `k2`"]
+    assert F.compiled_lines([{"phase": "cold", "new_binaries": {}}]) == ["- cold compiled nothing"]
