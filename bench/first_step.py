@@ -87,9 +87,10 @@ def compiled_lines(phases: List[dict]) -> List[str]:
     launchers among them: the thirty-first stop found six, 4.5 s of HOT's cold first step),
     each warm one by kernel name (a warm process should compile nothing)."""
     cold = phases[0]["new_binaries"]
+    modules = sorted(set(cold.get(".so", ())))       # on a CPU, every kernel is a `.so`
     lines = ["- cold compiled " + (", ".join(f"{len(v)} `{k}`" for k, v in sorted(cold.items()))
                                    or "nothing")
-             + (f" (`.so`: {', '.join(sorted(set(cold['.so'])))})" if cold.get(".so") else "")]
+             + (f" (`.so`: {', '.join(modules)})" if 0 < len(modules) <= 8 else "")]
     for ph in phases[1:]:
         for ext, names in ph["new_binaries"].items():
             lines.append(f"- {ph['phase']} compiled {len(names)} `{ext}`: "

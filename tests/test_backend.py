@@ -340,7 +340,7 @@ def test_the_lazy_backward_compiles_inside_the_launch_analysis_memo(monkeypatch)
 @pytest.mark.parametrize("env", [None, "1"])
 def test_graphs_compile_without_dynamic_rblock_scaling_unless_the_environment_asks(
         monkeypatch, env):
-    """Forward and backward compile with ``dynamic_scale_rblock`` off (``entry.graph_patches``:
+    """Forward and backward compile with ``dynamic_scale_rblock`` off (``inductor_settings.graph_patches``:
     a warm-cache process otherwise recompiles HOT's heavier reductions on its first step),
     and an explicit ``TORCHINDUCTOR_DYNAMIC_SCALE_RBLOCK`` in the environment still decides."""
     from hotcompile import entry as E
