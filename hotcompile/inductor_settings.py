@@ -72,6 +72,8 @@ def start_compile_workers() -> bool:
     environment when they start (Inductor passes them no other config), so it is set in the
     environment they start with, and only there: this process's environment is restored.
 
+    The workers serve every graph the process compiles afterwards, so a user-defined kernel
+    in a graph compiled with plain Inductor later gets the static launcher from them too.
     Nothing changes where the workers are already running (something compiled before HOT's
     first graph) or where the user set the variable: their choice stands, and a kernel the
     static launcher cannot launch still gets Triton's (Inductor checks each kernel)."""
