@@ -46,7 +46,8 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, CustomPartitioner
 from . import compile_cache
 from .config import HOTConfig
 from .debug.report import Report, SiteRecord, record_site
-from .inductor_settings import SAVED_BACKWARD_PATCHES, graph_patches, start_compile_workers
+from .inductor_settings import (SAVED_BACKWARD_PATCHES, graph_patches, other_kernels,
+                                start_compile_workers)
 from .kernels import ops as _ops  # noqa: F401  registers torch.ops.hot.*
 from .names import (SharedGraphNames, alias_records, compiled_root, naming_of, param_slots,
                     source_name)
@@ -298,8 +299,9 @@ class HotBackend:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: List, **kwargs):
         graph_index = next(_GRAPH_IDS)
+        other = other_kernels(gm)
         if _device_of(example_inputs).type == "cuda":
-            start_compile_workers()
+            start_compile_workers(static=other is None)
         positions = parameter_positions(gm, example_inputs)
         root = self.root()
         try:
@@ -310,7 +312,7 @@ class HotBackend:
             root, naming = None, naming_of(gm, example_inputs, positions, None)
         plan = RankPlan(self.config, f"{self.id}/{graph_index}")
         compiled, joint = self._compile(gm, example_inputs, graph_index, positions, plan, kwargs,
-                                        naming)
+                                        naming, other)
         groups = list(joint.regs.get("rank", ()))
         if groups:
             compiled = _AutoRankGraph(self, gm, graph_index, positions, kwargs, compiled, groups,
@@ -353,10 +355,14 @@ class HotBackend:
             from .debug.dump import add_records
             add_records(self.config, graph_index, new)
 
-    def _compile(self, gm, example_inputs, graph_index, positions, plan, kwargs, naming=None):
+    def _compile(self, gm, example_inputs, graph_index, positions, plan, kwargs, naming=None,
+                 other=None):
         joint = JointPass(self.config, self.report, graph_index, positions, plan, naming=naming)
         joint.store_key = compile_cache.graph_key(gm, example_inputs, joint.uuid())
-        patches = {"joint_custom_pre_pass": joint, **graph_patches()}
+        patches = {"joint_custom_pre_pass": joint, **graph_patches(other)}
+        if other is not None and "use_static_cuda_launcher" in patches:
+            log.info("hotcompile: graph %d compiles with Triton's own kernel launchers: %s",
+                     graph_index, other)
         if self.config.saved_activations != "exact":
             patches["custom_partitioner_fn"] = SavedPartitioner(joint)
         mode, options = kwargs.get("mode"), kwargs.get("options")
@@ -465,7 +471,7 @@ class _AutoRankGraph:
                         plan = RankPlan(cfg, f"{self.backend.id}/{self.graph_index}", chosen)
                         self.compiled, _ = self.backend._compile(
                             self.gm, args, self.graph_index, self.positions, plan, self.kwargs,
-                            self.naming)
+                            self.naming, other_kernels(self.gm))
                         self._boxed_call = getattr(self.compiled, "_boxed_call", False)
                         del args
         return self.compiled(*a)

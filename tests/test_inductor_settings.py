@@ -8,7 +8,11 @@ import textwrap
 
 import pytest
 
-from hotcompile.inductor_settings import (DYNAMIC_RBLOCK, STATIC_USER_LAUNCH, graph_patches)
+import torch
+
+from hotcompile import inductor_settings as S
+from hotcompile.inductor_settings import (DYNAMIC_RBLOCK, STATIC_USER_LAUNCH, graph_patches,
+                                          other_kernels)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -28,6 +32,74 @@ def test_graph_patches_leave_each_setting_to_the_environment_that_names_it(monke
         assert graph_patches() == {"static_launch_user_defined_triton_kernels": True}
 
 
+@pytest.mark.parametrize("workers_static", [False, True])
+def test_a_graph_with_other_kernels_keeps_tritons_launchers(monkeypatch, workers_static):
+    """A graph with kernels that are not HOT's never asks for static launches of user
+    kernels, and where the workers launch them statically, turns the static launcher off
+    for the whole graph (Inductor passes that setting on to the workers)."""
+    monkeypatch.delenv(STATIC_USER_LAUNCH, raising=False)
+    monkeypatch.delenv(DYNAMIC_RBLOCK, raising=False)
+    monkeypatch.setitem(S._STATE, "static_workers", workers_static)
+    expected = {"dynamic_scale_rblock": False}
+    if workers_static:
+        expected["use_static_cuda_launcher"] = False
+    assert graph_patches("`k` launches a user-defined Triton kernel") == expected
+    assert graph_patches(None)["static_launch_user_defined_triton_kernels"] is True
+
+
+def _graph(target, nested=False) -> torch.fx.GraphModule:
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    y = g.call_function(torch.ops.aten.relu.default, (x,))
+    if target is not None and not nested:
+        y = g.call_function(target, (y,))
+    root = torch.nn.Module()
+    if nested:                    # a higher-order op's body: a submodule the graph refers to
+        root.body = _graph(target)
+        g.get_attr("body")
+    g.output(y)
+    return torch.fx.GraphModule(root, g)
+
+
+def test_other_kernels_finds_user_kernels_and_custom_ops_also_in_subgraphs():
+    from torch._higher_order_ops.triton_kernel_wrap import (triton_kernel_wrapper_functional,
+                                                            triton_kernel_wrapper_mutation)
+    lib = torch.library.Library("hotsettingstest", "FRAGMENT")     # noqa: F841 - kept alive
+    lib.define("scale(Tensor x) -> Tensor")
+    assert other_kernels(_graph(None)) is None
+    assert other_kernels(_graph(torch.ops.aten.sin.default)) is None
+    assert other_kernels(_graph(torch.ops.prims.sin.default)) is None
+    for target in (triton_kernel_wrapper_mutation, triton_kernel_wrapper_functional):
+        for nested in (False, True):
+            why = other_kernels(_graph(target, nested))
+            assert why and "user-defined Triton kernel" in why, (target, nested, why)
+    for target in (torch.ops.hotsettingstest.scale, torch.ops.hotsettingstest.scale.default):
+        why = other_kernels(_graph(target, nested=True))
+        assert why and "custom op `hotsettingstest" in why, why
+
+
+def test_the_backend_passes_a_custom_op_graph_as_one_with_other_kernels(monkeypatch):
+    """End to end on the CPU: a model calling a custom op compiles with
+    ``graph_patches(<why>)``, one without with ``graph_patches(None)``."""
+    import hotcompile
+    from hotcompile import entry as E
+
+    @torch.library.custom_op("hotsettingstest::twice", mutates_args=())
+    def twice(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    twice.register_fake(lambda x: torch.empty_like(x))
+    twice.register_autograd(lambda ctx, g: g * 2)
+    seen = []
+    real = E.graph_patches
+    monkeypatch.setattr(E, "graph_patches", lambda other=None: seen.append(other) or real(other))
+    lin = torch.nn.Linear(8, 8)
+    for fn in (lambda x: lin(x).relu(), lambda x: twice(lin(x))):
+        torch._dynamo.reset()
+        torch.compile(fn, backend=hotcompile.backend())(torch.randn(4, 8)).sum().backward()
+    assert seen[0] is None and "hotsettingstest.twice" in seen[1], seen
+
+
 # A fresh process (the workers are per process): start them as the case says, then ask a
 # worker what it read from its environment.
 _PROBE = textwrap.dedent("""
@@ -39,9 +111,13 @@ _PROBE = textwrap.dedent("""
         os.environ[STATIC_USER_LAUNCH] = "0"
     if case == "started":                   # something compiled before HOT's first graph
         maybe_warm_pool()
-    static = start_compile_workers()
+    static = start_compile_workers(static=case != "other")
     here = os.environ.get(STATIC_USER_LAUNCH)
-    there = AsyncCompile.process_pool().submit(os.getenv, STATIC_USER_LAUNCH).result(timeout=300)
+    pool = AsyncCompile.process_pool()
+    there = pool.submit(os.getenv, STATIC_USER_LAUNCH).result(timeout=300)
+    config = pool.submit(eval, "__import__('torch._inductor.config', fromlist=['c'])"
+                         ".static_launch_user_defined_triton_kernels").result(timeout=300)
+    assert config == (there == "1"), (there, config)     # what the workers' Inductor reads
     print("RESULT", static, here, there)
 """)
 
@@ -50,6 +126,7 @@ _PROBE = textwrap.dedent("""
     ("fresh", "True None 1"),          # the workers launch statically; this process unchanged
     ("started", "False None None"),    # workers already running: left as they are
     ("user0", "False 0 0"),            # the user's choice stands
+    ("other", "False None None"),      # the first graph has kernels of its own
 ])
 def test_compile_workers_start_with_static_launches_in_their_environment_only(case, expected):
     env = dict(os.environ, TORCHINDUCTOR_COMPILE_THREADS="2", PYTHONPATH=os.pathsep.join(
@@ -75,6 +152,11 @@ _GPU_STEP = textwrap.dedent("""
     torch.manual_seed(0)
     model = Block(d=256, heads=4).cuda()
     x = torch.randn(8, 256, 256, device="cuda", requires_grad=True)
+    from hotcompile.inductor_settings import start_compile_workers
+    from torch._inductor.async_compile import AsyncCompile
+    if sys.argv[3] == "workers":   # kernels compiled by the workers, not in this process
+        start_compile_workers()
+        AsyncCompile.wait_pool_ready()
     be = hotcompile.backend(HOTConfig(min_features=0, min_speedup=0, exclude=()))
     with torch.autocast("cuda", dtype=torch.bfloat16):
         out = torch.compile(model, backend=be)(x)
@@ -100,14 +182,18 @@ def test_hot_kernels_launch_statically_from_a_cold_compile_with_the_same_gradien
     import torch
     grads, seen = {}, {}
     for var in ("", "0"):
-        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / f"cache{var}"),
+        # deterministic: no benchmark-picked reduction configs, which could differ between
+        # the two processes and change bits that the launcher does not
+        env = dict(os.environ, TORCHINDUCTOR_DETERMINISTIC="1",
+                   TORCHINDUCTOR_CACHE_DIR=str(tmp_path / f"cache{var}"),
                    TRITON_CACHE_DIR=str(tmp_path / f"triton{var}"), PYTHONPATH=os.pathsep.join(
                        [ROOT, os.environ.get("PYTHONPATH", "")]))
         env.pop(STATIC_USER_LAUNCH, None)
         if var:
             env[STATIC_USER_LAUNCH] = var
         out = str(tmp_path / f"grads{var}.pt")
-        proc = subprocess.run([sys.executable, "-c", _GPU_STEP, out, os.path.join(ROOT, "tests")],
+        proc = subprocess.run([sys.executable, "-c", _GPU_STEP, out, os.path.join(ROOT, "tests"),
+                               "workers"],
                               env=env, timeout=600, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("USER ")]
