@@ -36,21 +36,30 @@ def _has_static_user_launch() -> bool:
     return hasattr(torch._inductor.config, "static_launch_user_defined_triton_kernels")
 
 
-def _op_namespace(target) -> Optional[str]:
+def _maybe_triton_op(target) -> Optional[str]:
+    """The qualified name of an op that may launch user-defined Triton kernels in Inductor's
+    code: a ``torch.library.triton_op`` (torch 2.13 lists them; where it does not, any op
+    outside ``_OWN_NAMESPACES``). A custom op of compiled C++/CUDA code (a flash-attention
+    package's) is not one: Inductor calls it as it is."""
     if isinstance(target, torch._ops.OpOverload):
-        return target.namespace
-    if isinstance(target, torch._ops.OpOverloadPacket):
-        return target._qualified_op_name.split("::")[0]
-    return None
+        name = target._schema.name
+    elif isinstance(target, torch._ops.OpOverloadPacket):
+        name = target._qualified_op_name
+    else:
+        return None
+    if name.split("::")[0] in _OWN_NAMESPACES:
+        return None
+    import torch._library.triton as triton_ops
+    registry = getattr(triton_ops, "triton_ops_to_kernels", None)
+    return name if registry is None or name in registry else None
 
 
 def other_kernels(gm: torch.fx.GraphModule) -> Optional[str]:
     """Why the graph Dynamo gave may launch Triton kernels that are not HOT's, or None.
 
-    A user-defined Triton kernel call (``triton_kernel_wrapper_*``), or a call to an op
-    outside the namespaces of aten, prims, HOT and Inductor: it may be a ``triton_op``,
-    whose kernels Inductor launches as user-defined ones. Subgraphs (higher-order ops'
-    bodies) are searched too. Why it matters: Inductor's static launcher is not safe for
+    A user-defined Triton kernel call (``triton_kernel_wrapper_*``), or a call to a
+    ``triton_op``, whose kernels Inductor launches as user-defined ones
+    (``_maybe_triton_op``). Subgraphs (higher-order ops' bodies) are searched too. Why it matters: Inductor's static launcher is not safe for
     every user kernel (a 16-bit float scalar argument is passed as a 32-bit one; a host
     tensor descriptor argument fails the compile with a ``KeyError`` in torch 2.13), so
     such a graph keeps Triton's launchers (``graph_patches``)."""
@@ -65,9 +74,9 @@ def other_kernels(gm: torch.fx.GraphModule) -> Optional[str]:
             if isinstance(t, torch._ops.HigherOrderOperator) and \
                     t.name().startswith("triton_kernel_wrapper"):
                 return f"`{n.name}` launches a user-defined Triton kernel"
-            ns = _op_namespace(t)
-            if ns is not None and ns not in _OWN_NAMESPACES:
-                return f"`{n.name}` calls the custom op `{t}`"
+            op = _maybe_triton_op(t)
+            if op is not None:
+                return f"`{n.name}` calls `{op}`, which may launch Triton kernels"
     return None
 
 

@@ -61,43 +61,66 @@ def _graph(target, nested=False) -> torch.fx.GraphModule:
     return torch.fx.GraphModule(root, g)
 
 
-def test_other_kernels_finds_user_kernels_and_custom_ops_also_in_subgraphs():
+def _triton_op():
+    """A ``triton_op`` (its body need not launch a kernel to be one)."""
+    if not hasattr(torch.ops.hotsettingstest, "tri"):
+        @torch.library.triton_op("hotsettingstest::tri", mutates_args=())
+        def tri(x: torch.Tensor) -> torch.Tensor:
+            return x * 3
+
+        tri.register_autograd(lambda ctx, g: g * 3)
+    return torch.ops.hotsettingstest.tri
+
+
+def _custom_op():
+    """A custom op of the kind a compiled extension registers: not a ``triton_op``."""
+    if not hasattr(torch.ops.hotsettingstest, "twice"):
+        @torch.library.custom_op("hotsettingstest::twice", mutates_args=())
+        def twice(x: torch.Tensor) -> torch.Tensor:
+            return x * 2
+
+        twice.register_fake(lambda x: torch.empty_like(x))
+        twice.register_autograd(lambda ctx, g: g * 2)
+    return torch.ops.hotsettingstest.twice
+
+
+def test_other_kernels_finds_user_kernels_and_triton_ops_also_in_subgraphs():
     from torch._higher_order_ops.triton_kernel_wrap import (triton_kernel_wrapper_functional,
                                                             triton_kernel_wrapper_mutation)
-    lib = torch.library.Library("hotsettingstest", "FRAGMENT")     # noqa: F841 - kept alive
-    lib.define("scale(Tensor x) -> Tensor")
-    assert other_kernels(_graph(None)) is None
-    assert other_kernels(_graph(torch.ops.aten.sin.default)) is None
-    assert other_kernels(_graph(torch.ops.prims.sin.default)) is None
+    import torch._library.triton as triton_ops
+    for plain in (None, torch.ops.aten.sin.default, torch.ops.prims.sin.default):
+        assert other_kernels(_graph(plain)) is None
     for target in (triton_kernel_wrapper_mutation, triton_kernel_wrapper_functional):
         for nested in (False, True):
             why = other_kernels(_graph(target, nested))
             assert why and "user-defined Triton kernel" in why, (target, nested, why)
-    for target in (torch.ops.hotsettingstest.scale, torch.ops.hotsettingstest.scale.default):
+    tri = _triton_op()
+    for target in (tri, tri.default):
         why = other_kernels(_graph(target, nested=True))
-        assert why and "custom op `hotsettingstest" in why, why
+        assert why and "`hotsettingstest::tri`" in why, why
+    custom = _custom_op()
+    listed = hasattr(triton_ops, "triton_ops_to_kernels")  # else every custom op may be one
+    for target in (custom, custom.default):
+        assert (other_kernels(_graph(target)) is None) == listed
 
 
-def test_the_backend_passes_a_custom_op_graph_as_one_with_other_kernels(monkeypatch):
-    """End to end on the CPU: a model calling a custom op compiles with
-    ``graph_patches(<why>)``, one without with ``graph_patches(None)``."""
+def test_the_backend_passes_a_triton_op_graph_as_one_with_other_kernels(monkeypatch):
+    """End to end on the CPU: a model calling a ``triton_op`` compiles with
+    ``graph_patches(<why>)``; one calling a plain custom op, or neither, with
+    ``graph_patches(None)`` (where torch lists its ``triton_op``s)."""
     import hotcompile
+    import torch._library.triton as triton_ops
     from hotcompile import entry as E
-
-    @torch.library.custom_op("hotsettingstest::twice", mutates_args=())
-    def twice(x: torch.Tensor) -> torch.Tensor:
-        return x * 2
-
-    twice.register_fake(lambda x: torch.empty_like(x))
-    twice.register_autograd(lambda ctx, g: g * 2)
+    tri, twice = _triton_op(), _custom_op()
     seen = []
     real = E.graph_patches
     monkeypatch.setattr(E, "graph_patches", lambda other=None: seen.append(other) or real(other))
     lin = torch.nn.Linear(8, 8)
-    for fn in (lambda x: lin(x).relu(), lambda x: twice(lin(x))):
+    for fn in (lambda x: lin(x).relu(), lambda x: twice(lin(x)), lambda x: tri(lin(x))):
         torch._dynamo.reset()
         torch.compile(fn, backend=hotcompile.backend())(torch.randn(4, 8)).sum().backward()
-    assert seen[0] is None and "hotsettingstest.twice" in seen[1], seen
+    assert len(seen) == 3 and seen[0] is None and "hotsettingstest::tri" in seen[2], seen
+    assert (seen[1] is None) == hasattr(triton_ops, "triton_ops_to_kernels"), seen
 
 
 # A fresh process (the workers are per process): start them as the case says, then ask a
