@@ -531,7 +531,25 @@ def test_stack_sampler_finds_where_the_time_goes():
     assert leaf_name.endswith("(busy_leaf)"), text
     caller_name = next(n for n in s.inclusive if n.endswith("(caller)"))
     assert s.inclusive[caller_name] >= s.leaf[leaf_name] > 0.5 * s.samples, text
-    assert sum(s.leaf.values()) == s.samples, text
+    assert sum(s.leaf.values()) == s.samples == sum(s.sites.values()), text
+    site = max(s.sites, key=s.sites.get)          # the leaf, with the caller's running line
+    line = caller.__code__.co_firstlineno + 1
+    assert site.startswith(leaf_name + " <- ") and f".py:{line}(caller)" in site, text
+
+
+def test_stack_sampler_names_the_op_a_torch_op_call_frame_runs():
+    """An innermost ``torch/_ops.py(__call__)`` frame is reported with its op."""
+    import time
+    import torch
+    StackSampler = _load("sampler").StackSampler
+    a = torch.randn(600, 600)
+    with StackSampler(interval_s=0.002) as s:
+        until = time.perf_counter() + 0.4
+        while time.perf_counter() < until:
+            torch.ops.aten.mm.default(a, a)
+    ops = {k: n for k, n in s.sites.items() if "[aten.mm.default]" in k}
+    assert ops and sum(ops.values()) > 0.3 * s.samples, s.report()
+    assert "[aten.mm.default] <- " in s.report()
 
 
 def test_accuracy_lm_seeds_pair_each_hot_run_with_its_inductor_run():
