@@ -2,10 +2,11 @@
 
 Each setting here was measured to cost HOT's graphs first-step time that Inductor's own graphs
 do not pay (docs/BENCHMARKS.md, thirtieth and thirty-first stops). A user's explicit choice
-wins: an ``TORCHINDUCTOR_*`` variable in the environment, or ``torch.compile(options=...)``,
+wins: a ``TORCHINDUCTOR_*`` variable in the environment, or ``torch.compile(options=...)``,
 which the backend applies after these.
 
-- ``graph_patches()``: the Inductor config every HOT graph compiles with.
+- ``graph_patches()``: the Inductor config every HOT graph compiles with, which depends on
+  whether the graph launches Triton kernels that are not HOT's (``other_kernels``).
 - ``start_compile_workers()``: Inductor's compile workers, started when the backend is
   called, as Inductor's own backend starts them, with HOT's Triton kernels launched through
   Inductor's static launcher.
@@ -59,10 +60,11 @@ def other_kernels(gm: torch.fx.GraphModule) -> Optional[str]:
 
     A user-defined Triton kernel call (``triton_kernel_wrapper_*``), or a call to a
     ``triton_op``, whose kernels Inductor launches as user-defined ones
-    (``_maybe_triton_op``). Subgraphs (higher-order ops' bodies) are searched too. Why it matters: Inductor's static launcher is not safe for
-    every user kernel (a 16-bit float scalar argument is passed as a 32-bit one; a host
-    tensor descriptor argument fails the compile with a ``KeyError`` in torch 2.13), so
-    such a graph keeps Triton's launchers (``graph_patches``)."""
+    (``_maybe_triton_op``). Subgraphs (higher-order ops' bodies) are searched too. Why it
+    matters: Inductor's static launcher is not safe for every user kernel (a 16-bit float
+    scalar argument is passed as a 32-bit one; a host tensor descriptor argument fails the
+    compile with a ``KeyError`` in torch 2.13), so such a graph keeps Triton's launchers
+    (``graph_patches``)."""
     for module in gm.modules():
         graph = getattr(module, "graph", None)
         if not isinstance(graph, torch.fx.Graph):
