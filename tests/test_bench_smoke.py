@@ -711,3 +711,38 @@ def test_first_step_lists_what_each_warm_process_compiled(tmp_path):
         "- cold compiled 3 `.cubin`, 2 `.so` (`.so`: __triton_launcher, cuda_utils)",
         "- warm1 compiled 2 `.cubin`: `k1`, `k2`"]
     assert F.compiled_lines([{"phase": "cold", "new_binaries": {}}]) == ["- cold compiled nothing"]
+
+
+def test_train_pools_a_mode_run_more_than_once_in_one_invocation():
+    """``--modes inductor,hot,inductor,hot``: the targets (and a merged table) take each mode's
+    median over all its runs' timed steps, not its first run (the thirty-first stop's ViT-B
+    alternation read 1.127x by the first runs, 0.950x pooled); the raw table says so."""
+    T = _load("train")
+    base = {"status": "ok", "batch": 64, "tokens_per_step": 640, "saved_bytes": 0,
+            "compile_s": 0, "model": "vit_b16_bs64", "compile_mode": "default"}
+
+    def run(mode, steps, peak):
+        return dict(base, mode=mode, step_ms=statistics.median(steps), step_ms_each=steps,
+                    tokens_per_s=1.0, peak_mem_gib=peak)
+    res = {"runs": [run("inductor", [25.0, 25.2, 24.8], 5.28), run("hot", [22.1, 22.2, 22.0], 4.9),
+                    run("inductor", [22.1, 22.0, 22.2], 5.28), run("hot", [25.4, 25.5, 25.3], 4.91)]}
+    got = {what: (v, verdict) for what, _, v, verdict in T.acceptance(res)}
+    what = "ViT-B/16 bs64 speed-up, hot vs Inductor bf16 (pooled: 2 runs and 2 runs)"
+    v, verdict = got[what]
+    pooled_i = statistics.median([25.0, 25.2, 24.8, 22.1, 22.0, 22.2])
+    pooled_h = statistics.median([22.1, 22.2, 22.0, 25.4, 25.5, 25.3])
+    assert abs(v - pooled_i / pooled_h) < 1e-9 and verdict == "FAIL", got
+    v, _ = got["ViT-B/16 bs64 peak memory, hot / Inductor bf16"]
+    assert abs(v - 4.91 / 5.28) < 1e-9                       # the larger peak of the two
+    notes = [row[-1] for row in T.table_rows(res)]
+    assert all(n.startswith("one of 2 runs of this mode") for n in notes), notes
+    merged = T.merge_results([res])
+    assert [(r["mode"], r["pooled_runs"]) for r in merged["runs"]] == [("inductor", 2),
+                                                                       ("hot", 2)]
+    hot = merged["runs"][1]
+    assert hot["step_ms"] == pooled_h and hot["ref_step_ms"] == pooled_i
+    assert abs(hot["tokens_per_s"] - 640 / pooled_h * 1e3) < 1e-9
+    assert T.table_rows(merged)[1][-1] == "median of 2 runs' steps (each: 22.10, 25.40 ms)"
+    # one run per mode: unchanged
+    single = {"runs": res["runs"][:2]}
+    assert T.pool_repeats(single["runs"]) == single["runs"]
