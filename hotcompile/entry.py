@@ -360,7 +360,7 @@ class HotBackend:
         joint = JointPass(self.config, self.report, graph_index, positions, plan, naming=naming)
         joint.store_key = compile_cache.graph_key(gm, example_inputs, joint.uuid())
         patches = {"joint_custom_pre_pass": joint, **graph_patches(other)}
-        if other is not None and "use_static_cuda_launcher" in patches:
+        if "use_static_cuda_launcher" in patches:          # only for a graph with `other`
             log.info("hotcompile: graph %d compiles with Triton's own kernel launchers: %s",
                      graph_index, other)
         if self.config.saved_activations != "exact":
