@@ -4,13 +4,26 @@ the same cache, HOT against Inductor, and what each warm process still had to co
     python bench/first_step.py --out $OUT [--sample]                   # Llama d4096, H100
     python bench/first_step.py --models tiny_gpt --device cpu --out /tmp/r --warm 1
 
-Each phase is one ``bench/train.py`` invocation (every mode in a process of its own) on one
-``--cache-dir``: the cold one fills the empty folder, each warm one reads it. Why the files
+Each phase runs ``bench/train.py`` once per mode, each mode on a cache folder of its own
+below ``--cache-dir``: the cold phase fills the empty folders, each warm one reads them. Why
+one folder per mode: a cold compile must not find kernels another backend compiled before
+it (Inductor's own kernels in HOT's graph can have the same source as in Inductor's), so
+neither backend's cold figure depends on which ran first. Why the files
 each warm process adds are listed: a warm first step can be slow for a reason no phase
 timer names. The thirtieth stop found HOT's first warm process at 1.70x Inductor's because
 it compiled four Triton kernels that the cold one had not left in the cache (Inductor's
 dynamic RBLOCK scaling; docs/BENCHMARKS.md); the second warm process was at 1.13x, so a
-measurement that skipped the first warm process looked fine. Results:
+measurement that skipped the first warm process looked fine.
+
+Before the cold phase a priming process (``--prime``, on by default) runs the model's step
+once compiled by Inductor, on a cache folder of its own. Why: the first compiled process on
+a machine pays costs that no Inductor or Triton cache holds and the next process does not
+pay again: cuDNN's attention kernels for the graph's variant, compiled at their first call
+(the CUDA driver keeps them in its own cache, ``~/.nv/ComputeCache``). The thirty-second
+stop sampled them at 4.3-5.7 s of the first compiled process's first step against 0.3-0.6 s
+in the next one's; an eager step did not prime them (its attention is another variant),
+and over the thirty-first and thirty-second stops whichever backend ran first paid them, so
+one cold ratio read 1.33x and another 1.56x. Results:
 ``<out>/first_step_<date>_<device>[_tag].{json,md}``.
 """
 from __future__ import annotations
@@ -44,20 +57,21 @@ def new_files(folder: str, since: float) -> Dict[str, List[str]]:
     return {k: sorted(v) for k, v in out.items()}
 
 
-def run_phase(args, phase: str, cache: str, scratch: str) -> dict:
+def run_phase(args, phase: str, cache: str, scratch: str, modes: str = "") -> dict:
     """One train.py invocation: its runs' first steps and the binaries it added."""
     out = os.path.join(scratch, phase)
+    modes = modes or args.modes
     cmd = [sys.executable, os.path.join(HERE, "train.py"), "--models", args.models,
-           "--modes", args.modes, "--steps", str(args.steps), "--warmup", str(args.warmup),
+           "--modes", modes, "--steps", str(args.steps), "--warmup", str(args.warmup),
            "--cache-dir", cache, "--timeout-s", str(args.timeout_s), "--out", out]
     if args.device:
         cmd += ["--device", args.device]
-    if args.sample:                    # train.py's stack sampler over each first step
+    if args.sample and phase != "prime":   # train.py's stack sampler over each first step
         cmd += ["--profile-first", args.sample_base + f"_{phase}"]
     since = time.time()
     time.sleep(0.01)                   # mtimes of files written from here on are later
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=args.timeout_s * len(C.mode_list(args.modes)) + 120)
+                          timeout=args.timeout_s * len(C.mode_list(modes)) + 120)
     files = sorted(glob.glob(os.path.join(out, "train_*.json")))
     if proc.returncode != 0 or not files:
         raise RuntimeError(f"{phase}: train.py exited {proc.returncode}\n{proc.stdout[-3000:]}")
@@ -68,9 +82,24 @@ def run_phase(args, phase: str, cache: str, scratch: str) -> dict:
                                             "step_ms", "first_step_phases")} for r in runs]}
 
 
+def per_mode_caches(args, phase: str, cache: str, scratch: str) -> dict:
+    """A phase with each mode in its own train.py invocation on ``cache/<mode>``: its runs
+    in the order of ``--modes``, and the binaries all of them added."""
+    merged: dict = {"phase": phase, "new_binaries": {}, "runs": []}
+    for mode in C.mode_list(args.modes):
+        folder = os.path.join(cache, C.file_part(mode))
+        ph = run_phase(args, phase, folder, os.path.join(scratch, C.file_part(mode)), modes=mode)
+        merged["runs"] += ph["runs"]
+        for ext, names in ph["new_binaries"].items():
+            merged["new_binaries"][ext] = sorted(merged["new_binaries"].get(ext, []) + names)
+    return merged
+
+
 def table(phases: List[dict]) -> str:
     rows = []
     for ph in phases:
+        if ph["phase"] == "prime":
+            continue
         base = {r["model"]: r["first_step_s"] for r in ph["runs"] if r["mode"] == "inductor"}
         compiled = sum(len(v) for v in ph["new_binaries"].values())
         for r in ph["runs"]:
@@ -86,6 +115,7 @@ def compiled_lines(phases: List[dict]) -> List[str]:
     """What each phase compiled: the cold one by count (with its C modules, Triton's
     launchers among them: the thirty-first stop found six, 4.5 s of HOT's cold first step),
     each warm one by kernel name (a warm process should compile nothing)."""
+    phases = [ph for ph in phases if ph["phase"] != "prime"]
     cold = phases[0]["new_binaries"]
     modules = sorted(set(cold.get(".so", ())))       # on a CPU, every kernel is a `.so`
     lines = ["- cold compiled " + (", ".join(f"{len(v)} `{k}`" for k, v in sorted(cold.items()))
@@ -111,6 +141,10 @@ def main(argv=None) -> int:
     p.add_argument("--timeout-s", type=float, default=190.0, help="per mode and phase")
     p.add_argument("--out", help="output folder (default bench/results)")
     p.add_argument("--tag", default="")
+    p.add_argument("--prime", action=argparse.BooleanOptionalAction, default=True,
+                   help="first run the model's Inductor step once in a process of its own, "
+                        "on a cache folder of its own (--no-prime: measure a fresh "
+                        "machine's first compiled process as it is)")
     p.add_argument("--sample", action="store_true",
                    help="sample each first step's stacks (bench/sampler.py): "
                         "<out>/first_step_sample_<date>_<device>[_tag]_<phase>_<model>_<mode>.txt")
@@ -125,12 +159,20 @@ def main(argv=None) -> int:
         len("first_step"):])
     scratch = tempfile.mkdtemp(prefix="first_step_")
     cache = args.cache_dir or os.path.join(scratch, "cache")
-    phases = [run_phase(args, "cold", cache, scratch)]
-    for i in range(1, args.warm + 1):
-        phases.append(run_phase(args, f"warm{i}", cache, scratch))
+    phases = []
+    if args.prime:
+        phases.append(run_phase(args, "prime", os.path.join(scratch, "prime_cache"), scratch,
+                                modes="inductor"))
+    for phase in ["cold"] + [f"warm{i}" for i in range(1, args.warm + 1)]:
+        phases.append(per_mode_caches(args, phase, cache, scratch))
     C.write_json(base + ".json", {"env": C.environment(device), "options": vars(args),
                                   "phases": phases})
     lines = [f"# First step, cold then warm: {C.device_name(device)}", "", table(phases), ""]
+    if args.prime:
+        first = phases[0]["runs"][0].get("first_step_s")
+        lines += [f"- primed: one Inductor step in a process and cache folder of its own first "
+                  f"({C.fmt(first)} s), so neither backend pays the machine's first-process "
+                  "costs", ""]
     lines += compiled_lines(phases)
     C.write_text(base + ".md", "\n".join(lines) + "\n")
     print("\n".join(lines))

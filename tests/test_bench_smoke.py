@@ -7,6 +7,7 @@ take a few minutes on two cores.
 """
 import importlib.util
 import json
+import glob
 import math
 import os
 import statistics
@@ -711,6 +712,54 @@ def test_first_step_lists_what_each_warm_process_compiled(tmp_path):
         "- cold compiled 3 `.cubin`, 2 `.so` (`.so`: __triton_launcher, cuda_utils)",
         "- warm1 compiled 2 `.cubin`: `k1`, `k2`"]
     assert F.compiled_lines([{"phase": "cold", "new_binaries": {}}]) == ["- cold compiled nothing"]
+    prime = {"phase": "prime", "new_binaries": {".so": ["x"]},
+             "runs": [{"model": "m", "mode": "bf16", "first_step_s": 9.0, "step_ms": 9.0}]}
+    assert F.table([prime] + phases) == text
+    assert F.compiled_lines([prime, cold] + phases)[0].startswith("- cold compiled 3 `.cubin`")
+
+
+def test_first_step_primes_the_machine_and_gives_each_mode_its_own_cache(tmp_path, monkeypatch):
+    """bench/first_step.py runs one Inductor step in its own process and cache folder
+    before the cold phase (the first compiled process on a machine paid 4.3-5.7 s of cuDNN
+    attention set-up that the next one did not), unsampled; ``--no-prime`` skips it. Each
+    mode runs in its own invocation on its own cache folder, cold and warm (one backend's
+    cold compile must not find kernels the other compiled)."""
+    import json as _json
+    import subprocess as _sp
+    F = _load("first_step")
+    cmds, real_run = [], _sp.run
+
+    def fake_run(cmd, **kw):
+        if not any(str(c).endswith("train.py") for c in cmd):
+            return real_run(cmd, **kw)          # git and the like, for the environment
+        cmds.append(cmd)
+        out = cmd[cmd.index("--out") + 1]
+        os.makedirs(out, exist_ok=True)
+        mode = cmd[cmd.index("--modes") + 1]
+        first = {"inductor": 2.0, "hot": 3.0}[mode] + 10 * ("prime_cache" in str(cmd))
+        with open(os.path.join(out, "train_x.json"), "w") as f:
+            _json.dump({"runs": [{"model": "tiny_gpt", "mode": mode, "first_step_s": first,
+                                  "step_ms": 2.0}]}, f)
+        return _sp.CompletedProcess(cmd, 0, "")
+    monkeypatch.setattr(F.subprocess, "run", fake_run)
+    cache = tmp_path / "cache"
+    F.main(["--models", "tiny_gpt", "--device", "cpu", "--warm", "1", "--sample",
+            "--cache-dir", str(cache), "--out", str(tmp_path / "out")])
+    assert [c[c.index("--modes") + 1] for c in cmds] == ["inductor"] + ["inductor", "hot"] * 2
+    caches = [c[c.index("--cache-dir") + 1] for c in cmds]
+    assert caches[1:] == [str(cache / "inductor"), str(cache / "hot")] * 2, caches
+    assert not caches[0].startswith(str(cache)), caches
+    assert ["--profile-first" in c for c in cmds] == [False] + [True] * 4
+    assert len({c[c.index("--out") + 1] for c in cmds}) == 5
+    md = open(next(iter(glob.glob(str(tmp_path / "out" / "first_step_*.md"))))).read()
+    table = md.split("\n\n")[1]
+    assert "| cold | tiny_gpt | hot | 3.00 | 1.50x |" in table and "prime" not in table, md
+    assert "| warm1 | tiny_gpt | hot | 3.00 | 1.50x |" in table, md
+    assert "- primed: one Inductor step in a process and cache folder of its own first (12.00 s)" in md, md
+    cmds.clear()
+    F.main(["--models", "tiny_gpt", "--device", "cpu", "--warm", "0", "--no-prime",
+            "--cache-dir", str(tmp_path / "c2"), "--out", str(tmp_path / "out2")])
+    assert [c[c.index("--modes") + 1] for c in cmds] == ["inductor", "hot"]
 
 
 def test_train_pools_a_mode_run_more_than_once_in_one_invocation():
