@@ -762,6 +762,26 @@ def test_first_step_primes_the_machine_and_gives_each_mode_its_own_cache(tmp_pat
     assert [c[c.index("--modes") + 1] for c in cmds] == ["inductor", "hot"]
 
 
+def test_launch_counts_reports_each_graph_and_the_launches_per_site(tmp_path):
+    """bench/launch_counts.py on the CPU: one step of the tiny GPT under ``hot``, its
+    forward and backward output code counted (Inductor's C++ kernels, the ``hot::`` ops of
+    the rewritten sites), per site, in a JSON and a table."""
+    L = _load("launch_counts")
+    assert L.main(["--models", "tiny_gpt", "--modes", "hot", "--device", "cpu",
+                   "--out", str(tmp_path), "--keep-code"]) == 0
+    res = json.load(open(next(iter(glob.glob(str(tmp_path / "launch_counts_*.json"))))))
+    (r,) = res["results"]
+    assert r["sites"] > 0 and [g["graph"] for g in r["graphs"]] == ["forward", "backward"], r
+    fw, bw = r["graphs"]
+    assert fw["inductor"] > 0 and bw["inductor"] > 0
+    hot_ops = sum(n for k, n in bw["ops"].items() if k.startswith("hot.") and k != "hot.draw_seeds")
+    assert bw["hot_launches"] == hot_ops >= r["sites"], bw
+    assert r["per_site"]["backward"] == bw["hot_launches"] / r["sites"]
+    md = open(next(iter(glob.glob(str(tmp_path / "launch_counts_*.md"))))).read()
+    assert "| tiny_gpt | hot | backward |" in md, md
+    assert len(glob.glob(str(tmp_path / "launch_counts_*_tiny_gpt_hot_*.py"))) == 2
+
+
 def test_train_pools_a_mode_run_more_than_once_in_one_invocation():
     """``--modes inductor,hot,inductor,hot``: the targets (and a merged table) take each mode's
     median over all its runs' timed steps, not its first run (the thirty-first stop's ViT-B

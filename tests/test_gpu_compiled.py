@@ -8,6 +8,7 @@ import torch
 
 import hotcompile
 from hotcompile import HOTConfig
+from hotcompile.debug.launches import hot_kernel_names, launches
 from helpers import Block, rel
 
 pytestmark = [pytest.mark.gpu,
@@ -231,30 +232,13 @@ def test_recompute_operands_bit_identical_and_lighter():
     assert kept1 < kept0, (kept1, kept0)
 
 
-# the package's kernels, as Inductor's output code names the launches it makes of them
-_HOT_KERNELS = ("_hq_token_kernel", "_hq_tensor_kernel", "_hq_weight_kernel", "_hla_kernel",
-                "_grad_out_kernel", "_transpose_kernel", "_scaled_mm_kernel",
-                "_weight_cast_kernel", "_block_bound_kernel")
-
-
 def _launches(code: str) -> dict:
-    """Launch lines of Inductor's output code: ours by kernel name, Inductor's own, and
-    extern calls (cuBLAS GEMMs, custom ops)."""
-    import re
-    out = {"hot": {}, "inductor": 0, "extern": 0, "hot_ops": 0}
-    for line in code.splitlines():
-        m = re.search(r"(\w+)\.run\(", line)
-        if m:
-            name = next((k for k in _HOT_KERNELS if m.group(1).startswith(k)), None)
-            if name:
-                out["hot"][name] = out["hot"].get(name, 0) + 1
-            else:
-                out["inductor"] += 1
-        elif "extern_kernels." in line or "torch.ops.aten." in line:
-            out["extern"] += 1
-        if "torch.ops.hot." in line and "draw_seeds" not in line:
-            out["hot_ops"] += 1
-    return out
+    """HOT's Triton launches by kernel name (``hotcompile.debug.launches``) and the
+    ``hot::`` op calls left in the code but the graph's one seed draw."""
+    counts = launches(code)
+    return {"hot": counts["hot"],
+            "hot_ops": sum(n for op, n in counts["ops"].items()
+                           if op.startswith("hot.") and op != "hot.draw_seeds")}
 
 
 def _repeated_definitions(code: str) -> list:
@@ -265,7 +249,7 @@ def _repeated_definitions(code: str) -> list:
     seen, repeats = set(), []
     for name, src in re.findall(r"^\w+ = async_compile\.triton\('(\w+)', " + quotes + "(.*?)"
                                 + quotes, code, re.M | re.S):
-        if name in _HOT_KERNELS:
+        if name in hot_kernel_names():
             key = (name, re.sub(r"'kernel_name': '\w+'", "", src))
             if key in seen:
                 repeats.append(name)
