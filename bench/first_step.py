@@ -18,11 +18,11 @@ measurement that skipped the first warm process looked fine.
 Before the cold phase a priming process (``--prime``, on by default) runs the model's step
 once compiled by Inductor, on a cache folder of its own. Why: the first compiled process on
 a machine pays costs that no Inductor or Triton cache holds and the next process does not
-pay again: cuDNN's attention kernels for the graph's variant, compiled at their first call
-(the CUDA driver keeps them in its own cache, ``~/.nv/ComputeCache``). The thirty-second
-stop sampled them at 4.3-5.7 s of the first compiled process's first step against 0.3-0.6 s
-in the next one's; an eager step did not prime them (its attention is another variant),
-and over the thirty-first and thirty-second stops whichever backend ran first paid them, so
+pay again: cuDNN's attention set-up at its first call (kept on disk across processes, most
+likely in the CUDA driver's JIT cache, ``~/.nv/ComputeCache``). The thirty-second stop
+sampled it at 4.3-5.7 s of the first compiled process's first step against 0.3-0.6 s in the
+next one's; an eager step of the same model did not prime it (presumably another variant),
+and over the thirty-first and thirty-second stops whichever backend ran first paid it, so
 one cold ratio read 1.33x and another 1.56x. Results:
 ``<out>/first_step_<date>_<device>[_tag].{json,md}``.
 """
