@@ -1,6 +1,6 @@
 """Issue 11 item 3 for a real model: what each compiled graph launches, per rewritten site.
 
-    python bench/launch_counts.py --models llama_d4096 --modes hot,hot[forward=fp8_rowwise] --out $OUT
+    python bench/launch_counts.py --models llama_d4096 --modes "hot,hot[forward=fp8]" --out $OUT
     python bench/launch_counts.py --models tiny_gpt --modes hot --device cpu --out /tmp/r
 
 One training step per mode (``train.setup_run``) under ``run_and_get_code``; each compiled

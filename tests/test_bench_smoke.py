@@ -782,6 +782,44 @@ def test_launch_counts_reports_each_graph_and_the_launches_per_site(tmp_path):
     assert len(glob.glob(str(tmp_path / "launch_counts_*_tiny_gpt_hot_*.py"))) == 2
 
 
+def test_interleaved_steps_the_modes_in_turn_and_pairs_the_rounds(tmp_path):
+    """bench/interleaved.py: both modes compiled in one process, stepped in turn (the order
+    reversed every other round), each round's ratio against the base paired; on the CPU
+    with the tiny GPT. The pairing itself on known times: a slow spell of the host that
+    hits both modes of a round cancels in the paired ratio."""
+    I = _load("interleaved")
+    rows = I.summarize(["inductor", "hot"], [[10.0, 20.0, 10.0, 30.0], [9.0, 18.0, 11.0, 27.0]])
+    assert rows[0]["paired_ratio_median"] == 1.0 and rows[0]["rounds_faster"] == 0
+    hot = rows[1]
+    assert hot["paired_ratios"] == [round(10 / 9, 4), round(20 / 18, 4), round(10 / 11, 4),
+                                    round(30 / 27, 4)]
+    assert hot["paired_ratio_median"] == statistics.median([10 / 9, 20 / 18, 10 / 11, 30 / 27])
+    assert hot["ratio_of_medians"] == 15.0 / 14.5 and hot["rounds_faster"] == 3
+
+    order = []
+
+    class FakeRun:
+        device = torch.device("cpu")
+
+        def __init__(self, name):
+            self.name = name
+
+        def step(self, i, events=None):
+            order.append((self.name, i))
+    times = I.interleave([FakeRun("a"), FakeRun("b")], 3)
+    assert order == [("a", 0), ("b", 0), ("b", 1), ("a", 1), ("a", 2), ("b", 2)], order
+    assert [len(t) for t in times] == [3, 3]
+
+    assert I.main(["--model", "tiny_gpt", "--modes", "inductor,hot", "--device", "cpu",
+                   "--rounds", "3", "--warmup", "1", "--out", str(tmp_path)]) == 0
+    res = json.load(open(next(iter(glob.glob(str(tmp_path / "interleaved_*.json"))))))
+    assert [r["mode"] for r in res["rows"]] == ["inductor", "hot"]
+    assert all(len(r["step_ms_each"]) == 3 and r["first_step_s"] > 0 for r in res["rows"])
+    assert res["rows"][1]["hot_sites_rewritten"] > 0
+    md = open(next(iter(glob.glob(str(tmp_path / "interleaved_*.md"))))).read()
+    assert "| tiny_gpt | hot |" in md and "/3 |" in md, md
+
+
 def test_train_pools_a_mode_run_more_than_once_in_one_invocation():
     """``--modes inductor,hot,inductor,hot``: the targets (and a merged table) take each mode's
     median over all its runs' timed steps, not its first run (the thirty-first stop's ViT-B
