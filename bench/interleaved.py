@@ -113,13 +113,21 @@ def main(argv=None) -> int:
     # last: the first backend called starts Inductor's compile workers, and HOT's start them
     # launching its kernels statically (inductor_settings.start_compile_workers), as they
     # are in a process of HOT's own; Inductor's graphs compile the same either way
-    runs, first = {}, {}
+    # Each mode must compile graphs of its own (Dynamo keys its cache on the code object,
+    # shared by the copies, and guards on the backend): counted, and an error if not.
+    runs, first, graphs = {}, {}, {}
     for mode in reversed(modes):
         run = T.setup_run(args.model, mode, opts)
+        before, _ = T._counters()
         t = time.perf_counter()
         run.step(0)
         C.sync(device)
         first[mode] = time.perf_counter() - t
+        graphs[mode] = T._counters()[0] - before
+        compiled = C.MODE_INFO[C.split_mode(mode)[0]][0]
+        if compiled and not graphs[mode]:
+            raise SystemExit(f"{mode}: its first step compiled no graph (it ran another "
+                             "mode's compiled code): the comparison would be void")
         for i in range(args.warmup):
             run.step(i + 1)
         C.sync(device)
@@ -127,6 +135,7 @@ def main(argv=None) -> int:
     rows = summarize(modes, interleave([runs[m] for m in modes], args.rounds))
     for row in rows:
         row["first_step_s"] = first[row["mode"]]
+        row["graphs_compiled"] = graphs[row["mode"]]
         row.update({k: v for k, v in C.hot_summary(runs[row["mode"]].be).items()
                     if k in ("hot_sites_rewritten", "hot_sites_total")})
     base = C.result_base(out, "interleaved", device, args.tag)

@@ -815,6 +815,7 @@ def test_interleaved_steps_the_modes_in_turn_and_pairs_the_rounds(tmp_path):
     res = json.load(open(next(iter(glob.glob(str(tmp_path / "interleaved_*.json"))))))
     assert [r["mode"] for r in res["rows"]] == ["inductor", "hot"]
     assert all(len(r["step_ms_each"]) == 3 and r["first_step_s"] > 0 for r in res["rows"])
+    assert all(r["graphs_compiled"] >= 1 for r in res["rows"]), res["rows"]  # no reuse
     assert res["rows"][1]["hot_sites_rewritten"] > 0
     md = open(next(iter(glob.glob(str(tmp_path / "interleaved_*.md"))))).read()
     assert "| tiny_gpt | hot |" in md and "/3 |" in md, md
