@@ -41,6 +41,7 @@ from typing import Dict, List
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common as C  # noqa: E402
+import native_profile as NP  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 COMPILED = (".cubin", ".so", ".hsaco")     # what a process compiled: Triton / C++ binaries
@@ -68,10 +69,17 @@ def run_phase(args, phase: str, cache: str, scratch: str, modes: str = "") -> di
         cmd += ["--device", args.device]
     if args.sample and phase != "prime":   # train.py's stack sampler over each first step
         cmd += ["--profile-first", args.sample_base + f"_{phase}"]
+    native = None
+    if args.native and phase != "prime":   # py-spy's native stacks of the whole invocation
+        native = f"{args.native_base}_{phase}_{C.file_part(modes)}"
+        cmd = NP.record_command(args.native, native + "_raw.txt", cmd)
     since = time.time()
     time.sleep(0.01)                   # mtimes of files written from here on are later
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=args.timeout_s * len(C.mode_list(modes)) + 120)
+    if native and os.path.exists(native + "_raw.txt"):
+        with open(native + "_raw.txt") as f:
+            C.write_text(native + ".txt", NP.summarize(f.read()))
     files = sorted(glob.glob(os.path.join(out, "train_*.json")))
     if proc.returncode != 0 or not files:
         raise RuntimeError(f"{phase}: train.py exited {proc.returncode}\n{proc.stdout[-3000:]}")
@@ -141,6 +149,10 @@ def main(argv=None) -> int:
     p.add_argument("--timeout-s", type=float, default=190.0, help="per mode and phase")
     p.add_argument("--out", help="output folder (default bench/results)")
     p.add_argument("--tag", default="")
+    p.add_argument("--native", metavar="PY_SPY",
+                   help="a py-spy executable: record each cold and warm invocation's native "
+                        "stacks, every thread and child process (bench/native_profile.py): "
+                        "<out>/first_step_native_<date>_<device>[_tag]_<phase>_<mode>.txt")
     p.add_argument("--prime", action=argparse.BooleanOptionalAction, default=True,
                    help="first run the model's Inductor step once in a process of its own, "
                         "on a cache folder of its own (--no-prime: measure a fresh "
@@ -157,6 +169,7 @@ def main(argv=None) -> int:
     base = C.result_base(args.out_dir, "first_step", device, args.tag)
     args.sample_base = os.path.join(args.out_dir, "first_step_sample" + os.path.basename(base)[
         len("first_step"):])
+    args.native_base = args.sample_base.replace("first_step_sample", "first_step_native")
     scratch = tempfile.mkdtemp(prefix="first_step_")
     cache = args.cache_dir or os.path.join(scratch, "cache")
     phases = []

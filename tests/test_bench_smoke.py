@@ -10,6 +10,7 @@ import json
 import glob
 import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -819,6 +820,89 @@ def test_interleaved_steps_the_modes_in_turn_and_pairs_the_rounds(tmp_path):
     assert res["rows"][1]["hot_sites_rewritten"] > 0
     md = open(next(iter(glob.glob(str(tmp_path / "interleaved_*.md"))))).read()
     assert "| tiny_gpt | hot |" in md and "/3 |" in md, md
+
+
+RAW = "\n".join([
+    'process 7:"python train.py";thread (7): MainThread;<module> (train.py:1);step (train.py:294);'
+    '_engine_run_backward (graph.py:860);0x1 (libtorch_python.so);0x2 (libc.so.6) 300',
+    'process 7:"python train.py";thread (9): pt_autograd_0;0x3 (libtorch_cpu.so);'
+    'cuModuleLoadData (libcuda.so.1);0x4 (libc.so.6) 250',
+    'process 7:"python train.py";thread (9): pt_autograd_0;0x3 (libtorch_cpu.so);'
+    'backward (runtime_wrappers.py:2672) 50',
+    'process 7:"python train.py";process 8:"python worker";thread (8): MainThread;'
+    'compile (compiler.py:1);0x5 (libc.so.6) 2',
+    "not a stack line"])
+
+
+def test_native_profile_sums_each_thread_and_names_what_a_native_wait_is_for():
+    """bench/native_profile.py: py-spy's raw stacks per process and thread, in seconds at
+    its rate; the innermost frame that is not a C library's names a wait (here the
+    device thread loading a module); threads under ``min_share`` are left out."""
+    N = _load("native_profile")
+    threads = N.parse(RAW)
+    assert set(threads) == {('process 7:"python train.py"', "thread (7): MainThread"),
+                            ('process 7:"python train.py"', "thread (9): pt_autograd_0"),
+                            ('process 8:"python worker"', "thread (8): MainThread")}
+    text = N.summarize(RAW, rate=100, min_share=0.01)
+    assert text.startswith("602 samples at 100 Hz (6.02 s over all threads)"), text
+    dev = text[text.index("pt_autograd_0: 3.00 s"):]
+    assert "      2.50  0x4 (libc.so.6)" in dev and "      2.50  cuModuleLoadData (libcuda.so.1)" in dev
+    assert "      0.50  backward (runtime_wrappers.py:2672)" in dev
+    assert "MainThread: 3.00 s" in text and "python worker" not in text   # 2 of 602: < 1%
+    cmd = N.record_command("/x/py-spy", "/o/raw.txt", ["python", "t.py"])
+    assert cmd[:2] == ["/x/py-spy", "record"] and cmd[-3:] == ["--", "python", "t.py"]
+    assert {"--native", "--threads", "--idle", "--subprocesses"} <= set(cmd)
+
+
+def test_first_step_records_each_invocation_under_py_spy_when_asked(tmp_path, monkeypatch):
+    """``bench/first_step.py --native PY_SPY``: every cold and warm invocation (not the
+    primer) runs under py-spy, and its raw stacks are summarised beside the results."""
+    import json as _json
+    import subprocess as _sp
+    F = _load("first_step")
+    cmds, real_run = [], _sp.run
+
+    def fake_run(cmd, **kw):
+        if not any(str(c).endswith("train.py") for c in cmd):
+            return real_run(cmd, **kw)
+        cmds.append(cmd)
+        out = cmd[cmd.index("--out") + 1]
+        os.makedirs(out, exist_ok=True)
+        mode = cmd[cmd.index("--modes") + 1]
+        with open(os.path.join(out, "train_x.json"), "w") as f:
+            _json.dump({"runs": [{"model": "tiny_gpt", "mode": mode, "first_step_s": 1.0,
+                                  "step_ms": 2.0}]}, f)
+        if cmd[1:2] == ["record"]:
+            with open(cmd[cmd.index("-o") + 1], "w") as f:
+                f.write(RAW)
+        return _sp.CompletedProcess(cmd, 0, "")
+    monkeypatch.setattr(F.subprocess, "run", fake_run)
+    F.main(["--models", "tiny_gpt", "--device", "cpu", "--warm", "0", "--native", "/x/py-spy",
+            "--cache-dir", str(tmp_path / "c"), "--out", str(tmp_path / "out")])
+    assert [c[0] for c in cmds] == [F.sys.executable, "/x/py-spy", "/x/py-spy"], cmds
+    summaries = sorted(glob.glob(str(tmp_path / "out" / "first_step_native_*_cold_*[!w].txt")))
+    assert [os.path.basename(p).rsplit("_", 1)[-1] for p in summaries] == ["hot.txt",
+                                                                          "inductor.txt"]
+    assert "pt_autograd_0: 3.00 s" in open(summaries[0]).read()
+
+
+@pytest.mark.skipif(not (os.environ.get("PY_SPY") or shutil.which("py-spy")),
+                    reason="py-spy not installed (PY_SPY=path to run this)")
+def test_native_profile_records_a_real_process_with_py_spy(tmp_path):
+    """The real py-spy on a child that busies a thread: its seconds show under that thread."""
+    N = _load("native_profile")
+    script = tmp_path / "busy.py"
+    script.write_text("import threading\n"
+                      "def busy():\n"
+                      "    s = 0\n"
+                      "    for i in range(4_000_000):\n"
+                      "        s += i\n"
+                      "t = threading.Thread(target=busy, name='busy'); t.start(); t.join()\n")
+    rc = N.main(["--py-spy", os.environ.get("PY_SPY") or shutil.which("py-spy"),
+                 "--out", str(tmp_path), "--", sys.executable, str(script)])
+    assert rc == 0
+    text = (tmp_path / "native_profile.txt").read_text()
+    assert "busy (busy.py:" in text, text
 
 
 def test_train_pools_a_mode_run_more_than_once_in_one_invocation():
