@@ -1,7 +1,7 @@
 """Native stacks of a benchmark process and its children, through py-spy, summed per thread.
 
-    python bench/native_profile.py --py-spy .whl/bin/py-spy --out /tmp/r -- python bench/train.py ...
-    python bench/first_step.py --native .whl/bin/py-spy ...      # each phase's invocation
+    python bench/native_profile.py --py-spy PY_SPY --out /tmp/r -- python bench/train.py ...
+    python bench/first_step.py --native PY_SPY ...      # each cold / warm invocation
 
 Why: ``bench/sampler.py`` reads Python stacks only. The thirty-second stop's cold HOT first
 step spent 5.8 s more than Inductor's in the autograd engine, of which 0.74 s had a Python
