@@ -58,10 +58,9 @@ def new_files(folder: str, since: float) -> Dict[str, List[str]]:
     return {k: sorted(v) for k, v in out.items()}
 
 
-def run_phase(args, phase: str, cache: str, scratch: str, modes: str = "") -> dict:
-    """One train.py invocation: its runs' first steps and the binaries it added."""
+def run_phase(args, phase: str, cache: str, scratch: str, modes: str) -> dict:
+    """One train.py invocation of ``modes``: its runs' first steps and the binaries it added."""
     out = os.path.join(scratch, phase)
-    modes = modes or args.modes
     cmd = [sys.executable, os.path.join(HERE, "train.py"), "--models", args.models,
            "--modes", modes, "--steps", str(args.steps), "--warmup", str(args.warmup),
            "--cache-dir", cache, "--timeout-s", str(args.timeout_s), "--out", out]

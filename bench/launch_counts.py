@@ -23,7 +23,7 @@ from typing import Dict, List
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common as C  # noqa: E402
-from hotcompile.debug.launches import launches  # noqa: E402
+from hotcompile.debug.launches import launches, site_op_calls  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -35,9 +35,8 @@ def is_backward(code: str) -> bool:
 
 def hot_launches(counts: Dict) -> int:
     """A graph's launches that HOT's rewrite put there (see the module docstring)."""
-    ops = sum(n for op, n in counts["ops"].items()
-              if op.startswith("hot.") and op != "hot.draw_seeds")
-    return sum(counts["hot"].values()) + counts["extern"].get("_scaled_mm", 0) + ops
+    return (sum(counts["hot"].values()) + counts["extern"].get("_scaled_mm", 0)
+            + site_op_calls(counts))
 
 
 def measure(model: str, mode: str, opts: dict) -> dict:

@@ -8,7 +8,7 @@ import torch
 
 import hotcompile
 from hotcompile import HOTConfig
-from hotcompile.debug.launches import hot_kernel_names, launches
+from hotcompile.debug.launches import hot_kernel_names, launches, site_op_calls
 from helpers import Block, rel
 
 pytestmark = [pytest.mark.gpu,
@@ -236,9 +236,7 @@ def _launches(code: str) -> dict:
     """HOT's Triton launches by kernel name (``hotcompile.debug.launches``) and the
     ``hot::`` op calls left in the code but the graph's one seed draw."""
     counts = launches(code)
-    return {"hot": counts["hot"],
-            "hot_ops": sum(n for op, n in counts["ops"].items()
-                           if op.startswith("hot.") and op != "hot.draw_seeds")}
+    return {"hot": counts["hot"], "hot_ops": site_op_calls(counts)}
 
 
 def _repeated_definitions(code: str) -> list:

@@ -88,7 +88,9 @@ def launches(code: str) -> Dict:
     return {k: dict(v) if isinstance(v, Counter) else v for k, v in counts.items()}
 
 
-def total(counts: Dict) -> int:
-    """Every launch ``launches`` counted (op calls included: each runs at least one)."""
-    return (sum(counts["hot"].values()) + counts["inductor"] + sum(counts["extern"].values())
-            + sum(counts["ops"].values()))
+def site_op_calls(counts: Dict) -> int:
+    """``hot::`` op calls in ``launches``' counts but the graph's one seed draw: the sites
+    whose kernels run behind ops (a CPU graph, ``splice=False``, a run-time choice) rather
+    than spliced into the graph."""
+    return sum(n for op, n in counts["ops"].items()
+               if op.startswith("hot.") and op != "hot.draw_seeds")
