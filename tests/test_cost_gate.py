@@ -9,19 +9,26 @@ import hotcompile
 from hotcompile import HOTConfig
 from hotcompile.passes import cost
 
-RESULT = os.path.join(os.path.dirname(__file__), "..", "bench", "results",
-                      "layers_2026-11-24T200300_h100-80gb-hbm3.json")
+RESULTS = os.path.join(os.path.dirname(__file__), "..", "bench", "results")
+RESULT = os.path.join(RESULTS, "layers_2026-11-24T200300_h100-80gb-hbm3.json")
+# each chip's table, the bench/layers.py run it was fitted on, the fit's fixed-cost factor and
+# how far it may be off for backwards over 1 ms (H200: the factor that keeps ViT-B proj's
+# 0.16 ms from being under-estimated over-prices Llama down by 10.1%: it errs towards exact)
+TABLES = [(cost.H100, RESULT, 0.929, 0.10),
+          (cost.H200, os.path.join(RESULTS, "layers_2026-11-28T081446_h200.json"), 1.576, 0.11)]
+TABLE_IDS = ["h100", "h200"]
 
 
-def test_h100_model_tracks_the_measured_layers():
+@pytest.mark.parametrize("model,result,lam,big_tol", TABLES, ids=TABLE_IDS)
+def test_model_tracks_the_measured_layers(model, result, lam, big_tol):
     """Against the CUDA-graph replays of the run it was fitted on: exact within 35%, HOT
-    within 10% where the backward takes over 1 ms and never under-estimated by more than
+    within 10% (11% on the H200) where the backward takes over 1 ms and never under-estimated by more than
     10% (it errs towards exact); it agrees on which path is faster wherever they differ by
     more than 10%."""
-    rows = json.load(open(RESULT))["layers"]
+    rows = json.load(open(result))["layers"]
     for r in rows:
         gw = "hla_cublas" if r["gemm_format_hla"] == "e4m3" else "hla_int8"   # the run's path
-        exact, hot = cost.H100.gpu_ms(r["L"], r["I"], r["O"], 16, 16, gw_gemm=gw)
+        exact, hot = model.gpu_ms(r["L"], r["I"], r["O"], 16, 16, gw_gemm=gw)
         t = r["times_ms"]
         # the model's HOT time includes the forward ABC kernel the replay does not time
         # (at rank 16 the site's op runs the separate kernels, the run's hot_sep_graph)
@@ -29,7 +36,7 @@ def test_h100_model_tracks_the_measured_layers():
         assert abs(exact / t["bf16_graph"] - 1) < 0.35, (r["group"], r["name"], exact)
         assert hot > 0.9 * hot_meas, (r["group"], r["name"], hot, hot_meas)
         if hot_meas > 1.0:
-            assert abs(hot / hot_meas - 1) < 0.10, (r["group"], r["name"], hot, hot_meas)
+            assert abs(hot / hot_meas - 1) < big_tol, (r["group"], r["name"], hot, hot_meas)
         ratio = t["bf16_graph"] / hot_meas
         if abs(ratio - 1) > 0.10:
             assert (exact > hot) == (ratio > 1), (r["group"], r["name"], exact, hot, ratio)
@@ -86,6 +93,19 @@ def test_gate_rewrites_where_hot_is_predicted_faster(monkeypatch):
                                  min_speedup=2.0), monkeypatch, lambda device: cheap)
     assert all(r.reason is None for r in be_recs), be_recs
     assert all(r.predicted_ms[0] > 2 * r.predicted_ms[1] for r in be_recs)
+
+
+@pytest.mark.parametrize("name,table", [("NVIDIA H200", "H200"), ("NVIDIA H100 80GB HBM3", "H100"),
+                                        ("NVIDIA H100 PCIe", "H100"), ("NVIDIA A100-SXM4-80GB", "H100")])
+def test_each_chip_gets_its_table_by_name(monkeypatch, name, table):
+    """An H200 is gated on its own table; a chip without one on the H100's, which the
+    report names (``predicted`` carries the table's name)."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    cost._model_named.cache_clear()
+    try:
+        assert cost.model_for(torch.device("cuda", 0)) is getattr(cost, table)
+    finally:
+        cost._model_named.cache_clear()
 
 
 def test_cpu_is_not_gated():
@@ -217,17 +237,19 @@ def test_recompute_operands_is_priced_in_the_gate(monkeypatch):
     assert "hq_w_fp32" not in cost.SAME_LINE and "hq_w_fp32" in cost.KERNELS
 
 
-def test_h100_table_is_the_fit_of_its_run():
-    """Every backward line of the H100 table is what bench/fit_cost.py fits on the run
-    RESULT names (to the table's printed precision: 1e-4 ms fixed, 5 digits of slope), so
-    the table and its evidence cannot drift apart."""
+@pytest.mark.parametrize("model,result,lam,big_tol", TABLES, ids=TABLE_IDS)
+def test_table_is_the_fit_of_its_run(model, result, lam, big_tol):
+    """Every backward line of a chip's table is what bench/fit_cost.py fits on the run it
+    names (to the table's printed precision: 1e-4 ms fixed, 5 digits of slope), so the table
+    and its evidence cannot drift apart."""
     from bench.fit_cost import fit_table
-    table, lam, _, _ = fit_table(RESULT)
-    assert lam == pytest.approx(0.929, abs=5e-4)
+    table, got, _, _ = fit_table(result)
+    assert got == pytest.approx(lam, abs=5e-4)
+    assert os.path.basename(result).startswith(model.name.split("(")[1].rstrip(")"))
     for k in cost.KERNELS:
         if k.startswith("fwd_"):             # forward lines: another run's (cost.py says)
             continue
-        (c, sl), (c0, sl0) = cost.H100.kernels[k], table[k]
+        (c, sl), (c0, sl0) = model.kernels[k], table[k]
         assert c == pytest.approx(c0, rel=0.01, abs=5e-5), (k, c, c0)
         assert sl == pytest.approx(sl0, rel=1e-4), (k, sl, sl0)
 

@@ -21,12 +21,19 @@ hide when the site's GPU work is shorter: there the prediction is
 Both GEMMs are modelled on the paths the site will take (``gx_gemm_kernel``,
 ``gw_gemm_kernel``). The g_x GEMM: cuBLAS FP8 for bf16 g_y with per-token scales, the INT8
 kernel otherwise (fp32 training, per-tensor or LQS scales). The g_W GEMM: cuBLAS FP8 where
-the saved activation is e4m3 (``formats.gw_rule``), else the INT8 kernel. Calibrated on the H100 only; other CUDA devices use the H100 table (the report names it),
-CPU has no model (the reference kernels are not a performance path) and is not gated.
+the saved activation is e4m3 (``formats.gw_rule``), else the INT8 kernel.
+
+One table per chip, picked by the device's name (``model_for``): the H100's and the H200's
+(same arithmetic, 1.4x the memory bandwidth: HOT's memory-bound kernels run faster, but
+not 1.4x faster, and their fixed costs weigh more; the H100 table under-estimated ViT-B
+proj's HOT backward on an H200 by 22%, which errs towards HOT). Other CUDA devices use the
+H100 table (the report names the table). CPU has no model (the reference kernels are not a
+performance path) and is not gated.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -200,9 +207,44 @@ H100 = CostModel(
 )
 
 
+# Fitted by bench/fit_cost.py on bench/results/layers_2026-11-28T081446_h200.json (thirty-third
+# stop, 8e0c7b8's kernels and defaults; copy 4217 GB/s). The fixed costs were scaled by 1.576
+# so that no layer's HOT time is under-estimated by more than 10%. Forward lines and host
+# times: the H100's (forward_layers.py and the host measurement were not run on an H200).
+H200 = CostModel(
+    name="H200 (layers_2026-11-28T081446)",
+    kernels={
+        "grad_out": (0.0686, 1.2493e-09),
+        "hq_g_token": (0.0000, 5.7000e-10),
+        "hq_w": (0.0210, 5.3359e-10),
+        "hq_w_fp32": (0.0261, 4.6056e-10),
+        "hq_cublas": (0.0030, 6.9945e-13),
+        "hq_int8": (0.0384, 8.5287e-13),
+        "hla_g": (0.0191, 4.4204e-10),
+        "hla_int8": (0.0476, 8.9463e-13),
+        "hla_cublas": (0.0124, 7.7966e-13),
+        "abc_x": (0.0189, 4.9215e-10),
+        "gx_bf16": (0.0000, 1.4583e-12),
+        "gw_bf16": (0.0000, 1.4178e-12),
+        **{k: v for k, v in H100.kernels.items() if k.startswith("fwd_")},
+    },
+    host_hot_ms=H100.host_hot_ms,
+    host_exact_ms=H100.host_exact_ms,
+)
+
+# a device name's marker -> its table; the first marker found in the name wins
+MODELS = (("H200", H200), ("H100", H100))
+
+
+@functools.lru_cache(maxsize=None)
+def _model_named(name: str) -> CostModel:
+    return next((m for marker, m in MODELS if marker in name), H100)
+
+
 def model_for(device: torch.device) -> Optional[CostModel]:
-    """The cost model of ``device``; None where HOT's speed is not modelled (CPU)."""
+    """The cost model of ``device`` (by its name; the H100's for a chip without a table of
+    its own); None where HOT's speed is not modelled (CPU)."""
     if device.type != "cuda":
         return None
-    return H100
+    return _model_named(torch.cuda.get_device_name(device))
 
