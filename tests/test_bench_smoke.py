@@ -763,6 +763,54 @@ def test_first_step_primes_the_machine_and_gives_each_mode_its_own_cache(tmp_pat
     assert [c[c.index("--modes") + 1] for c in cmds] == ["inductor", "hot"]
 
 
+def test_first_step_keeps_the_timings_when_only_the_profiler_died(tmp_path, monkeypatch):
+    """Under ``--native`` an invocation killed by a signal after train.py wrote an ``ok``
+    result for each of its modes (py-spy 0.4.3 died with SIGSEGV on an H200 machine) keeps
+    its timings and says so; a signal before the results, an error exit, a failed run, or
+    any non-zero exit without ``--native`` still stops the measurement."""
+    import json as _json
+    import subprocess as _sp
+    F = _load("first_step")
+    real_run = _sp.run
+    outcome = {"rc": -11, "write": True, "status": "ok"}
+    seen = []
+
+    def fake_run(cmd, **kw):
+        if not any(str(c).endswith("train.py") for c in cmd):
+            return real_run(cmd, **kw)
+        seen.append(cmd)
+        out = cmd[cmd.index("--out") + 1]
+        mode = cmd[cmd.index("--modes") + 1]
+        if outcome["write"]:
+            os.makedirs(out, exist_ok=True)
+            with open(os.path.join(out, "train_x.json"), "w") as f:
+                _json.dump({"runs": [{"model": "tiny_gpt", "mode": mode, "first_step_s": 2.0,
+                                      "step_ms": 2.0, "status": outcome["status"]}]}, f)
+        rc = outcome["rc"] if "prime_cache" not in str(cmd) else 0
+        return _sp.CompletedProcess(cmd, rc, "py-spy> behind in sampling\n")
+    monkeypatch.setattr(F.subprocess, "run", fake_run)
+
+    def main(n, *extra):
+        return F.main(["--models", "tiny_gpt", "--device", "cpu", "--warm", "0",
+                       "--cache-dir", str(tmp_path / f"c{n}"), "--out", str(tmp_path / f"o{n}"),
+                       *extra])
+    assert main(0, "--native", "py-spy", "--native-rate", "20") == 0
+    assert seen[-1][:2] == ["py-spy", "record"] and seen[-1][seen[-1].index("-r") + 1] == "20"
+    res = _json.load(open(next(iter(glob.glob(str(tmp_path / "o0" / "first_step_*.json"))))))
+    cold = res["phases"][1]
+    assert cold["phase"] == "cold" and cold["native_exit"] == -11, cold
+    assert [r["first_step_s"] for r in cold["runs"]] == [2.0, 2.0]
+    md = open(next(iter(glob.glob(str(tmp_path / "o0" / "first_step_*.md"))))).read()
+    assert "- cold: an invocation under py-spy exited -11 after train.py wrote its results" in md
+    for n, (rc, write, status, extra) in enumerate([(-11, False, "ok", ("--native", "py-spy")),
+                                                    (1, True, "ok", ("--native", "py-spy")),
+                                                    (-11, True, "error", ("--native", "py-spy")),
+                                                    (-11, True, "ok", ())], start=1):
+        outcome.update(rc=rc, write=write, status=status)
+        with pytest.raises(RuntimeError, match=f"cold: train.py exited {rc}"):
+            main(n, *extra)
+
+
 def test_launch_counts_reports_each_graph_and_the_launches_per_site(tmp_path):
     """bench/launch_counts.py on the CPU: one step of the tiny GPT under ``hot``, its
     forward and backward output code counted (Inductor's C++ kernels, the ``hot::`` ops of
@@ -878,7 +926,8 @@ def test_first_step_records_each_invocation_under_py_spy_when_asked(tmp_path, mo
         return _sp.CompletedProcess(cmd, 0, "")
     monkeypatch.setattr(F.subprocess, "run", fake_run)
     F.main(["--models", "tiny_gpt", "--device", "cpu", "--warm", "0", "--native", "/x/py-spy",
-            "--cache-dir", str(tmp_path / "c"), "--out", str(tmp_path / "out")])
+            "--native-rate", "100", "--cache-dir", str(tmp_path / "c"),
+            "--out", str(tmp_path / "out")])
     assert [c[0] for c in cmds] == [F.sys.executable, "/x/py-spy", "/x/py-spy"], cmds
     summaries = sorted(glob.glob(str(tmp_path / "out" / "first_step_native_*_cold_*[!w].txt")))
     assert [os.path.basename(p).rsplit("_", 1)[-1] for p in summaries] == ["hot.txt",
