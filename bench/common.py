@@ -284,6 +284,8 @@ def hot_summary(be) -> dict:
     return {"hot_sites_rewritten": len(rep.rewritten), "hot_sites_total": len(rep.layers),
             "hot_exact_reasons": sorted({r.reason for r in rep.exact if r.reason}),
             "hot_errors": list(rep.errors), "hot_report_saved_x_before": before,
+            # which cost table gated the sites (per chip), or why none did
+            "hot_cost_models": sorted({r.cost_model for r in rep.layers if r.cost_model}),
             "hot_report_saved_x_after": after,
             "hot_forward": sorted({r.forward for r in rep.rewritten}),
             "hot_forward_fp8": sum(r.forward.startswith("fp8") for r in rep.rewritten),

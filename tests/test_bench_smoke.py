@@ -124,6 +124,8 @@ def test_train_smoke_every_mode(smoke):
     hot = {r["mode"]: r for r in res["runs"]}
     for m in ("hot", "hot_ref"):
         assert hot[m]["hot_sites_rewritten"] >= 1 and not hot[m]["hot_errors"]
+        # which cost table gated the sites: on a CPU none, and the run says so
+        assert hot[m]["hot_cost_models"] == ["not gated: no cost model for cpu"], hot[m]
     # HOT compresses the saved linear inputs (ABC): less saved for backward than Inductor
     assert hot["hot"]["saved_bytes"] < hot["inductor"]["saved_bytes"]
     assert os.path.exists(path[:-5] + ".md")
