@@ -32,11 +32,19 @@ def _load(r: dict) -> float:
     return r["seconds"] - r["steady"]
 
 
-@pytest.mark.slow     # eight processes, one compile each: ~1.5 min on 2 cores
+@pytest.mark.slow     # ten processes, one compile each: ~2 min on 2 cores
 def test_second_process_hits_the_cache_with_the_full_report(tmp_path):
     t = {}
-    for which in ("hot", "inductor"):          # one cache folder per backend: both cold
-        t[which, "cold"] = _run(which, str(tmp_path / which), str(tmp_path / f"{which}cold"))
+    # two cold compiles per backend, each on a cache folder of its own, in the order hot,
+    # inductor, inductor, hot, the faster of each kept: with the suite in two workers the
+    # other worker's heaviest tests fell on one cold process (hot 17.8 s against Inductor's
+    # 11.6 s in one CI run of cab8db7; 12.1 against 12.4 s with the test alone)
+    cold_runs = {"hot": [], "inductor": []}
+    for i, which in enumerate(("hot", "inductor", "inductor", "hot")):
+        folder = str(tmp_path / which) if i < 2 else str(tmp_path / f"{which}2")
+        cold_runs[which].append(_run(which, folder, str(tmp_path / f"{which}cold{i}")))
+    for which, runs in cold_runs.items():
+        t[which, "cold"] = min(runs, key=_load)
     # the warm processes three times, interleaved, the fastest of each kept: the sub-second
     # loads are compared, and with the suite in two workers (README) the other worker's
     # load fell on one of them (hot 0.83 s against Inductor's 0.36 s in one CI run, while
@@ -54,6 +62,7 @@ def test_second_process_hits_the_cache_with_the_full_report(tmp_path):
     print("first step (s): " + ", ".join(f"{a} {b} {v:.2f}" for (a, b), v in sec.items())
           + "; minus a steady step: " + ", ".join(f"{a} {b} {v:.2f}" for (a, b), v in load.items()))
     assert len(cold["report"]) == 16 and all(r["reason"] is None for r in cold["report"])
+    assert all(c["report"] == cold["report"] for c in cold_runs["hot"])
     for w in warm_runs["hot"]:                           # the full report from the store
         assert w["report"] == cold["report"]
         assert w["lqs_keys"] == cold["lqs_keys"] and w["lqs_keys"]
