@@ -80,7 +80,10 @@ def run_phase(args, phase: str, cache: str, scratch: str, modes: str) -> dict:
         with open(native + "_raw.txt") as f:
             C.write_text(native + ".txt", NP.summarize(f.read(), rate=args.native_rate))
     files = sorted(glob.glob(os.path.join(out, "train_*.json")))
-    runs = json.load(open(files[-1]))["runs"] if files else []
+    runs = []
+    if files:
+        with open(files[-1]) as f:
+            runs = json.load(f)["runs"]
     ph = {"phase": phase, "new_binaries": new_files(cache, since),
           "runs": [{k: r.get(k) for k in ("model", "mode", "status", "first_step_s",
                                           "step_ms", "first_step_phases")} for r in runs]}

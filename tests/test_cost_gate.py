@@ -22,9 +22,9 @@ TABLE_IDS = ["h100", "h200"]
 @pytest.mark.parametrize("model,result,lam,big_tol", TABLES, ids=TABLE_IDS)
 def test_model_tracks_the_measured_layers(model, result, lam, big_tol):
     """Against the CUDA-graph replays of the run it was fitted on: exact within 35%, HOT
-    within 10% (11% on the H200) where the backward takes over 1 ms and never under-estimated by more than
-    10% (it errs towards exact); it agrees on which path is faster wherever they differ by
-    more than 10%."""
+    within 10% (11% on the H200) where the backward takes over 1 ms and never
+    under-estimated by more than 10% (it errs towards exact); it agrees on which path is
+    faster wherever they differ by more than 10%."""
     rows = json.load(open(result))["layers"]
     for r in rows:
         gw = "hla_cublas" if r["gemm_format_hla"] == "e4m3" else "hla_int8"   # the run's path
@@ -101,11 +101,7 @@ def test_each_chip_gets_its_table_by_name(monkeypatch, name, table):
     """An H200 is gated on its own table; a chip without one on the H100's, which the
     report names (``predicted`` carries the table's name)."""
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
-    cost._model_named.cache_clear()
-    try:
-        assert cost.model_for(torch.device("cuda", 0)) is getattr(cost, table)
-    finally:
-        cost._model_named.cache_clear()
+    assert cost.model_for(torch.device("cuda", 0)) is getattr(cost, table)
 
 
 def test_cpu_is_not_gated():

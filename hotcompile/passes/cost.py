@@ -33,7 +33,6 @@ performance path) and is not gated.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -236,15 +235,11 @@ H200 = CostModel(
 MODELS = (("H200", H200), ("H100", H100))
 
 
-@functools.lru_cache(maxsize=None)
-def _model_named(name: str) -> CostModel:
-    return next((m for marker, m in MODELS if marker in name), H100)
-
-
 def model_for(device: torch.device) -> Optional[CostModel]:
     """The cost model of ``device`` (by its name; the H100's for a chip without a table of
     its own); None where HOT's speed is not modelled (CPU)."""
     if device.type != "cuda":
         return None
-    return _model_named(torch.cuda.get_device_name(device))
+    name = torch.cuda.get_device_name(device)
+    return next((m for marker, m in MODELS if marker in name), H100)
 
