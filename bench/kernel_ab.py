@@ -47,7 +47,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # (label, L tokens, C channels) of g (hla_g), x (abc_x) or (O, I) of W (hq_w)
 G_SHAPES = (("llama q/k/v/o/down g", 8192, 4096), ("llama gate/up g", 8192, 11008),
-            ("vit fc1 g", 12608, 3072), ("8192 x 12288", 8192, 12288))
+            ("vit fc1 g", 12608, 3072))
 X_SHAPES = (("llama x (d)", 8192, 4096), ("llama x (ffn)", 8192, 11008),
             ("vit x", 12608, 768))
 W_SHAPES = (("llama q (4096x4096)", 4096, 4096), ("llama up (11008x4096)", 11008, 4096),
@@ -170,15 +170,12 @@ def bench_hla_g(old, new, rows):
         print(json.dumps(rows[-1]), flush=True)
 
 
-HQ_TILES = {   # HOT_HQ_TOKEN_FORCE variants per width: BC, BR, warps[, BC2: a second piece
-    # held beside the first] (the first run also timed 1 and 3 pipelining stages of the
-    # chunk loop: no change, knob removed)
-    4096: ("4096,1,8", "4096,2,8", "4096,1,4", "2048,2,8"),
-    11008: ("4096,1,4", "2048,2,8", "16384,1,8", "8192,1,8,4096", "8192,1,16,4096",
-            "8192,1,4,4096"),
-    12288: ("4096,1,4", "8192,1,8,4096", "8192,1,16,4096"),
-    3072: ("1024,2,4", "1024,4,8", "4096,1,8", "2048,2,4,1024", "2048,1,4,1024",
-           "2048,4,8,1024"),
+HQ_TILES = {   # HOT_HQ_TOKEN_FORCE variants per width: BC, BR, warps (the first run also
+    # timed 1 and 3 pipelining stages of the chunk loop: no change, knob removed)
+    4096: ("4096,1,8", "4096,2,8", "4096,2,16", "4096,1,4", "1024,4,4", "1024,4,8", "2048,2,8"),
+    11008: ("256,8,4", "512,4,4", "512,8,8", "1024,2,4", "1024,4,8", "2048,2,8", "16384,1,8",
+            "16384,1,16"),
+    3072: ("1024,2,4", "1024,4,8", "4096,1,8", "512,4,4"),
 }
 
 

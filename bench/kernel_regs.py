@@ -89,12 +89,12 @@ def kernels_for(L: int, I: int, O: int, rank: int):
     from hotcompile.kernels import gemm, grad_out, hadamard as H, hla
     o_pad = -(-O // 16) * 16
     rows = []
-    tile = H.token_tile(o_pad, False)
+    bc, one, br, warps = H.token_tile(o_pad, False)
     rows.append(("hq g per token", H._hq_token_kernel,
                  {"g_ptr": "*bf16", "q_ptr": "*i8", "s_ptr": "*fp32", "seed_ptr": "*i64",
                   "m_ptr": "*fp32", "z_ptr": "*i32"},
-                 dict(BR=tile.br, BC=tile.bc, ONE_TILE=tile.one_tile, Q=7, FP8=False,
-                      INTERPRET=False, ROW_MAX=True, BC2=tile.bc2), tile.warps))
+                 dict(BR=br, BC=bc, ONE_TILE=one, Q=7, FP8=False, INTERPRET=False,
+                      ROW_MAX=True), warps))
     rows.append(("hla g bound", hla._block_bound_kernel, {"m_ptr": "*fp32", "out_ptr": "*i32"},
                  dict(BB=64), 4))
     for row_max in (False, True):

@@ -22,7 +22,7 @@ shared with ``hla.py``, which applies the same transform along the token axis.
 from __future__ import annotations
 
 import os
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 import triton
@@ -306,32 +306,16 @@ def _quantize_row_chunks(g_ptr, q_ptr, s, inv_s, seed, rows, L, O, O_pad, stride
 
 
 @triton.jit
-def _quantize_store_pieces(q_ptr, v, v2, s, inv_s, seed, rows, L, O_pad, ldq, groups_per_row,
-                           BC: tl.constexpr, BC2: tl.constexpr, Q: tl.constexpr,
-                           FP8: tl.constexpr, INTERPRET: tl.constexpr, IEEE_DIV: tl.constexpr):
-    """Quantize a row set held in registers: columns 0 .. BC-1 (``v``) and, when BC2 > 0,
-    BC .. BC+BC2-1 (``v2``)."""
-    _quantize_store_rows(q_ptr, v, s, inv_s, seed, rows, 0, L, O_pad, ldq, groups_per_row,
-                         BC, Q, True, FP8, INTERPRET, IEEE_DIV)
-    if BC2 > 0:
-        _quantize_store_rows(q_ptr, v2, s, inv_s, seed, rows, BC, L, O_pad, ldq,
-                             groups_per_row, BC2, Q, True, FP8, INTERPRET, IEEE_DIV)
-
-
-@triton.jit
 def _hq_token_kernel(g_ptr, q_ptr, s_ptr, seed_ptr, m_ptr, z_ptr, L, O, O_pad, stride_g, ldq,
                      groups_per_row, BR: tl.constexpr, BC: tl.constexpr, ONE_TILE: tl.constexpr,
                      Q: tl.constexpr, FP8: tl.constexpr, INTERPRET: tl.constexpr,
-                     ROW_MAX: tl.constexpr, BC2: tl.constexpr = 0):
+                     ROW_MAX: tl.constexpr):
     """Per-token (per-row) scales: one program owns BR whole rows.
 
-    If a row fits in registers (ONE_TILE) it is loaded and transformed once and quantized
-    from there: one read, one write. It is held as one power-of-two tile of BC columns, or
-    (BC2 > 0) as two, BC then BC2 columns (``token_tile``: 11008 as 8192 + 4096), each
-    element transformed once. Otherwise a first sweep over the row's column chunks keeps an
-    elementwise running max (reduced across lanes once, at the end) and a second sweep,
-    which re-reads the chunks while they are still in L1/L2, transforms them again and
-    quantizes them.
+    If a row fits one tile (ONE_TILE) it is loaded and transformed once and quantized from
+    registers: one read, one write. Otherwise a first sweep over the row's column chunks
+    keeps an elementwise running max (reduced across lanes once, at the end) and a second
+    sweep, which re-reads the chunks while they are still in L1/L2, quantizes them.
     ``ROW_MAX``: also store max |g[row, :]| (fp32, NaN if the row has one) at ``m_ptr``,
     the input of g's HLA bound (``hla.token_block_bound_bits``), and zero the int32 word at
     ``z_ptr``, which the bound's kernel then maxes into: no fill launch of its own.
@@ -344,27 +328,17 @@ def _hq_token_kernel(g_ptr, q_ptr, s_ptr, seed_ptr, m_ptr, z_ptr, L, O, O_pad, s
     if ONE_TILE:
         x = _load_rows(g_ptr, rows, 0, L, O, stride_g, BC)
         if ROW_MAX:
-            xmax = tl.max(abs_bits(x), axis=1)
+            tl.store(m_ptr + rows, tl.max(abs_bits(x), axis=1).to(tl.float32, bitcast=True),
+                     mask=rows < L)
         v = fwht16_lastdim(x)
-        vmax = tl.max(abs_bits(v), axis=1)
-        if BC2 > 0:
-            x2 = _load_rows(g_ptr, rows, BC, L, O, stride_g, BC2)
-            if ROW_MAX:
-                xmax = tl.maximum(xmax, tl.max(abs_bits(x2), axis=1))
-            v2 = fwht16_lastdim(x2)
-            vmax = tl.maximum(vmax, tl.max(abs_bits(v2), axis=1))
-        else:
-            v2 = v      # no second piece: not stored
-        if ROW_MAX:
-            tl.store(m_ptr + rows, xmax.to(tl.float32, bitcast=True), mask=rows < L)
-        s = scale_from_amax_bits(vmax, Q)
+        s = scale_from_amax_bits(tl.max(abs_bits(v), axis=1), Q)
         inv_s = tl.math.div_rn(1.0, s)
         if reciprocal_is_finite(inv_s):
-            _quantize_store_pieces(q_ptr, v, v2, s[:, None], inv_s[:, None], seed, rows, L,
-                                   O_pad, ldq, groups_per_row, BC, BC2, Q, FP8, INTERPRET, False)
+            _quantize_store_rows(q_ptr, v, s[:, None], inv_s[:, None], seed, rows, 0, L, O_pad,
+                                 ldq, groups_per_row, BC, Q, True, FP8, INTERPRET, False)
         else:
-            _quantize_store_pieces(q_ptr, v, v2, s[:, None], inv_s[:, None], seed, rows, L,
-                                   O_pad, ldq, groups_per_row, BC, BC2, Q, FP8, INTERPRET, True)
+            _quantize_store_rows(q_ptr, v, s[:, None], inv_s[:, None], seed, rows, 0, L, O_pad,
+                                 ldq, groups_per_row, BC, Q, True, FP8, INTERPRET, True)
     else:
         amax = tl.zeros((BR, BC), dtype=tl.int32)
         xmax = tl.zeros((BR, BC), dtype=tl.int32)
@@ -693,70 +667,29 @@ def scalar_buffer(device) -> torch.Tensor:
     return torch.empty((1,), dtype=torch.float32, device=device).view(())
 
 
-class TokenTile(NamedTuple):
-    """A per-token HQ program's tile: BC columns (a chunk, or with ``one_tile`` the row's
-    first piece), BR rows, warps, and BC2 columns of a second piece held beside the first
-    (0: none)."""
-    bc: int
-    one_tile: bool
-    br: int
-    warps: int
-    bc2: int = 0
-
-
-def two_pieces(width: int, max_total: int) -> Optional[tuple[int, int]]:
-    """(BC, BC2): a row of ``width`` (not a power of two) held in registers as two
-    power-of-two pieces, the largest power of two within the row and the smallest that
-    covers the rest; None where that pads more than 1/8 of the row, the pieces exceed
-    ``max_total`` columns, or the second is under a quarter of the first.
-
-    Why the limits (sm_90 SASS of the finite-scale path, dynamic instructions per row
-    element; bench/NOTES_kernels.md, thirty-third stop): 11008 as 8192 + 4096 counts 30.4
-    against 38.5 in 4096-wide chunks (every element transformed twice there), 12288 27.2
-    against 34.5, 3072 as 2048 + 1024 35.0 against 37.4, a 4096 row in one tile 28.0;
-    a small second piece costs a piece's fixed work for few elements (2304 as 2048 + 256:
-    56 against 39 in 512-wide chunks), and one 16384 tile for 11008 counts 37.6."""
-    first = 1 << (int(width).bit_length() - 1)
-    if first == width:
-        return None
-    second = _pow2_at_least(width - first)
-    if 4 * second < first or 8 * (first + second - width) > width or first + second > max_total:
-        return None
-    return first, second
-
-
-def token_tile(O_pad: int, interp: bool, pieces: bool = True) -> TokenTile:
-    """The per-token kernel's tile on rows of ``O_pad``: ``column_tile`` with at most 1/8 of
-    a row padded (``HOT_HQ_TOKEN_TILE``, tuning, caps BC and turns pieces off), BR = 2048 /
-    BC rows (1 to 8), 4 warps;
-    where that gives chunks and ``pieces``, a row in two pieces (``two_pieces``, up to
-    12288 columns: 48 fp32 values a thread at 8192 / (BC + BC2) rows, 8 warps past 4096
-    columns). The interpreter keeps small tiles (at most 1024 columns in one tile, 1536 in
-    two, 256 elements per row set, least padding): its cost is per operation, and the
+def token_tile(O_pad: int, interp: bool) -> tuple[int, bool, int, int]:
+    """(BC, ONE_TILE, BR rows, warps) of the per-token kernel on rows of ``O_pad``:
+    ``column_tile`` with at most 1/8 of a row padded (``HOT_HQ_TOKEN_TILE`` caps BC),
+    BR = 2048 / BC rows (1 to 8), 4 warps. The interpreter keeps small tiles (at most 1024
+    columns, 256 elements per row set, least padding): its cost is per operation, and the
     levels do not depend on the tile (Philox counters follow the element).
 
     H100, 8192 tokens, 12 tiles at 7 widths (kernel_ab_2026-11-24T203445_h100_hq_sweep):
     4 warps were never slower than 8 (a 4096-wide row: 0.053 vs 0.058 ms; 2048-wide chunks
     1.6x faster), and wide chunks beat the least-padded narrow ones even with some padding
     (11008 as 3 x 4096: 0.175 vs 0.194 ms as 43 x 256; 2304 as 5 x 512: 0.044 vs 0.047).
-    The chunk rule's pick is within 2.5% of the fastest chunked tile at every width measured
-    (768, 2304, 3072, 4096, 11008, 12288, 16384); software pipelining of the chunk loop (1
-    or 3 stages) changed nothing. ``HOT_HQ_TOKEN_FORCE="BC,BR,WARPS[,BC2]"`` sets the tile
-    (tuning; ONE_TILE when BC (+ BC2) >= O_pad)."""
+    The rule's pick is within 2.5% of the fastest tile at every width measured (768, 2304,
+    3072, 4096, 11008, 12288, 16384); software pipelining of the chunk loop (1 or 3
+    stages) changed nothing. ``HOT_HQ_TOKEN_FORCE="BC,BR,WARPS"`` sets the tile (tuning;
+    ONE_TILE when BC >= O_pad)."""
     force = os.environ.get("HOT_HQ_TOKEN_FORCE")
     if force and not interp:
-        bc, br, warps, bc2 = ([int(t) for t in force.split(",")] + [0])[:4]
-        return TokenTile(bc, bc + bc2 >= O_pad, br, warps, bc2)
+        bc, br, warps = (int(t) for t in force.split(","))
+        return bc, bc >= O_pad, br, warps
     max_tile = int(os.environ.get("HOT_HQ_TOKEN_TILE", "4096")) if not interp else 1024
     bc, one = column_tile(O_pad, max_tile=max_tile, max_waste=None if interp else 0.125)
-    pieces = pieces and not one and (interp or "HOT_HQ_TOKEN_TILE" not in os.environ)
-    split = two_pieces(O_pad, 1536 if interp else 12288) if pieces else None
-    if split is not None:
-        total = sum(split)
-        br = max(1, min(8, (256 if interp else 8192) // total))
-        return TokenTile(split[0], True, br, 8 if total > 4096 and not interp else 4, split[1])
     br = max(1, min(8, 2048 // bc)) if not interp else max(1, min(8, 256 // bc))
-    return TokenTile(bc, one, br, 4)
+    return bc, one, br, 4
 
 
 def input_amax_bits(x: torch.Tensor, dim=None):
@@ -796,11 +729,11 @@ def hq_act_quant(g: torch.Tensor, bits: int, per_token: bool, seed, fp8: bool = 
         s = torch.empty((L,), dtype=torch.float32, device=dev)
         m = torch.empty((L,), dtype=torch.float32, device=dev) if row_max else s  # s: unread
         z = torch.empty((1,), dtype=torch.int32, device=dev) if row_max else seed_t
-        tile = token_tile(O_pad, interp)
-        launch(_hq_token_kernel, (triton.cdiv(L, tile.br),),
+        bc, one, br, warps = token_tile(O_pad, interp)
+        launch(_hq_token_kernel, (triton.cdiv(L, br),),
             g, q, s, seed_t, m, z, L, O, O_pad, g.stride(0), O_pad, groups,
-            BR=tile.br, BC=tile.bc, ONE_TILE=tile.one_tile, Q=Q, FP8=fp8, INTERPRET=interp,
-            ROW_MAX=row_max, BC2=tile.bc2, num_warps=tile.warps)
+            BR=br, BC=bc, ONE_TILE=one, Q=Q, FP8=fp8, INTERPRET=interp, ROW_MAX=row_max,
+            num_warps=warps)
         return (q, s, m, z) if row_max else (q, s)
     if row_max:
         raise ValueError("hq_act_quant: row_max needs per_token")
