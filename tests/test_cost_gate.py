@@ -168,16 +168,19 @@ def test_fp32_sites_are_predicted_on_the_int8_kernel(monkeypatch):
     assert seen and set(seen) == {"hq_cublas"}
 
 
-FORWARD_RESULT = os.path.join(os.path.dirname(__file__), "..", "bench", "results",
-                              "forward_layers_2026-11-24T052226_h100-80gb-hbm3.json")
+FORWARD_RESULTS = [(cost.H100, os.path.join(RESULTS, "forward_layers_2026-11-24T052226_h100-80gb-hbm3.json")),
+                   (cost.H200, os.path.join(RESULTS, "forward_layers_2026-11-29T005353_h200_s34.json"))]
 
 
-def test_h100_forward_lines_track_the_measured_layers():
-    """The forward gate's prediction against the GPU times it was fitted on: the FP8 side
-    (casts + GEMM) never under-estimated by more than 10%, and the faster side agrees
-    wherever the two differ by more than 10% (ViT-B layers stay bf16, Llama's go FP8)."""
-    for r in json.load(open(FORWARD_RESULT))["rows"]:
-        bf16, fp8 = cost.H100.predict_forward(r["L"], r["I"], r["O"])
+@pytest.mark.parametrize("model,result", FORWARD_RESULTS, ids=["H100", "H200"])
+def test_forward_lines_track_the_measured_layers(model, result):
+    """A chip's forward gate against the GPU times it was fitted on: the FP8 side (casts +
+    GEMM) never under-estimated by more than 10%, and the faster side agrees wherever the
+    two differ by more than 10% (ViT-B layers stay bf16, Llama's go FP8)."""
+    rows = json.load(open(result))["rows"]
+    assert {r["group"].split()[0] for r in rows} >= {"ViT-B/16", "Llama"}
+    for r in rows:
+        bf16, fp8 = model.predict_forward(r["L"], r["I"], r["O"])
         t = r["ms"]
         meas = t["fp8"]
         assert fp8 > 0.9 * meas, (r["group"], r["name"], fp8, meas)
