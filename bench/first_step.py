@@ -143,6 +143,8 @@ def compiled_lines(phases: List[dict]) -> List[str]:
     launchers among them: the thirty-first stop found six, 4.5 s of HOT's cold first step),
     each warm one by kernel name (a warm process should compile nothing)."""
     phases = [ph for ph in phases if ph["phase"] != "prime"]
+    if not phases:          # a partial result: only the priming process ran
+        return []
     cold = phases[0]["new_binaries"]
     modules = sorted(set(cold.get(".so", ())))       # on a CPU, every kernel is a `.so`
     lines = ["- cold compiled " + (", ".join(f"{len(v)} `{k}`" for k, v in sorted(cold.items()))
@@ -198,12 +200,27 @@ def main(argv=None) -> int:
     if args.prime:
         phases.append(run_phase(args, "prime", os.path.join(scratch, "prime_cache"), scratch,
                                 modes="inductor"))
-    for phase in ["cold"] + [f"warm{i}" for i in range(1, args.warm + 1)]:
+        write_results(base, device, args, phases, complete=False)
+    names = ["cold"] + [f"warm{i}" for i in range(1, args.warm + 1)]
+    for phase in names:
         phases.append(per_mode_caches(args, phase, cache, scratch))
+        write_results(base, device, args, phases, complete=phase == names[-1])
+    print(open(base + ".md").read(), end="")
+    return 0
+
+
+def write_results(base: str, device, args, phases: List[dict], complete: bool) -> None:
+    """The JSON and table of the phases run so far, rewritten after each phase.
+
+    Why after each one: a run cut short (a device call's time limit, a phase that fails)
+    still leaves the phases it finished. A partial result says so (``complete`` false in the
+    JSON, a line in the table)."""
     C.write_json(base + ".json", {"env": C.environment(device), "options": vars(args),
-                                  "phases": phases})
+                                  "phases": phases, "complete": complete})
     lines = [f"# First step, cold then warm: {C.device_name(device)}", "", table(phases), ""]
-    if args.prime:
+    if not complete:
+        lines += [f"- partial: the run stopped after the {phases[-1]['phase']} phase", ""]
+    if args.prime and phases[0]["runs"]:
         first = phases[0]["runs"][0].get("first_step_s")
         lines += [f"- primed: one Inductor step in a process and cache folder of its own first "
                   f"({C.fmt(first)} s), so neither backend pays the machine's first-process "
@@ -213,8 +230,6 @@ def main(argv=None) -> int:
               "train.py wrote its results (timings kept; its native profile may be missing)"
               for ph in phases if "native_exit" in ph]
     C.write_text(base + ".md", "\n".join(lines) + "\n")
-    print("\n".join(lines))
-    return 0
 
 
 if __name__ == "__main__":

@@ -801,6 +801,7 @@ def test_first_step_keeps_the_timings_when_only_the_profiler_died(tmp_path, monk
     res = _json.load(open(next(iter(glob.glob(str(tmp_path / "o0" / "first_step_*.json"))))))
     cold = res["phases"][1]
     assert cold["phase"] == "cold" and cold["native_exit"] == -11, cold
+    assert res["complete"] is True
     assert [r["first_step_s"] for r in cold["runs"]] == [2.0, 2.0]
     md = open(next(iter(glob.glob(str(tmp_path / "o0" / "first_step_*.md"))))).read()
     assert "- cold: an invocation under py-spy exited -11 after train.py wrote its results" in md
@@ -811,6 +812,11 @@ def test_first_step_keeps_the_timings_when_only_the_profiler_died(tmp_path, monk
         outcome.update(rc=rc, write=write, status=status)
         with pytest.raises(RuntimeError, match=f"cold: train.py exited {rc}"):
             main(n, *extra)
+        # what the run finished before it stopped is written, and says it is partial
+        res = _json.load(open(next(iter(glob.glob(str(tmp_path / f"o{n}" / "first_step_*.json"))))))
+        assert [ph["phase"] for ph in res["phases"]] == ["prime"] and res["complete"] is False
+        md = open(next(iter(glob.glob(str(tmp_path / f"o{n}" / "first_step_*.md"))))).read()
+        assert "- partial: the run stopped after the prime phase" in md
 
 
 def test_launch_counts_reports_each_graph_and_the_launches_per_site(tmp_path):
