@@ -205,7 +205,8 @@ def main(argv=None) -> int:
     for phase in names:
         phases.append(per_mode_caches(args, phase, cache, scratch))
         write_results(base, device, args, phases, complete=phase == names[-1])
-    print(open(base + ".md").read(), end="")
+    with open(base + ".md") as f:
+        print(f.read(), end="")
     return 0
 
 

@@ -227,8 +227,8 @@ H200 = CostModel(
         "gw_bf16": (0.0000, 1.4178e-12),
         # forward lines: forward_layers_2026-11-29T005353_h200_s34 (thirty-fourth stop), the
         # least-squares fit, the FP8 GEMM's fixed cost raised from 0.0075 to 0.015 ms so that
-        # no layer's FP8 side is under-estimated by more than 10% (the fit's predicts ViT-B
-        # fc1 at 0.83x its measured 0.095 ms)
+        # no layer's FP8 side is under-estimated by more than 10% (the fit alone predicted
+        # ViT-B fc1 at 0.83x its measured 0.095 ms)
         "fwd_cast_x": (0.0073, 2.7946e-10),
         "fwd_cast_w": (0.0077, 2.7664e-10),
         "fwd_fp8": (0.0150, 6.6246e-13),
