@@ -17,6 +17,7 @@ from .kernels.saved_fp8 import FORMATS as _SAVED_FORMATS
 
 _KERNELS = ("auto", "triton", "reference")
 _GX_SCALES = ("lqs", "token", "tensor")
+_EXACT_GX_GEMMS = ("bf16", "e4m3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +71,12 @@ class HOTConfig:
     both ``exclude`` and ``exact_gx`` stays exact; like every site, the head is rewritten
     only where the cost gate predicts it faster (Llama's 4096 -> 32000 head yes, GPT-2's
     768 -> 50257 and ViT's heads no).
+    exact_gx_gemm: the g_x GEMM of the layers named in ``exact_gx``: ``bf16`` (default: as
+    Inductor compiles it) or ``e4m3``: no Hadamard and no 4-bit levels, but g stochastically
+    rounded to e4m3 with one scale (unbiased; written by the layer's HLA kernel from the
+    read of g it makes anyway), W^T rounded to e4m3 per column, the FP8 GEMM with fp32
+    accumulation (``reference.e4m3_gx_backward``). Where the GPU and shapes allow it
+    (``formats.e4m3_gx_fused``); the report says per site.
     min_features: a linear with in- or out-features below this stays exact (too small to win).
     min_speedup: the cost gate (``passes/cost.py``): on a GPU, a site is rewritten only when
     its predicted exact backward time is at least this multiple of HOT's (1.0: never
@@ -127,6 +134,7 @@ class HOTConfig:
     include: Optional[Tuple[str, ...]] = None
     exclude: Tuple[str, ...] = ()
     exact_gx: Tuple[str, ...] = ("head", "lm_head")
+    exact_gx_gemm: str = "bf16"
     min_features: int = 256
     min_speedup: float = 1.0
     abc: bool = True
@@ -173,6 +181,8 @@ class HOTConfig:
             bad("saved_activations", f"must be one of {_SAVED_FORMATS}")
         if self.forward not in _FORWARDS:
             bad("forward", f"must be one of {_FORWARDS}")
+        if self.exact_gx_gemm not in _EXACT_GX_GEMMS:
+            bad("exact_gx_gemm", f"must be one of {_EXACT_GX_GEMMS}")
         if self.kernels not in _KERNELS:
             bad("kernels", f"must be one of {_KERNELS}")
         for f in ("include", "exclude", "exact_gx"):

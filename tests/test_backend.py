@@ -529,3 +529,35 @@ def test_exact_gx_keeps_a_layers_input_gradient_and_rewrites_its_weight_gradient
     assert not torch.equal(gw2, gw2_e) and rel(gw2, gw2_e) < 2 * rel(gw2_h, gw2_e) + 1e-3
     with pytest.raises(ValueError, match="exact_gx"):
         HOTConfig(exact_gx="head")
+
+
+def test_exact_gx_gemm_e4m3_puts_the_kept_g_x_on_fp8():
+    """``exact_gx_gemm="e4m3"``: the exact_gx layer's g_x mm and its g_W become one
+    ``hot::e4m3_gx_backward`` (on CPU its reference twin: g and W rounded to e4m3, no
+    Hadamard); g_x within FP8's error of the exact one, g_W HLA's as before; the report
+    says so; a bad value names the field."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 32, 64, requires_grad=True)
+
+    def grads(config):
+        torch._dynamo.reset()
+        torch.manual_seed(1)
+        m = MLP()
+        report, fw, bw = run_step(m, x, config)
+        g = (x.grad.clone(), m.fc1.weight.grad.clone(), m.fc2.weight.grad.clone())
+        x.grad = None
+        return report, bw, g
+
+    cfg = dict(min_features=0, exclude=(), include=("fc2",), exact_gx=("fc2",))
+    report, bw, (gx, gw1, gw2) = grads(HOTConfig(**cfg, exact_gx_gemm="e4m3"))
+    _, bw_e, (gx_e, gw1_e, gw2_e) = grads(HOTConfig(**cfg))
+    rec = {r.name: r for r in report.layers}
+    assert rec["fc2"].gx_path == "FP8 e4m3 g/W, no Hadamard (exact_gx pattern 'fc2')"
+    assert count_ops(bw[0], torch.ops.hot.e4m3_gx_backward.default) == 1
+    assert count_ops(bw[0], HOT_OPS["hla"]) == 0 and count_ops(bw[0], HOT_OPS["hq"]) == 0
+    mms = lambda g: sum(n.target is torch.ops.aten.mm.default for n in g.nodes)  # noqa: E731
+    assert mms(bw[0]) == mms(bw_e[0]) - 1            # fc2's g_x mm is gone
+    assert not torch.equal(gx, gx_e) and rel(gx, gx_e) < 0.06
+    assert rel(gw1, gw1_e) < 0.06 and rel(gw2, gw2_e) < 0.06
+    with pytest.raises(ValueError, match="exact_gx_gemm"):
+        HOTConfig(exact_gx_gemm="fp8")

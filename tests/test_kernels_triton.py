@@ -341,6 +341,59 @@ def test_hla_e4m3_bit_exact(poison, L, C, rank, stochastic):
 
 
 @cpu
+@pytest.mark.parametrize("L,C,rank,seq_len", [(64, 48, 16, 0), (40, 32, 8, 0), (96, 16, 16, 32)])
+def test_hla_writes_gs_plain_e4m3_copy_from_its_read(poison, L, C, rank, seq_len):
+    """``hla_quant(gx8=...)`` (``exact_gx_gemm="e4m3"``): g's HLA operand unchanged, and from
+    the same read g's plain stochastic e4m3 copy bit-equal to ``reference.grad_e4m3`` (its
+    channel-major uniforms, seed + ``gx8_seed_add``), the scale once per row; another seed
+    draws other bits; a NaN makes the scale NaN and every value 0; token blocks that are not
+    row runs are refused."""
+    x = _randn(L, C, dtype=torch.bfloat16) * torch.exp(torch.randn(1, C)).to(torch.bfloat16)
+    x[2, 3] = 0.25
+    amax = H.input_amax_bits(x)
+    kw = dict(stochastic=True, seed=77, seed_add=1, transposed=True, pad_to=16, e4m3=True,
+              scale_mul=1 / 16, seq_len=seq_len)
+    q, s, g8, s8 = HL.hla_quant(x, rank, "1d", 8, **kw, gx8=amax, gx8_seed_add=0)
+    q0, s0 = HL.hla_quant(x, rank, "1d", 8, **kw)
+    assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8)) and torch.equal(s, s0)
+    qr, sr = R.grad_e4m3(x, 77)
+    assert g8.shape == (L, C) and torch.equal(g8.view(torch.uint8), qr.view(torch.uint8))
+    assert torch.equal(s8, sr.expand(L))
+    assert rel(g8.float() * s8[:, None], x.float()) < 0.1
+    _, _, other, _ = HL.hla_quant(x, rank, "1d", 8, **kw, gx8=amax, gx8_seed_add=5)
+    assert torch.equal(other.view(torch.uint8), R.grad_e4m3(x, 82)[0].view(torch.uint8))
+    assert not torch.equal(other.view(torch.uint8), g8.view(torch.uint8))
+    x[5, 1] = float("nan")
+    _, _, g8, s8 = HL.hla_quant(x, rank, "1d", 8, **kw, gx8=H.input_amax_bits(x))
+    assert torch.isnan(s8).all() and not g8.float().any()
+    with pytest.raises(ValueError, match="row runs"):
+        HL.hla_quant(x, rank, "1d", 8, **{**kw, "seq_len": 8}, gx8=amax)
+
+
+@cpu
+@pytest.mark.parametrize("forward", ["bf16", "fp8_rowwise"])
+@pytest.mark.parametrize("O,I", [(48, 24), (304, 136)])
+def test_plain_w_operand_is_its_twin(poison, forward, O, I):
+    """``weight_operands(hq=False)``: W^T in e4m3 per column with no transform
+    (``reference.plain_weight_e4m3``, the g_x operand of ``exact_gx_gemm="e4m3"``) and the
+    FP8 forward's W from the same read, bit-equal to the reference; ``hq_weight_quant``'s
+    ``rotate=False`` alone gives the same; a NaN column's scale is NaN."""
+    w, m, r = _weight_copy(O, I)
+    fwd_max = r if forward == "fp8_rowwise" else None
+    got = F.weight_operands(w, m, fwd_max, forward, hq=False)
+    _operands_equal(got, R.weight_operands(w, m, fwd_max, forward, hq=False))
+    q, s = R.plain_weight_e4m3(w)
+    _operands_equal(got[:2], (q, s))
+    _operands_equal(got[:2], H.hq_weight_quant(w, 8, fp8=True, e4m3=True, rotate=False))
+    assert rel(q.float() * s[:, None], w.float().t()) < 0.05
+    w[3, 2] = float("nan")
+    q, s = H.hq_weight_quant(w, 8, fp8=True, e4m3=True, rotate=False)
+    assert torch.isnan(s[2]) and not torch.isnan(s[3])
+    with pytest.raises(ValueError, match="rotate"):
+        H.hq_weight_quant(w, 8, rotate=False)
+
+
+@cpu
 @pytest.mark.parametrize("rank", [16, 8])
 def test_hla_stepped_tiles_write_the_same_bytes(monkeypatch, rank):
     """g's stochastic e4m3 operand (``hla._stepped_blocks``): a program's token blocks taken
@@ -963,6 +1016,40 @@ def test_gpu_weight_operands_are_the_compiled_casts(forward, O, I):
     a, b = got[2].float(), eager[2].float()
     assert ((a - b).abs() <= (b.abs() * 2 ** -3).clamp_min(2 ** -9)).all()   # one e4m3 step
     assert (a != b).float().mean() < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("L,O,I,seq_len", [(8192, 32000, 4096, 2048), (2048, 4096, 1024, 0)])
+def test_gpu_e4m3_gx_backward(L, O, I, seq_len):
+    """``exact_gx_gemm="e4m3"`` on the GPU: the HLA kernel's e4m3 copy of g bit-equal to
+    ``reference.grad_e4m3``; g_x on the row-wise FP8 GEMM within fp32-accumulation and bf16
+    rounding of the twin, and within FP8's error of the exact product; g_W the plain
+    ``hla_grad_weight`` with seed + 1; the forward's plain W operand gives the same g_x."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("no FP8 tensor cores")
+    torch.manual_seed(4)
+    g = (_randn(L, O, device="cuda") * 1e-4).to(torch.bfloat16)
+    g[torch.arange(L), torch.randint(0, O, (L,))] = -1e-2          # a logit-gradient shape
+    w = (_randn(O, I, device="cuda") * 0.02).to(torch.bfloat16)
+    x = _randn(L, I, dtype=torch.bfloat16, device="cuda")
+    xq, xs = F.abc_compress(x, 16, "1d", 8, seq_len=seq_len, fmt="e4m3")
+    seed = torch.tensor(21, device="cuda")
+    gx, gw = F.e4m3_gx_backward(g, w, xq, xs, 16, seed, seq_len=seq_len)
+    _, _, g8, s8 = HL.hla_quant(g, 16, "1d", 8, stochastic=True, seed=seed, seed_add=1,
+                                transposed=True, pad_to=16, e4m3=True, scale_mul=1 / 16,
+                                seq_len=seq_len, gx8=H.input_amax_bits(g))
+    qr, sr = R.grad_e4m3(g, 21)
+    assert torch.equal(g8.view(torch.uint8), qr.view(torch.uint8))
+    assert torch.equal(s8, sr.expand(L))
+    twin_gx, twin_gw = R.e4m3_gx_backward(g, w, xq, xs, 16, 21, seq_len=seq_len)
+    assert rel(gx.float(), twin_gx.float()) < 4e-3
+    assert rel(gx.double(), g.double() @ w.double()) < 0.06
+    assert torch.equal(gw, F.hla_grad_weight(g, xq, xs, 16, "1d", 8, 22, seq_len=seq_len))
+    assert rel(gw.float(), twin_gw.float()) < 4e-3
+    wq, ws = R.plain_weight_e4m3(w)
+    gx2, _ = F.e4m3_gx_backward(g, w, xq, xs, 16, seed, seq_len=seq_len, w_q=wq, w_s=ws)
+    assert torch.equal(gx2, gx)
 
 
 class _Launches(torch.utils._python_dispatch.TorchDispatchMode):

@@ -298,3 +298,39 @@ def test_hadamard_cache_holds_a_real_tensor_when_first_built_while_tracing():
     assert not isinstance(h, FakeTensor)
     assert torch.equal(h @ h.T, 16 * torch.eye(16))
     assert R.sequency(h[1]) == R.sequency(list(R._sylvester_rows(16)[1])) == 15
+
+
+def test_grad_e4m3_is_unbiased_and_fp8_close():
+    """``grad_e4m3`` (``exact_gx_gemm="e4m3"``): each value rounds to one of its two e4m3
+    neighbours (at one scale amax / 448), unbiased over seeds; small entries of a
+    logit-like gradient keep their own binade; the uniforms follow the channel-major map;
+    ``e4m3_gx_backward``'s g_x is within FP8's error of the exact product and its g_W is
+    ``hla_grad_weight`` with seed + 1."""
+    torch.manual_seed(0)
+    g = torch.randn(48, 40) * 1e-4
+    g[torch.arange(48), torch.randint(0, 40, (48,))] = -3e-2
+    q, s = R.grad_e4m3(g, 5)
+    assert float(s) == float((g.abs().max().double() / 448).float())
+    t = g / s
+    lo = t.clamp(-448, 448).to(torch.float8_e4m3fn).float()
+    v = q.float()
+    step = torch.ldexp(torch.ones_like(t), (torch.frexp(t).exponent - 1).clamp(min=-6) - 3)
+    assert ((v - t).abs() < step + 1e-6).all()              # a neighbour on the grid
+    assert ((lo - t).abs() <= step / 2 + 1e-6).all()
+    mean = torch.stack([R.grad_e4m3(g, k)[0].float() for k in range(400)]).mean(0) * s
+    # unbiased: within 5 sigma (a rounding's spread is at most step / 2) of g per element;
+    # nearest rounding would miss by up to step / 2
+    assert ((mean - g).abs() <= 5 * step * s / (2 * 20) + 1e-12).all()
+    near = lo * s
+    assert ((near - g).abs() > 5 * step * s / (2 * 20)).any()
+    u = R.grad_uniforms(5, 48, 40)
+    assert torch.equal(u, R.uniform8(5, 40, 48)[:, :48].t())
+    w = torch.randn(40, 24) * 0.05
+    x = torch.randn(48, 24)
+    xq, xs = R.abc_compress(x, 16, "1d", 8)
+    gx, gw = R.e4m3_gx_backward(g, w, xq, xs, 16, 7)
+    assert rel(gx, g @ w) < 0.06
+    assert torch.equal(gw, R.hla_grad_weight(g, xq, xs, 16, "1d", 8, 8))
+    g[1, 1] = float("nan")
+    q, s = R.grad_e4m3(g, 5)
+    assert torch.isnan(s) and not q.float().any()

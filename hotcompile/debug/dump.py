@@ -77,7 +77,8 @@ _ATEXIT: set = set()                         # pids that registered the exit ref
 
 FLOAT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 HOT_TARGETS = {"hq": "hot.hq_grad_input.default", "hla": "hot.hla_grad_weight.default",
-               "unit": "hot.linear_backward.default", "abc": "hot.abc_compress.default"}
+               "unit": "hot.linear_backward.default", "abc": "hot.abc_compress.default",
+               "e4m3gx": "hot.e4m3_gx_backward.default"}
 
 
 # --------------------------------------------------------------------------- cost model
@@ -116,6 +117,9 @@ def site_cost(rec, config) -> Optional[dict]:
                   + 2 * I * O, dequant_gx=2 * L * I)
         by.update(hq_gy=L * O * e + L * O * q, hq_w=O * I * e + O * I * q,
                   gemm_gx=L * O * q + O * I * q + L * I * e)
+    elif r["gx_path"].startswith("FP8"):          # exact_gx_gemm="e4m3"
+        fl.update(gemm_gx=2 * L * O * I)
+        by.update(g8_gy=L * O * q, gemm_gx=L * O * q + O * I * q + L * I * e)
     elif has_gx:
         fl.update(gemm_gx_exact=2 * L * O * I)
         by.update(gemm_gx_exact=(L * O + O * I + L * I) * e)
@@ -301,7 +305,8 @@ def site_graph(graph: torch.fx.Graph, sites: list):
             if s.rewritten_gw not in alive:     # spliced: its kernels stand in the graph
                 continue
             unit = s.rewritten_gx is s.rewritten_gw      # one op: the site's whole backward
-            mark(s.rewritten_gw, s, hot="hq+hla (linear_backward)" if unit else "hla",
+            mark(s.rewritten_gw, s, hot="hq+hla (linear_backward)" if unit else
+                 "fp8 g_x + hla (e4m3_gx_backward)" if s.gx_e4m3 else "hla",
                  fillcolor=_COLORS["hla"])
             if not unit:
                 mark(s.rewritten_gx, s, hot="hq", fillcolor=_COLORS["hq"])
@@ -455,7 +460,7 @@ def _compiled_info(graph: torch.fx.Graph) -> dict:
         for k, t in HOT_TARGETS.items():
             if str(n.target) == t:
                 counts[k] += 1
-                if k in ("hla", "unit"):      # unit: hla_grad_weight's arguments first
+                if k in ("hla", "unit", "e4m3gx"):  # hla_grad_weight's arguments first
                     hot_inputs.update(a.name for a in n.args[1:3])
     gemms = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
     info = {"hot_ops": counts, "exact_mm": sum(1 for n in graph.nodes

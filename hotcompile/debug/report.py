@@ -106,6 +106,7 @@ def record_site(site: "LinearSite", graph_index: int, config, plan=None) -> Site
     if site.eligible:
         scale = "lqs" if config.gx_scale == "lqs" else config.gx_scale
         gx = (f"HQ g{config.gx_bits}/w{config.gx_w_bits} ({scale})" if site.gx is not None
+              else f"FP8 e4m3 g/W, no Hadamard ({site.gx_kept})" if site.gx_e4m3
               else f"exact ({site.gx_kept})" if site.gx_kept else "- (x needs no grad)")
         fmt = "e4m3" if site.gw_format == "e4m3" else f"int{config.gw_bits}"
         gw = f"HLA r={rank}/{config.block} {fmt}" if site.gw is not None else "- (frozen weight)"

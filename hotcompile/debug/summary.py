@@ -163,7 +163,8 @@ def _warnings(graphs: List[dict]) -> List[str]:
         n_hla = sum(s["rewritten"] and str(s.get("gw_path", "")).startswith("HLA")
                     for s in g["sites"])     # frozen weights: HQ only, no g_W
         for kind, info in g.get("compiled", {}).items():
-            n_ops = info["hot_ops"]["hla"] + info["hot_ops"].get("unit", 0)
+            n_ops = info["hot_ops"]["hla"] + info["hot_ops"].get("unit", 0) \
+                + info["hot_ops"].get("e4m3gx", 0)
             if kind.startswith("backward") and n_ops != n_hla:
                 out.append(f"{where}: {info['file']} has {n_ops} hla_grad_weight / "
                            f"linear_backward ops but {n_hla} sites have an HLA g_W")

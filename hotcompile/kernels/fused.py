@@ -95,17 +95,19 @@ def weight_cast(p: torch.Tensor, dtype: torch.dtype, row_max: bool = False):
     return hadamard.weight_cast(p, dtype, row_max)
 
 
-def weight_operands(w: torch.Tensor, col_max: torch.Tensor, fwd_max, forward: str):
+def weight_operands(w: torch.Tensor, col_max: torch.Tensor, fwd_max, forward: str,
+                    hq: bool = True):
     """``reference.weight_operands``: one read of W (``hadamard.hq_weight_quant``) writes
-    HQ's scaled-e4m3 W operand and, under an FP8 forward, that forward's W operand."""
+    HQ's scaled-e4m3 W operand (or with ``hq=False`` the plain one) and, under an FP8
+    forward, that forward's W operand."""
     rowwise = forward == "fp8_rowwise"
     if w.dtype not in (torch.bfloat16, torch.float16) or w.numel() == 0:
-        return ref.weight_operands(w, col_max, fwd_max, forward)
+        return ref.weight_operands(w, col_max, fwd_max, forward, hq)
     fwd = None
     if forward != "bf16":
         fwd = (fwd_max if rowwise else torch.amax(fwd_max, 0), rowwise)
-    out = hadamard.hq_weight_quant(w, 8, fp8=True, e4m3=True, scale_mul=1.0 / 16,
-                                   col_max=col_max, forward=fwd)
+    out = hadamard.hq_weight_quant(w, 8, fp8=True, e4m3=True, scale_mul=1.0 / 16 if hq else 1.0,
+                                   col_max=col_max, forward=fwd, rotate=hq)
     if fwd is None:
         none = w.new_empty((0,), dtype=torch.float8_e4m3fn)
         return (*out, none, none.float())
@@ -251,4 +253,36 @@ def linear_backward(g: torch.Tensor, w: torch.Tensor, xt: torch.Tensor, x_scale:
     else:
         gw = _gw(g, xt, x_scale, rank, "1d", gw_bits, seed, lay, qg=tuple(qg_t),
                  out_dtype=gw_dtype)
+    return gx, gw
+
+
+def e4m3_gx_backward(g: torch.Tensor, w: torch.Tensor, xt: torch.Tensor, x_scale: torch.Tensor,
+                     rank: int, seed=0, block: int = 16, *, seq_len: int = 0,
+                     seq_first: bool = False, gw_dtype: torch.dtype | None = None,
+                     w_q=None, w_s=None):
+    """``reference.e4m3_gx_backward`` on the GPU: g's row maxima give both scales (the HLA
+    operand's ``token_block_bound`` and g's max for its plain e4m3 copy), then one HLA
+    kernel reads g once for g_W's operand and g_x's (``hla_quant(gx8=...)``), then the two
+    FP8 GEMMs. W's plain e4m3 operand comes from the forward (``w_q``, ``w_s``) or one W
+    kernel here. Where ``formats.e4m3_gx_fused`` does not hold, g_x is exact (g W) and g_W
+    the fused ``hla_grad_weight``."""
+    lay = dict(seq_len=seq_len, seq_first=seq_first)
+    L, O = g.shape
+    if block != _FUSED_BLOCK or g.numel() == 0 or w.numel() == 0 or xt.numel() == 0 \
+            or not formats.e4m3_gx_fused(g.device, g.dtype, L, O, w.shape[1], seq_len,
+                                         seq_first, xt.dtype == torch.float8_e4m3fn):
+        return ((g @ w.to(g.dtype)).to(g.dtype),
+                hla_grad_weight(g, xt, x_scale, rank, "1d", 8, seed + 1, block, **lay,
+                                out_dtype=gw_dtype))
+    m = torch.linalg.vector_norm(g, float("inf"), dim=1, dtype=torch.float32)
+    bound = ref.block_sum_bound(m, 16, seq_len, seq_first).reshape(1).view(torch.int32)
+    g_max = torch.amax(m, 0, keepdim=True).view(torch.int32)
+    qg, sg, g8, s8 = hla.hla_quant(g, rank, "1d", 8, stochastic=True, seed=seed, seed_add=1,
+                                   transposed=True, pad_to=16, e4m3=True,
+                                   scale_mul=1.0 / _FUSED_BLOCK, amax=bound, gx8=g_max,
+                                   gx8_seed_add=0, **lay)
+    if w_q is None:
+        w_q, w_s = hadamard.hq_weight_quant(w.to(g.dtype), 8, fp8=True, e4m3=True, rotate=False)
+    gx = gemm.cublas_fp8_mm(g8, w_q, s8, w_s, g.dtype, fast_accum=False)
+    gw = _gw(g, xt, x_scale, rank, "1d", 8, seed, lay, qg=(qg, sg), out_dtype=gw_dtype)
     return gx, gw

@@ -470,12 +470,14 @@ def _store_forward_weight(f_ptr, fs_ptr, fmax_ptr, x, ins, o0, O, I, first,
 def _hq_weight_kernel(w_ptr, q_ptr, s_ptr, amax_ptr, f_ptr, fs_ptr, fmax_ptr, scale_mul, O, I,
                       O_pad, stride_wo, stride_wi, ldq, PHASE: tl.constexpr, BI: tl.constexpr,
                       BO: tl.constexpr, Q: tl.constexpr, FP8: tl.constexpr, E4M3: tl.constexpr,
-                      INTERPRET: tl.constexpr, ROUND: tl.constexpr, FWD: tl.constexpr):
+                      INTERPRET: tl.constexpr, ROUND: tl.constexpr, FWD: tl.constexpr,
+                      ROTATE: tl.constexpr = True):
     """The W side of HQ (reference.hq_weight): q[i, :] = RTN(H along O of W[:, i] / s_i),
     levels (Q = 2**(bits-1) - 1) or, with E4M3, scaled FP8 (Q = 448, ``to_e4m3``).
     The stored scale is s_i * scale_mul (a power of two: exact). FWD (1: tensor-wise,
     2: row-wise; 0: none): the same read of W also writes the FP8 forward's W operand
-    (``_store_forward_weight``), so W is read once for both GEMMs that use it.
+    (``_store_forward_weight``), so W is read once for both GEMMs that use it. Without
+    ROTATE (e4m3 only, Q = 448): W's plain transpose, ``reference.plain_weight_e4m3``.
 
     Output row i (in-feature i) needs the amax over all of O, and W is small next to g,
     so levels use the two-phase scheme of ``_hq_tensor_kernel`` on a 2-D grid of
@@ -491,7 +493,10 @@ def _hq_weight_kernel(w_ptr, q_ptr, s_ptr, amax_ptr, f_ptr, fs_ptr, fmax_ptr, sc
     ins = (pid // n_ot) * BI + tl.arange(0, BI)
     o0 = (pid % n_ot) * BO
     x = _load_weight_tile(w_ptr, ins, o0, O, I, stride_wo, stride_wi, BO, ROUND)
-    v = fwht16_lastdim(tl.trans(x))             # (BI, BO): transformed along O
+    if ROTATE:
+        v = fwht16_lastdim(tl.trans(x))         # (BI, BO): transformed along O
+    else:
+        v = tl.trans(x)
     if FWD != 0 and PHASE == 2:
         _store_forward_weight(f_ptr, fs_ptr, fmax_ptr, x, ins, o0, O, I, pid // n_ot == 0, BO,
                               FWD == 2, INTERPRET)
@@ -808,7 +813,7 @@ def cast_tile(interp: bool) -> tuple[int, int, int, int]:
 def hq_weight_quant(w: torch.Tensor, bits: int, fp8: bool = False, e4m3: bool = False,
                     scale_mul: float = 1.0, round_to: Optional[torch.dtype] = None,
                     amax: Optional[torch.Tensor] = None, col_max: Optional[torch.Tensor] = None,
-                    forward: Optional[tuple] = None):
+                    forward: Optional[tuple] = None, rotate: bool = True):
     """reference.hq_weight: W (O, I) -> (levels (I, O_pad), per-in-feature fp32 scale (I,)).
 
     ``fp8``: the levels stored as e4m3; ``e4m3``: scaled FP8 instead of levels (``bits``
@@ -824,7 +829,11 @@ def hq_weight_quant(w: torch.Tensor, bits: int, fp8: bool = False, e4m3: bool = 
     writes the FP8 forward's W operand (``_store_forward_weight``; maxima as int32 bits:
     W's row maxima (O,) row-wise, else a 1-element max of W), returned after the two as
     (the column-major (I, O) e4m3 view of a row-major (O, I) buffer, fp32 scale: (1, O)
-    row-wise, else 0-d), the operand and scale ``fp8_forward.weight_operand`` gives."""
+    row-wise, else 0-d), the operand and scale ``fp8_forward.weight_operand`` gives.
+    ``rotate=False`` (e4m3 only): no transform, s = max |W[:, i]| / 448
+    (``reference.plain_weight_e4m3``: the g_x operand of ``exact_gx_gemm="e4m3"``)."""
+    if not rotate and not e4m3:
+        raise ValueError("hq_weight_quant: rotate=False needs e4m3")
     O, I = w.shape
     O_pad = -(-O // 16) * 16
     dev = w.device
@@ -847,8 +856,11 @@ def hq_weight_quant(w: torch.Tensor, bits: int, fp8: bool = False, e4m3: bool = 
     args = (w, q, s, amax, f, fs, fmax, float(scale_mul), O, I, O_pad, w.stride(0), w.stride(1),
             O_pad)
     rnd = _TL_DTYPES.get(round_to) if w.dtype == torch.float32 else None   # never an upcast
-    meta = dict(BI=bi, BO=bo, Q=int(E4M3_BOUND_Q) if e4m3 else qmax(bits), FP8=fp8, E4M3=e4m3,
-                INTERPRET=interp, ROUND=rnd, FWD=fwd, num_warps=warps)
+    q_max = (int(E4M3_BOUND_Q) if rotate else int(E4M3_MAX)) if e4m3 else qmax(bits)
+    meta = dict(BI=bi, BO=bo, Q=q_max, FP8=fp8, E4M3=e4m3, INTERPRET=interp, ROUND=rnd, FWD=fwd,
+                num_warps=warps)
+    if not rotate:
+        meta["ROTATE"] = False
     if not e4m3:
         launch(_hq_weight_kernel, grid, *args, PHASE=1, **meta)
     launch(_hq_weight_kernel, grid, *args, PHASE=2, **meta)

@@ -262,6 +262,44 @@ def _(g, xq, x_scale, rank, gw_bits, block, seq_len, seq_first, measure, kernels
         g.new_empty((g.shape[1], xq.shape[1]), dtype=_gw_dtype(g, gw_fp32))
 
 
+# ----------------------------------------------------------------------- exact_gx on FP8
+def e4m3_gx_backward_body(g: Tensor, xq: Tensor, x_scale: Tensor, rank: int, gw_bits: int,
+                          block: int, seq_len: int, seq_first: bool, measure: str, kernels: str,
+                          w: Tensor, seeds: Optional[Tensor] = None, seed_index: int = 0,
+                          gw_fp32: bool = False, w_q: Optional[Tensor] = None,
+                          w_s: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """(g_x, g_W) of a layer named in ``exact_gx`` under ``exact_gx_gemm="e4m3"``: g_x with no
+    Hadamard and no 4-bit levels, on the FP8 GEMM (``reference.e4m3_gx_backward``: g
+    stochastically rounded to e4m3 with one scale, W^T rounded to e4m3 per column, fp32
+    accumulation), g_W as ``hla_grad_weight``. The first ten arguments are
+    ``hla_grad_weight``'s, as ``linear_backward``'s are. On the GPU the HLA kernel writes
+    g's e4m3 operand from the same read of g (``fused.e4m3_gx_backward``); where the fused
+    path does not apply there (``formats.e4m3_gx_fused``), g_x is exact. ``w_q``, ``w_s``:
+    W's plain e4m3 operand from the forward's ``weight_operands(hq=False)``."""
+    seed = _seed(g, seeds, seed_index)
+    if measure:
+        RANK.measure(measure, g, xq, x_scale, block, seq_len, seq_first)
+    lay = dict(seq_len=seq_len, seq_first=seq_first, gw_dtype=_gw_dtype(g, gw_fp32))
+    if triton_usable(g, kernels):
+        return _fused().e4m3_gx_backward(g, w, xq, x_scale, rank, seed, block, **lay,
+                                         w_q=w_q, w_s=w_s)
+    return ref.e4m3_gx_backward(g, w, xq, x_scale, rank, seed, block, **lay)
+
+
+e4m3_gx_backward = torch.library.custom_op("hot::e4m3_gx_backward", mutates_args=())(
+    e4m3_gx_backward_body)
+
+
+@e4m3_gx_backward.register_fake
+def _(g, xq, x_scale, rank, gw_bits, block, seq_len, seq_first, measure, kernels, w, seeds=None,
+      seed_index=0, gw_fp32=False, w_q=None, w_s=None):
+    torch._check(g.shape[1] == w.shape[0], lambda: "e4m3_gx_backward: g and w disagree on O")
+    torch._check(xq.shape[0] == ref.hla_rows(g.shape[0], rank, block, seq_len),
+                 lambda: "e4m3_gx_backward: compressed buffer rows disagree with g")
+    return g.new_empty((g.shape[0], w.shape[1])), \
+        g.new_empty((g.shape[1], xq.shape[1]), dtype=_gw_dtype(g, gw_fp32))
+
+
 # ----------------------------------------------------------------------- W's cast (forward)
 def weight_cast_body(p: Tensor, dtype: torch.dtype, kernels: str,
                      row_max: bool = False) -> tuple[Tensor, Tensor, Tensor]:
@@ -285,14 +323,14 @@ def _(p, dtype, kernels, row_max=False):
 
 
 def weight_operands_body(w: Tensor, col_max: Tensor, fwd_max: Optional[Tensor], forward: str,
-                         kernels: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                         kernels: str, hq: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The forward's operands of an owned weight copy (``reference.weight_operands``): HQ's
-    scaled-e4m3 W and the FP8 forward's W (``forward``) from one read of the copy
-    on the GPU, so W's FP8 cast for the forward GEMM is no pass of its own
-    (``passes/weight_cast.py``)."""
+    scaled-e4m3 W (``hq``; else the plain e4m3 W^T of ``e4m3_gx_backward``) and the FP8
+    forward's W (``forward``) from one read of the copy on the GPU, so W's FP8 cast for
+    the forward GEMM is no pass of its own (``passes/weight_cast.py``)."""
     if triton_usable(w, kernels):
-        return _fused().weight_operands(w, col_max, fwd_max, forward)
-    return ref.weight_operands(w, col_max, fwd_max, forward)
+        return _fused().weight_operands(w, col_max, fwd_max, forward, hq)
+    return ref.weight_operands(w, col_max, fwd_max, forward, hq)
 
 
 weight_operands = torch.library.custom_op("hot::weight_operands", mutates_args=())(
@@ -300,11 +338,12 @@ weight_operands = torch.library.custom_op("hot::weight_operands", mutates_args=(
 
 
 @weight_operands.register_fake
-def _(w, col_max, fwd_max, forward, kernels):
+def _(w, col_max, fwd_max, forward, kernels, hq=True):
     O, I = w.shape
     e4m3, f32 = torch.float8_e4m3fn, torch.float32
     none = w.new_empty((0,), dtype=e4m3), w.new_empty((0,), dtype=f32)
-    hq_out = (w.new_empty((I, -(-O // 16) * 16), dtype=e4m3), w.new_empty((I,), dtype=f32))
+    hq_out = (w.new_empty((I, -(-O // 16) * 16 if hq else O), dtype=e4m3),
+              w.new_empty((I,), dtype=f32))
     if forward == "bf16":
         return (*hq_out, *none)
     q = w.new_empty_strided((I, O), (1, I), dtype=e4m3)     # a row-major (O, I) buffer, viewed

@@ -415,7 +415,8 @@ def weight_cast(p: torch.Tensor, dtype: torch.dtype, row_max: bool = False):
     return w, m.view(torch.int32), r.view(torch.int32)
 
 
-def weight_operands(w: torch.Tensor, col_max: torch.Tensor, fwd_max, forward: str):
+def weight_operands(w: torch.Tensor, col_max: torch.Tensor, fwd_max, forward: str,
+                    hq: bool = True):
     """The forward's operands made from an owned weight copy w (O, I) (``weight_cast``'s,
     with its column maxima ``col_max``; ``passes/weight_cast.py``): (HQ's W operand, its
     scale, the FP8 forward's W operand, its scale; empty tensors for the last two with a bf16
@@ -425,11 +426,15 @@ def weight_operands(w: torch.Tensor, col_max: torch.Tensor, fwd_max, forward: st
     cuBLAS g_x GEMM (``fused._gx``, which then does not read W in backward). ``forward``
     ("fp8" / "fp8_rowwise"; "bf16": none): ``fp8_forward.weight_operand`` of w's (I, O)
     view, its scale from ``fwd_max`` (int32 bits of W's row maxima row-wise, of its column
-    maxima tensor-wise) without a reduction over W."""
+    maxima tensor-wise) without a reduction over W. ``hq=False``: the first two are
+    ``plain_weight_e4m3(w)`` instead (``e4m3_gx_backward``'s W operand)."""
     from . import fp8_forward
     e4m3 = torch.float8_e4m3fn
-    q, s = hq_weight(w, 8, e4m3=True)
-    s = s * (1.0 / 16)
+    if hq:
+        q, s = hq_weight(w, 8, e4m3=True)
+        s = s * (1.0 / 16)
+    else:
+        q, s = plain_weight_e4m3(w)
     if forward == "bf16":
         return q, s, w.new_empty((0,), dtype=e4m3), w.new_empty((0,), dtype=torch.float32)
     return (q, s, *fp8_forward.weight_operand(w.t(), forward == "fp8_rowwise",
@@ -533,6 +538,61 @@ def hla_grad_weight(g: torch.Tensor, xt: torch.Tensor, x_scale: torch.Tensor, ra
         acc = int_matmul(qg.t(), xt) if xt.dtype == torch.int8 else \
             (qg.double().t() @ xt.double()).float()
     return (acc * (sg * x_scale.float() / block)).to(out_dtype or g.dtype)
+
+
+GRAD_E4M3_FLOOR = 2.0 ** -100
+"""The smallest amax ``grad_e4m3_scale`` divides: the scale's reciprocal stays finite (a
+kernel multiplies by it), and a gradient that small quantizes to zero either way."""
+
+
+def grad_e4m3_scale(g: torch.Tensor) -> torch.Tensor:
+    """fp32 () scale of g's plain e4m3 operand: max(max |g|, 2**-100) / 448, correctly
+    rounded; NaN and inf stay (the values then quantize to 0, as ``quantize_e4m3``'s NaN)."""
+    amax = torch.linalg.vector_norm(g, float("inf"), dtype=torch.float32)
+    return (torch.clamp_min(amax, GRAD_E4M3_FLOOR).double() / E4M3_MAX).float()
+
+
+def grad_uniforms(seed, rows: int, cols: int, device=None) -> torch.Tensor:
+    """(rows, cols) uniforms of g's plain e4m3 operand, drawn channel-major (``uniform8`` of
+    the (cols, rows padded to 16) transpose), the map of ``hla_uniforms`` at 16 slots per
+    token block: the HLA kernel, whose threads own whole channels, writes this operand
+    from the same tile it projects (``hla.hla_quant(gx8=...)``)."""
+    padded = -(-int(rows) // UNIFORMS_PER_COUNTER) * UNIFORMS_PER_COUNTER
+    return uniform8(seed, cols, padded, device=device)[:, :rows].t()
+
+
+def grad_e4m3(g: torch.Tensor, seed=0, scale: torch.Tensor | None = None):
+    """g (L, C) -> (stochastic scaled e4m3 (L, C), fp32 () scale ``grad_e4m3_scale``): the
+    g_x GEMM's A operand of a layer whose g_x takes no Hadamard (``exact_gx_gemm="e4m3"``).
+    Unbiased like every stochastic operand here; one scale for the tensor, so small
+    entries keep their own e4m3 binade (3 mantissa bits) down to amax * 2**-17.8."""
+    s = grad_e4m3_scale(g) if scale is None else scale
+    u = grad_uniforms(seed, g.shape[0], g.shape[1], device=g.device)
+    return quantize_e4m3(g, per_row=False, stochastic=True, u=u, scale=s)
+
+
+def plain_weight_e4m3(w: torch.Tensor):
+    """W (O, I) -> (W^T as scaled e4m3 (I, O), fp32 (I,) scale max |W[:, i]| / 448),
+    nearest rounding: the g_x GEMM's B operand without a transform (``grad_e4m3``'s
+    partner), one scale per output column of g_x."""
+    return quantize_e4m3(w.float().t().contiguous(), per_row=True)
+
+
+def e4m3_gx_backward(g: torch.Tensor, w: torch.Tensor, xt: torch.Tensor,
+                     x_scale: torch.Tensor, rank: int, seed=0, block: int = 16, *,
+                     seq_len: int = 0, seq_first: bool = False,
+                     gw_dtype: torch.dtype | None = None):
+    """(g_x, g_W) of a layer whose g_x keeps no Hadamard nor 4-bit levels but runs on FP8:
+    g_x = ``grad_e4m3``(g) @ ``plain_weight_e4m3``(W)^T, with fp32 accumulation (the
+    products of e4m3 values are exact in fp64; the GEMM sums in fp32), and g_W as
+    ``hla_grad_weight``. Bits: g_x's from ``seed``, g_W's from ``seed + 1``."""
+    gq, gs = grad_e4m3(g, seed)
+    wq, ws = plain_weight_e4m3(w.to(g.dtype))
+    acc = (gq.double() @ wq.double().t()).float()
+    gx = (acc * gs * ws[None, :]).to(g.dtype)
+    gw = hla_grad_weight(g, xt, x_scale, rank, "1d", 8, seed + 1, block, seq_len=seq_len,
+                         seq_first=seq_first, out_dtype=gw_dtype)
+    return gx, gw
 
 
 def linear_backward(g: torch.Tensor, w: torch.Tensor, xt: torch.Tensor, x_scale: torch.Tensor,

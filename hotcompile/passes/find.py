@@ -74,6 +74,8 @@ class LinearSite:
     w_chain: Optional[list] = None  # views + cast from the fp32 parameter to W (recompute.py)
     launch: str = ""              # how its HOT kernels launch: "Inductor" or "hot:: op (why)"
     gx_kept: str = ""             # why its g_x mm stays exact while g_W is HOT's (exact_gx)
+    gx_exact: Optional[Node] = None  # that g_x mm (exact_gx_gemm="e4m3" may rewrite it)
+    gx_e4m3: bool = False         # its g_x runs on FP8 (hot::e4m3_gx_backward, rewrite.py)
     gw_fp32: bool = False         # g_W written in fp32, its cast folded (grad_cast.py)
     rewritten_gx: Optional[Node] = None
     rewritten_gw: Optional[Node] = None
@@ -349,7 +351,7 @@ def find_linear_sites(graph: Graph, config, params: Optional[Set[Node]] = None,
         if site.reason is None and site.gx is not None and site.gw is not None:
             hit = next((p for p in config.exact_gx if _matches(site.name, p)), None)
             if hit is not None:     # its g_x mm is left in the graph as it is
-                site.gx, site.gx_kept = None, f"exact_gx pattern {hit!r}"
+                site.gx_exact, site.gx, site.gx_kept = site.gx, None, f"exact_gx pattern {hit!r}"
         if site.reason is None and site.gw is not None and labels is not None:
             site.layout = labels.layout(site.x)
     _assign_keys(sites)

@@ -23,6 +23,7 @@ from typing import Dict, List, Optional, Set
 import torch
 from torch.fx import Graph, Node
 
+from ..kernels.formats import e4m3_gx_fused
 from ..runtime import rank as RANK
 from ..runtime.lqs import TABLE as LQS
 from . import cost
@@ -39,6 +40,7 @@ from .tokens import AxisLabels
 HQ_OP = torch.ops.hot.hq_grad_input.default
 HLA_OP = torch.ops.hot.hla_grad_weight.default
 UNIT_OP = torch.ops.hot.linear_backward.default
+E4M3_GX_OP = torch.ops.hot.e4m3_gx_backward.default
 SEEDS_OP = torch.ops.hot.draw_seeds.default
 SEED_SPACING = 2        # int64 seeds per op: 16-byte-aligned elements (``_share_seeds``)
 ABC_OP = torch.ops.hot.abc_compress.default
@@ -196,7 +198,21 @@ def rewrite_joint_graph(graph: Graph, config, params: Optional[Set[Node]] = None
         for s in group:
             hla_args = (s.grad, xq, xs, rank, config.gw_bits, config.block, seq, seq_first,
                         measure, config.kernels)
-            if s.gx is None:
+            why_not = _e4m3_gx_refusal(s, config, seq, seq_first)
+            if s.gx is None and s.gx_exact is not None and why_not is None:
+                # exact_gx_gemm="e4m3": g_x on FP8 with g_W, one op reading g once
+                anchor = min(s.gx_exact, s.gw, key=order.__getitem__)
+                op = add_node(graph, E4M3_GX_OP, hla_args + (
+                    _weight(graph, s, anchor, fake_mode, s.gx_exact),), before=anchor,
+                    tag="is_backward", like=s.gw, fake_mode=fake_mode)
+                s.rewritten_gw, s.gx_e4m3 = op, True
+                gx, gw = (add_node(graph, operator.getitem, (op, i), before=anchor,
+                                   tag="is_backward", like=s.gw, val=op.meta["val"][i])
+                          for i in range(2))
+                _replace(graph, s.gx_exact, gx, s.gx_t, fake_mode)
+            elif s.gx is None:
+                if s.gx_exact is not None and config.exact_gx_gemm == "e4m3":
+                    s.gx_kept += f"; exact_gx_gemm='e4m3' not applied: {why_not}"
                 gw = add_node(graph, HLA_OP, hla_args, before=s.gw, tag="is_backward",
                               like=s.gw, fake_mode=fake_mode)
                 s.rewritten_gw = gw
@@ -225,7 +241,7 @@ def rewrite_joint_graph(graph: Graph, config, params: Optional[Set[Node]] = None
     _share_seeds(graph, todo, fake_mode)
     gate_forward(todo, config)          # weight_cast needs each site's forward format
     for s in todo:
-        for old in (s.gx, s.gw):
+        for old in (s.gx, s.gw, s.gx_exact if s.gx_e4m3 else None):
             if old is not None and not old.users:
                 graph.erase_node(old)
         if s.rewritten_gw is not None:
@@ -293,14 +309,39 @@ def _share_seeds(graph: Graph, sites: List[LinearSite], fake_mode) -> None:
         n.args = tuple(n.args) + (seeds, SEED_SPACING * i)
 
 
-def _weight(graph: Graph, s: LinearSite, before: Node, fake_mode) -> Node:
+def _weight(graph: Graph, s: LinearSite, before: Node, fake_mode,
+            gx: Optional[Node] = None) -> Node:
     """W as (O, I) for the g_x op: the forward's (I, O) operand transposed back (a view),
     placed right before the op: the graph's own W for the g_x mm may come later than the
     site's first backward mm. With ``recompute_operands``, the fp32 parameter behind
-    autocast's copy, the op rounding it as it reads (``passes/recompute.py``)."""
-    wt = replay_without_cast(graph, s.w_chain, before, s.gx, fake_mode) if s.w_chain else s.wt
+    autocast's copy, the op rounding it as it reads (``passes/recompute.py``). ``gx``: the
+    g_x mm it stands in for (default ``s.gx``)."""
+    gx = gx or s.gx
+    wt = replay_without_cast(graph, s.w_chain, before, gx, fake_mode) if s.w_chain else s.wt
     return add_node(graph, aten.permute.default, (wt, [1, 0]), before=before,
-                    tag="is_backward", like=s.gx, fake_mode=fake_mode)
+                    tag="is_backward", like=gx, fake_mode=fake_mode)
+
+
+def _e4m3_gx_refusal(s: LinearSite, config, seq_len, seq_first: bool) -> Optional[str]:
+    """Why an exact_gx site's g_x does not go on FP8 (``exact_gx_gemm="e4m3"``), or None.
+    On a GPU: where ``formats.e4m3_gx_fused`` holds (elsewhere the op would keep g_x
+    exact, so the pass leaves the mm as it is and says why); on a CPU the reference twin
+    computes it."""
+    if config.exact_gx_gemm != "e4m3" or s.gx_exact is None:
+        return "exact_gx_gemm='bf16'"
+    g = s.grad.meta.get("val")
+    if not isinstance(g, torch.Tensor):
+        return "no fake value for g"
+    if g.device.type != "cuda":
+        return None
+    dims = (s.L, s.O, s.I)
+    if not all(isinstance(d, int) for d in dims) or not isinstance(seq_len, int):
+        return "sizes vary (dynamic shapes)"
+    if not e4m3_gx_fused(g.device, g.dtype, *dims, seq_len, seq_first,
+                         s.gw_format == "e4m3"):
+        return ("needs FP8 tensor cores, bf16 g, O and I multiples of 16, an e4m3 saved "
+                "activation and token blocks of 16 consecutive rows")
+    return None
 
 
 def _replace(graph: Graph, old: Node, new: Node, transposed: bool, fake_mode) -> None:

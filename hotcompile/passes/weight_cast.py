@@ -47,8 +47,19 @@ aten = torch.ops.aten
 WEIGHT_CAST_OP = torch.ops.hot.weight_cast.default
 WEIGHT_OPERANDS_OP = torch.ops.hot.weight_operands.default
 UNIT_OP = torch.ops.hot.linear_backward.default
+E4M3_GX_OP = torch.ops.hot.e4m3_gx_backward.default
 _COPY_VIEWS = LAYOUT_VIEWS | {aten.alias.default}   # W's copy, read through a transpose or alias
-_W_ARG = 10          # hot::linear_backward's w
+_W_ARG = 10          # hot::linear_backward's w, and hot::e4m3_gx_backward's
+
+
+def _w_reader(s: LinearSite) -> Optional[Node]:
+    """The site's backward op that reads W whole: its ``hot::linear_backward``, or its
+    ``hot::e4m3_gx_backward`` (``exact_gx_gemm="e4m3"``), else None."""
+    if s.rewritten_gx is not None and s.rewritten_gx.target is UNIT_OP:
+        return s.rewritten_gx
+    if s.rewritten_gw is not None and s.rewritten_gw.target is E4M3_GX_OP:
+        return s.rewritten_gw
+    return None
 
 
 def _source(n: Node) -> Node:
@@ -96,16 +107,16 @@ def own_weight_casts(graph: Graph, sites: List[LinearSite], kernels: str, fake_m
     ``spliced``: whether a site's op will be spliced (``splice.refusal``). Run after
     ``forward.gate_forward``: a weight gets row maxima where a site reading it has a
     row-wise FP8 forward."""
-    units = [s for s in sites if s.rewritten_gx is not None and s.rewritten_gx.target is UNIT_OP
-             and not s.w_chain and spliced(s.rewritten_gx)]
-    ops = {s.rewritten_gx for s in units}
-    rowwise = {_source(s.rewritten_gx.args[_W_ARG]) for s in units
+    units = [s for s in sites if _w_reader(s) is not None and not s.w_chain
+             and spliced(_w_reader(s))]
+    ops = {_w_reader(s) for s in units}
+    rowwise = {_source(_w_reader(s).args[_W_ARG]) for s in units
                if s.forward == "fp8_rowwise"}
     # weight_cast op -> (copy, column maxima, row maxima or None where not asked for)
     owned: Dict[Node, Tuple[Node, Node, Optional[Node]]] = {}
     readers: Dict[Node, List[LinearSite]] = {}      # op -> sites whose W is its copy as is
     for s in units:
-        unit = s.rewritten_gx
+        unit = _w_reader(s)
         w = unit.args[_W_ARG]
         src = _source(w)
         if src.op == "call_function" and src.target is operator.getitem \
@@ -142,20 +153,24 @@ def _weight_operands(graph: Graph, op: Node, outs, readers: List[LinearSite], ke
     maxima = {"fp8": col_max, "fp8_rowwise": row_max}
     for s in readers:
         s.w_max = maxima.get(s.forward)
-    hq = [s for s in readers if _w_in_forward(s.rewritten_gx)]
-    if not hq:
+    hq = [s for s in readers if s.rewritten_gx is not None and _w_in_forward(s.rewritten_gx)]
+    plain = [s for s in readers if s.gx_e4m3]
+    if not hq and not plain:
         return []
+    if hq:              # a weight read both ways (never seen): the plain readers make theirs
+        plain = []
     fmts = {s.forward for s in readers if s.w_max is not None}
     forward = fmts.pop() if len(fmts) == 1 else "bf16"
     after = (row_max or col_max).next                # right after the weight_cast's outputs
     wo = add_node(graph, WEIGHT_OPERANDS_OP, (copy, col_max, maxima.get(forward), forward,
-                                              kernels),
+                                              kernels, not plain),
                   before=after, tag="is_forward", like=copy, fake_mode=fake_mode)
     item = lambda i: add_node(graph, operator.getitem, (wo, i), before=after,  # noqa: E731
                               tag="is_forward", like=copy, val=wo.meta["val"][i])
     w_q, w_s = item(0), item(1)
-    for s in hq:
-        s.rewritten_gx.kwargs = {**s.rewritten_gx.kwargs, "w_q": w_q, "w_s": w_s}
+    for s in hq + plain:
+        op = _w_reader(s)
+        op.kwargs = {**op.kwargs, "w_q": w_q, "w_s": w_s}
     if forward != "bf16":
         fwd = item(2), item(3)
         for s in readers:
