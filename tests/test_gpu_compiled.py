@@ -348,3 +348,40 @@ def test_spliced_step_replays_under_cuda_graphs_with_fresh_bits():
     assert all(r.launch == "Inductor" for r in be.report.rewritten), be.report.rewritten
     assert all(torch.isfinite(t).all() for t in seen)
     assert not torch.equal(seen[1], seen[2]), "replays reused the captured rounding bits"
+
+
+def test_exact_gx_gemm_e4m3_spliced_matches_the_op_bit_for_bit():
+    """``exact_gx_gemm="e4m3"`` with fc2 in ``exact_gx``: its site is one
+    ``hot::e4m3_gx_backward`` spliced into the graph (HLA kernel writing g's e4m3 copy, the
+    FP8 g_x GEMM), its W operand from the forward's W kernel (plain, ``hq=False``), no
+    hot:: op left; gradients bit-identical to the same kernels behind hot:: ops and, for
+    x, within FP8's error of the bf16 step with fc2's g_x exact."""
+    from torch._inductor.utils import run_and_get_code
+
+    def run(splice, gemm="e4m3"):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = Block(d=256, heads=4).cuda()
+        x = torch.randn(8, 256, 256, device="cuda")
+        be = hotcompile.backend(HOTConfig(min_features=0, min_speedup=0, exclude=(),
+                                          exact_gx=("fc2",), exact_gx_gemm=gemm,
+                                          splice=splice))
+        torch.manual_seed(1)
+        return be, _grads(model, x, be)
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("no FP8 tensor cores")
+    (be, spliced), codes = run_and_get_code(run, True)
+    _, ops = run(False)
+    _, kept = run(True, "bf16")
+    rec = {r.name: r for r in be.report.layers}
+    assert rec["fc2"].gx_path.startswith("FP8 e4m3"), rec["fc2"]
+    assert rec["fc2"].launch == "Inductor" and rec["fc2"].w_operand.startswith("hot::weight_cast")
+    for a, b in zip(spliced, ops):
+        assert torch.equal(a, b)
+    assert rel(spliced[0], kept[0]) < 0.06 and not torch.equal(spliced[0], kept[0])
+    counts = _launches("\n".join(codes))
+    print("launches with fc2's g_x on FP8:", counts)
+    assert counts["hot_ops"] == 0, counts
+    assert counts["hot"]["_hla_kernel"] == 2 * 4 and counts["hot"]["_hq_token_kernel"] == 3
+    assert counts["hot"]["_hq_weight_kernel"] == 4, counts     # fc2's: the plain operand
