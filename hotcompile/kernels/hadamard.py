@@ -471,7 +471,7 @@ def _hq_weight_kernel(w_ptr, q_ptr, s_ptr, amax_ptr, f_ptr, fs_ptr, fmax_ptr, sc
                       O_pad, stride_wo, stride_wi, ldq, PHASE: tl.constexpr, BI: tl.constexpr,
                       BO: tl.constexpr, Q: tl.constexpr, FP8: tl.constexpr, E4M3: tl.constexpr,
                       INTERPRET: tl.constexpr, ROUND: tl.constexpr, FWD: tl.constexpr,
-                      ROTATE: tl.constexpr = True):
+                      ROTATE: tl.constexpr):
     """The W side of HQ (reference.hq_weight): q[i, :] = RTN(H along O of W[:, i] / s_i),
     levels (Q = 2**(bits-1) - 1) or, with E4M3, scaled FP8 (Q = 448, ``to_e4m3``).
     The stored scale is s_i * scale_mul (a power of two: exact). FWD (1: tensor-wise,
@@ -858,9 +858,7 @@ def hq_weight_quant(w: torch.Tensor, bits: int, fp8: bool = False, e4m3: bool = 
     rnd = _TL_DTYPES.get(round_to) if w.dtype == torch.float32 else None   # never an upcast
     q_max = (int(E4M3_BOUND_Q) if rotate else int(E4M3_MAX)) if e4m3 else qmax(bits)
     meta = dict(BI=bi, BO=bo, Q=q_max, FP8=fp8, E4M3=e4m3, INTERPRET=interp, ROUND=rnd, FWD=fwd,
-                num_warps=warps)
-    if not rotate:
-        meta["ROTATE"] = False
+                ROTATE=rotate, num_warps=warps)     # all named: wrap_triton fills no defaults
     if not e4m3:
         launch(_hq_weight_kernel, grid, *args, PHASE=1, **meta)
     launch(_hq_weight_kernel, grid, *args, PHASE=2, **meta)

@@ -53,7 +53,17 @@ def launch(kernel, grid, *args, **meta) -> None:
     got its own copy of the same kernel in the output code; each copy is loaded, hashed and
     given a launcher when a process starts (24 copies for Llama d4096: loading them took
     0.78 s of a warm start on the H100, 0.34-0.48 s for the 10 left). Without them, kernels
-    that differ only in their runtime scalars share one."""
+    that differ only in their runtime scalars share one.
+
+    Every parameter must be passed, defaults included: a recorded launch fills none
+    (``wrap_triton`` fails, and the op silently stays unspliced), so an eager launch that
+    leans on a default is refused here too, where the CPU tests see it."""
+    names = getattr(kernel, "arg_names", None)
+    if names is not None:
+        missing = [n for n in names[len(args):] if n not in meta]
+        if missing:
+            raise TypeError(f"launch of {getattr(kernel, '__name__', kernel)}: pass every "
+                            f"parameter (a recorded launch fills no defaults): {missing}")
     if recording_launches():
         import torch
         meta = {k: v for k, v in meta.items() if _DEFAULT_CONFIG.get(k, object()) != v}
