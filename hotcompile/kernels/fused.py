@@ -261,7 +261,7 @@ def e4m3_gx_backward(g: torch.Tensor, w: torch.Tensor, xt: torch.Tensor, x_scale
                      seq_first: bool = False, gw_dtype: torch.dtype | None = None,
                      w_q=None, w_s=None):
     """``reference.e4m3_gx_backward`` on the GPU: g's row maxima give both scales (the HLA
-    operand's ``token_block_bound`` and g's max for its plain e4m3 copy), then one HLA
+    operand's ``token_block_bound`` and the plain e4m3 copy's, one per token), then one HLA
     kernel reads g once for g_W's operand and g_x's (``hla_quant(gx8=...)``), then the two
     FP8 GEMMs. W's plain e4m3 operand comes from the forward (``w_q``, ``w_s``) or one W
     kernel here. Where ``formats.e4m3_gx_fused`` does not hold, g_x is exact (g W) and g_W
@@ -276,10 +276,9 @@ def e4m3_gx_backward(g: torch.Tensor, w: torch.Tensor, xt: torch.Tensor, x_scale
                                 out_dtype=gw_dtype))
     m = torch.linalg.vector_norm(g, float("inf"), dim=1, dtype=torch.float32)
     bound = ref.block_sum_bound(m, 16, seq_len, seq_first).reshape(1).view(torch.int32)
-    g_max = torch.amax(m, 0, keepdim=True).view(torch.int32)
     qg, sg, g8, s8 = hla.hla_quant(g, rank, "1d", 8, stochastic=True, seed=seed, seed_add=1,
                                    transposed=True, pad_to=16, e4m3=True,
-                                   scale_mul=1.0 / _FUSED_BLOCK, amax=bound, gx8=g_max,
+                                   scale_mul=1.0 / _FUSED_BLOCK, amax=bound, gx8=m,
                                    gx8_seed_add=0, **lay)
     if w_q is None:
         w_q, w_s = hadamard.hq_weight_quant(w.to(g.dtype), 8, fp8=True, e4m3=True, rotate=False)

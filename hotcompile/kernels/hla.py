@@ -134,19 +134,26 @@ def _token_rows(blk0, n_blk, S, n_sblk, stride_b, stride_s, BT: tl.constexpr):
 
 
 @triton.jit
-def _store_grad_e4m3(g8_ptr, g8s_ptr, x, tok, cols, mask, valid, first, s8, inv8, seed8, groups8,
-                     blk0, C, BT: tl.constexpr, BC: tl.constexpr, INTERPRET: tl.constexpr):
+def _store_grad_e4m3(g8_ptr, g8s_ptr, m8_ptr, x, tok, cols, mask, valid, first, seed8,
+                     groups8, blk0, C, BT: tl.constexpr, BC: tl.constexpr,
+                     INTERPRET: tl.constexpr):
     """The g_x GEMM's plain e4m3 g (``reference.grad_e4m3``) from a (BT * 16 tokens, BC)
-    tile of g as read: x / s8 stochastically rounded onto the e4m3 grid, stored row-major
-    (L, C) at ``g8_ptr``; the programs of the first channel tile store s8 for their tokens
-    (the GEMM's row scale, (L,)). The uniforms follow the channel-major map
+    tile of g as read: each token's row over its scale max(m, 2**-100) / 448 (m its row
+    maximum at ``m8_ptr``), stochastically rounded onto the e4m3 grid, stored row-major
+    (L, C) at ``g8_ptr``; the programs of the first channel tile store the scales (the
+    GEMM's row scale, (L,)). The uniforms follow the channel-major map
     (``reference.grad_uniforms``: counter c * groups8 + token // 16), so each thread's
-    come from the counters of its own channels, as the HLA operand's do."""
+    come from the counters of its own channels, as the HLA operand's do. The floor keeps
+    each reciprocal finite, so the quotient's Markstein step holds (an inf or NaN row max
+    gives NaN quotients, stored as 0 like the reference's)."""
+    m = tl.load(m8_ptr + tok, mask=valid, other=1.0).to(tl.int32, bitcast=True)
+    s8 = scale_from_amax_bits(tl.maximum(m, _G8_FLOOR_BITS), 448)
+    inv8 = tl.math.div_rn(1.0, s8)
     u = tl.trans(philox_uniform8(seed8, cols, blk0 * 16, groups8, BT * 16))   # (BT*16, BC)
-    q = to_e4m3(x, s8, inv8, INTERPRET, INTERPRET, u, True)
+    q = to_e4m3(x, s8[:, None], inv8[:, None], INTERPRET, INTERPRET, u, True)
     tl.store(g8_ptr + tok[:, None] * C + cols[None, :], q, mask=mask)
     if first:
-        tl.store(g8s_ptr + tok, tl.zeros((BT * 16,), tl.float32) + s8, mask=valid)
+        tl.store(g8s_ptr + tok, s8, mask=valid)
 
 
 @triton.jit
@@ -154,7 +161,7 @@ def _load_project(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C, st
                   BT: tl.constexpr, BC: tl.constexpr,
                   RP: tl.constexpr, RANK: tl.constexpr, KEPT: tl.constexpr, CPT: tl.constexpr,
                   FLAT: tl.constexpr = False, EVEN_C: tl.constexpr = False,
-                  G8: tl.constexpr = False, g8_ptr=0, g8s_ptr=0, s8=1.0, inv8=1.0, seed8=0,
+                  G8: tl.constexpr = False, g8_ptr=0, g8s_ptr=0, m8_ptr=0, seed8=0,
                   groups8=0, INTERPRET: tl.constexpr = False):
     """Blocks blk0 .. blk0+BT-1 of 16 neighbouring tokens, channels col0 .. col0+BC-1,
     projected onto the kept rows: a (BT, BC, RP) fp32 tile, coefficients last (entries
@@ -178,8 +185,8 @@ def _load_project(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C, st
         mask = valid[:, None] & (cols < C)[None, :]
     x = tl.load(x_ptr + tok[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
     if G8:
-        _store_grad_e4m3(g8_ptr, g8s_ptr, x.to(tl.float32), tok, cols, mask, valid, col0 == 0,
-                         s8, inv8, seed8, groups8, blk0, C, BT, BC, INTERPRET)
+        _store_grad_e4m3(g8_ptr, g8s_ptr, m8_ptr, x.to(tl.float32), tok, cols, mask, valid,
+                         col0 == 0, seed8, groups8, blk0, C, BT, BC, INTERPRET)
     x = tl.permute(tl.reshape(x.to(tl.float32), (BT, 16, BC)), (0, 2, 1))   # token axis last
     y = gather_kept(fwht16(tl.reshape(x, (BT * BC, 16))), RP, RANK, KEPT)
     return tl.reshape(y, (BT, BC, RP))
@@ -240,7 +247,7 @@ def _hla_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, seed_ptr, seed_add, scale_mul, S,
                 KEPT: tl.constexpr, Q: tl.constexpr, STOCHASTIC: tl.constexpr,
                 TRANSPOSED: tl.constexpr, INTERPRET: tl.constexpr, E4M3: tl.constexpr,
                 CPT: tl.constexpr, FLAT: tl.constexpr, EVEN_C: tl.constexpr,
-                BOUND: tl.constexpr, G8: tl.constexpr, g8_ptr, g8s_ptr, g8_amax_ptr, g8_seed_add,
+                BOUND: tl.constexpr, G8: tl.constexpr, g8_ptr, g8s_ptr, g8_max_ptr, g8_seed_add,
                 STEP: tl.constexpr = 0):
     """One tile of BT token blocks x BC channels per program (phase 2: ``_phase2_tiles``).
 
@@ -252,7 +259,7 @@ def _hla_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, seed_ptr, seed_add, scale_mul, S,
     (``hadamard.input_max_bits``). g's e4m3 operand also runs phase 2 alone, ``amax_ptr``
     holding its ``reference.token_block_bound`` (an fp32 word, used as it is). ``G8`` (g's
     stochastic e4m3 operand only): the same read of g also writes the g_x GEMM's plain
-    e4m3 g (``_store_grad_e4m3``), its scale from max |g| at ``g8_amax_ptr``
+    e4m3 g (``_store_grad_e4m3``), its scales from g's row maxima at ``g8_max_ptr``
     (``reference.grad_e4m3_scale``), its bits from the seed + ``g8_seed_add``.
     """
     pid = tl.program_id(0)
@@ -265,15 +272,10 @@ def _hla_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, seed_ptr, seed_add, scale_mul, S,
         tl.atomic_max(amax_ptr, tl.max(tl.where(keep, abs_bits(v), 0)))
     else:
         seed8 = 0
-        s8 = 1.0
-        inv8 = 1.0
         if STOCHASTIC:
             seed = tl.load(seed_ptr) + seed_add
             if G8:
                 seed8 = seed - seed_add + g8_seed_add
-                s8 = scale_from_amax_bits(tl.maximum(tl.load(g8_amax_ptr), _G8_FLOOR_BITS),
-                                          448)
-                inv8 = tl.math.div_rn(1.0, s8)
         else:   # nearest rounding: no seed (callers pass any pointer)
             seed = 0
         amax = tl.load(amax_ptr)
@@ -288,12 +290,12 @@ def _hla_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, seed_ptr, seed_add, scale_mul, S,
             _phase2_tiles(x_ptr, q_ptr, s, inv_s, seed, pid, n_tiles, n_ct, S, n_sblk, stride_b,
                           stride_s, C, stride_x, ldq, n_blk, groups_per_row, BT, BC, RP, RANK,
                           KEPT, Q, STOCHASTIC, TRANSPOSED, INTERPRET, False, E4M3, CPT, FLAT,
-                          EVEN_C, STEP, G8, g8_ptr, g8s_ptr, s8, inv8, seed8, n_blk)
+                          EVEN_C, STEP, G8, g8_ptr, g8s_ptr, g8_max_ptr, seed8, n_blk)
         else:
             _phase2_tiles(x_ptr, q_ptr, s, inv_s, seed, pid, n_tiles, n_ct, S, n_sblk, stride_b,
                           stride_s, C, stride_x, ldq, n_blk, groups_per_row, BT, BC, RP, RANK,
                           KEPT, Q, STOCHASTIC, TRANSPOSED, INTERPRET, True, E4M3, CPT, FLAT,
-                          EVEN_C, STEP, G8, g8_ptr, g8s_ptr, s8, inv8, seed8, n_blk)
+                          EVEN_C, STEP, G8, g8_ptr, g8s_ptr, g8_max_ptr, seed8, n_blk)
 
 
 @triton.jit
@@ -303,7 +305,7 @@ def _phase2_tiles(x_ptr, q_ptr, s, inv_s, seed, pid, n_tiles, n_ct, S, n_sblk, s
                   Q: tl.constexpr, STOCHASTIC: tl.constexpr, TRANSPOSED: tl.constexpr,
                   INTERPRET: tl.constexpr, IEEE_DIV: tl.constexpr, E4M3: tl.constexpr,
                   CPT: tl.constexpr, FLAT: tl.constexpr, EVEN_C: tl.constexpr,
-                  STEP: tl.constexpr, G8: tl.constexpr, g8_ptr, g8s_ptr, s8, inv8, seed8,
+                  STEP: tl.constexpr, G8: tl.constexpr, g8_ptr, g8s_ptr, m8_ptr, seed8,
                   groups8):
     """Phase 2's tile(s) of this program, in reverse order: the tiles phase 1 read last
     come first (L2). The grid covers every tile, so the loop runs once; written as a loop
@@ -316,7 +318,7 @@ def _phase2_tiles(x_ptr, q_ptr, s, inv_s, seed, pid, n_tiles, n_ct, S, n_sblk, s
         if STEP == 0 or STEP == BT:
             v = _load_project(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C,
                               stride_x, BT, BC, RP, RANK, KEPT, CPT, FLAT, EVEN_C, G8, g8_ptr,
-                              g8s_ptr, s8, inv8, seed8, groups8, INTERPRET)
+                              g8s_ptr, m8_ptr, seed8, groups8, INTERPRET)
             _quantize_store_tile(q_ptr, v, s, inv_s, seed, blk0, col0, n_blk, C, ldq,
                                  groups_per_row, BT, BC, RP, RANK, Q, STOCHASTIC, TRANSPOSED,
                                  INTERPRET, IEEE_DIV, E4M3)
@@ -324,7 +326,7 @@ def _phase2_tiles(x_ptr, q_ptr, s, inv_s, seed, pid, n_tiles, n_ct, S, n_sblk, s
             for i in tl.range(0, BT, STEP, num_stages=1):
                 v = _load_project(x_ptr, blk0 + i, col0, n_blk, S, n_sblk, stride_b, stride_s,
                                   C, stride_x, STEP, BC, RP, RANK, KEPT, CPT, FLAT, EVEN_C,
-                                  G8, g8_ptr, g8s_ptr, s8, inv8, seed8, groups8, INTERPRET)
+                                  G8, g8_ptr, g8s_ptr, m8_ptr, seed8, groups8, INTERPRET)
                 _quantize_store_tile(q_ptr, v, s, inv_s, seed, blk0 + i, col0, n_blk, C, ldq,
                                      groups_per_row, STEP, BC, RP, RANK, Q, STOCHASTIC,
                                      TRANSPOSED, INTERPRET, IEEE_DIV, E4M3)
@@ -496,11 +498,10 @@ def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic:
     caller has it (``token_block_bound_bits`` from the HQ kernel's row maxima), else a torch
     reduction here.
 
-    ``gx8`` (g's stochastic e4m3 operand only, blocks that are row runs): max |x| as int32
-    bits (``hadamard.input_amax_bits``); the same read of x then also writes
-    ``reference.grad_e4m3``(x, seed + ``gx8_seed_add``), and the return is (levels, scale,
-    that (L, C) e4m3 operand, its scale repeated per row (L,): the row scale of a row-wise
-    scaled GEMM).
+    ``gx8`` (g's stochastic e4m3 operand only, blocks that are row runs): x's row maxima,
+    fp32 (L,); the same read of x then also writes ``reference.grad_e4m3``(x, seed +
+    ``gx8_seed_add``), and the return is (levels, scale, that (L, C) e4m3 operand, its
+    (L,) scales: the row scale of a row-wise scaled GEMM).
     """
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -554,11 +555,11 @@ def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic:
         g8 = torch.empty((L, C), dtype=torch.float8_e4m3fn, device=dev)
         s8 = torch.empty((L,), dtype=torch.float32, device=dev)
         launch(_hla_kernel, grid, *args, PHASE=2, **meta, G8=True, g8_ptr=g8, g8s_ptr=s8,
-               g8_amax_ptr=gx8, g8_seed_add=int(gx8_seed_add))
+               g8_max_ptr=gx8, g8_seed_add=int(gx8_seed_add))
         return q, s, g8, s8
     # every argument named (a recorded launch, wrap_triton, fills no defaults): the unread
     # e4m3 copy's pointers stand in as amax
-    meta.update(G8=False, g8_ptr=amax, g8s_ptr=amax, g8_amax_ptr=amax, g8_seed_add=0)
+    meta.update(G8=False, g8_ptr=amax, g8s_ptr=amax, g8_max_ptr=amax, g8_seed_add=0)
     if not e4m3:
         launch(_hla_kernel, grid, *args, PHASE=1, **meta)
     launch(_hla_kernel, grid, *args, PHASE=2, **meta)

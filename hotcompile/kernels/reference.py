@@ -546,9 +546,15 @@ kernel multiplies by it), and a gradient that small quantizes to zero either way
 
 
 def grad_e4m3_scale(g: torch.Tensor) -> torch.Tensor:
-    """fp32 () scale of g's plain e4m3 operand: max(max |g|, 2**-100) / 448, correctly
-    rounded; NaN and inf stay (the values then quantize to 0, as ``quantize_e4m3``'s NaN)."""
-    amax = torch.linalg.vector_norm(g, float("inf"), dtype=torch.float32)
+    """fp32 (L,) scales of g's plain e4m3 operand, one per token: max(max_c |g[t, c]|,
+    2**-100) / 448, correctly rounded; NaN and inf stay (that row's values then quantize
+    to 0, as ``quantize_e4m3``'s NaN).
+
+    Why per token, not per tensor: one scale for the tensor put a confident token's whole
+    row (all of it far below the batch's largest gradient) into e4m3's subnormals, and
+    the byte-level GPT gate read +21.7% (H200, 2026-11-29, 35th stop); per token, each
+    row's largest value maps to 448."""
+    amax = torch.linalg.vector_norm(g, float("inf"), dim=1, dtype=torch.float32)
     return (torch.clamp_min(amax, GRAD_E4M3_FLOOR).double() / E4M3_MAX).float()
 
 
@@ -562,13 +568,14 @@ def grad_uniforms(seed, rows: int, cols: int, device=None) -> torch.Tensor:
 
 
 def grad_e4m3(g: torch.Tensor, seed=0, scale: torch.Tensor | None = None):
-    """g (L, C) -> (stochastic scaled e4m3 (L, C), fp32 () scale ``grad_e4m3_scale``): the
-    g_x GEMM's A operand of a layer whose g_x takes no Hadamard (``exact_gx_gemm="e4m3"``).
-    Unbiased like every stochastic operand here; one scale for the tensor, so small
-    entries keep their own e4m3 binade (3 mantissa bits) down to amax * 2**-17.8."""
+    """g (L, C) -> (stochastic scaled e4m3 (L, C), fp32 (L,) scales ``grad_e4m3_scale``):
+    the g_x GEMM's A operand of a layer whose g_x takes no Hadamard
+    (``exact_gx_gemm="e4m3"``). Unbiased like every stochastic operand here; a scale per
+    token, so a row's small entries keep their own e4m3 binade (3 mantissa bits) down to
+    its max * 2**-12.8 and reach the subnormals below."""
     s = grad_e4m3_scale(g) if scale is None else scale
     u = grad_uniforms(seed, g.shape[0], g.shape[1], device=g.device)
-    return quantize_e4m3(g, per_row=False, stochastic=True, u=u, scale=s)
+    return quantize_e4m3(g, per_row=True, stochastic=True, u=u, scale=s)
 
 
 def plain_weight_e4m3(w: torch.Tensor):
@@ -589,7 +596,7 @@ def e4m3_gx_backward(g: torch.Tensor, w: torch.Tensor, xt: torch.Tensor,
     gq, gs = grad_e4m3(g, seed)
     wq, ws = plain_weight_e4m3(w.to(g.dtype))
     acc = (gq.double() @ wq.double().t()).float()
-    gx = (acc * gs * ws[None, :]).to(g.dtype)
+    gx = (acc * gs[:, None] * ws[None, :]).to(g.dtype)
     gw = hla_grad_weight(g, xt, x_scale, rank, "1d", 8, seed + 1, block, seq_len=seq_len,
                          seq_first=seq_first, out_dtype=gw_dtype)
     return gx, gw
