@@ -73,10 +73,14 @@ class HOTConfig:
     768 -> 50257 and ViT's heads no).
     exact_gx_gemm: the g_x GEMM of the layers named in ``exact_gx``: ``bf16`` (default: as
     Inductor compiles it) or ``e4m3``: no Hadamard and no 4-bit levels, but g stochastically
-    rounded to e4m3 with one scale (unbiased; written by the layer's HLA kernel from the
-    read of g it makes anyway), W^T rounded to e4m3 per column, the FP8 GEMM with fp32
-    accumulation (``reference.e4m3_gx_backward``). Where the GPU and shapes allow it
-    (``formats.e4m3_gx_fused``); the report says per site.
+    rounded to e4m3 with a scale per token (unbiased; written by the layer's HLA kernel
+    from the read of g it makes anyway), W^T rounded to e4m3 per column, the FP8 GEMM with
+    fp32 accumulation (``reference.e4m3_gx_backward``), where the GPU and shapes allow it
+    (``formats.e4m3_gx_fused``; the report says per site). Not the default: beside the FP8
+    forward it made Llama d4096 1.353x Inductor against 1.329x without it and torchao's
+    1.330x (H200; one scale per tensor then, whose copy cost 0.3 ms less), but the
+    byte-level GPT gate read +0.36 / +1.65 / +0.85% over 3 seeds (words +0.18 / +0.54 /
+    -0.01%): one seed past 1% (docs/BENCHMARKS.md, 35th stop).
     min_features: a linear with in- or out-features below this stays exact (too small to win).
     min_speedup: the cost gate (``passes/cost.py``): on a GPU, a site is rewritten only when
     its predicted exact backward time is at least this multiple of HOT's (1.0: never

@@ -1107,3 +1107,24 @@ def test_site_backward_launch_budget(monkeypatch):
     # W's column maxima (its e4m3 scale); two GEMMs. No zeroing: the bound's word is
     # zeroed by the HQ kernel.
     assert mode.ops == ["linalg_vector_norm", "_scaled_mm", "_scaled_mm"], mode.ops
+
+
+@cpu
+def test_a_launch_must_name_every_parameter(poison):
+    """``launch`` refuses a call that leaves a kernel parameter to its default: a recorded
+    launch (``wrap_triton``, the splice) fills none, so the site's op would silently stay
+    unspliced on the GPU (35th stop: the e4m3 copy's new parameters did that to every
+    site). Named, the same call runs."""
+    import triton
+    from hotcompile.kernels.launch import launch
+
+    @triton.jit
+    def _fill(x_ptr, n, V: tl.constexpr = 3.0):
+        i = tl.arange(0, 16)
+        tl.store(x_ptr + i, tl.zeros((16,), tl.float32) + V, mask=i < n)
+
+    x = torch.empty(16)
+    with pytest.raises(TypeError, match=r"pass every parameter.*\['V'\]"):
+        launch(_fill, (1,), x, 16)
+    launch(_fill, (1,), x, 16, V=2.0)
+    assert torch.equal(x, torch.full((16,), 2.0))

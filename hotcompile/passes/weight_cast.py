@@ -21,8 +21,12 @@ bench/results/kernel_ab_2026-11-27T043458). Elsewhere an FP8 site gets W's maxim
 (``site.w_max``): the column maxima's max for a tensor-wise scale, the row maxima for a
 row-wise one, so its cast is one pointwise read of the copy, not a reduction and a read.
 
+The same holds for a ``hot::e4m3_gx_backward`` site (``exact_gx_gemm="e4m3"``): its
+``hot::weight_operands(hq=False)`` writes the plain e4m3 W^T its FP8 g_x reads.
+
 A cast is taken over only where that is all it changes: the site's backward is one
-``hot::linear_backward`` op reading the copy through views that keep its (O, I) layout, and
+``hot::linear_backward`` (or ``hot::e4m3_gx_backward``) op reading the copy through views
+that keep its (O, I) layout, and
 that op will be spliced (``spliced``: its W operand then comes from forward values only;
 an opaque op would read the copy in backward, and the partitioner keeps our op's copy, 2
 bytes per weight, where it recomputes a cast); the copy comes from an fp32 graph input,
