@@ -497,21 +497,25 @@ def test_weight_casts_stay_autocasts_where_the_op_is_not_spliced():
     assert all(r.w_operand == "" for r in be.report.rewritten)
 
 
+def _mlp_grads(x, config):
+    """(report, backward graphs, (x's, fc1's and fc2's weight gradients)) of one compiled
+    MLP step from the same initial weights."""
+    torch._dynamo.reset()
+    torch.manual_seed(1)
+    m = MLP()
+    report, fw, bw = run_step(m, x, config)
+    g = (x.grad.clone(), m.fc1.weight.grad.clone(), m.fc2.weight.grad.clone())
+    x.grad = None
+    return report, bw, g
+
+
 def test_exact_gx_keeps_a_layers_input_gradient_and_rewrites_its_weight_gradient():
     """``exact_gx``: the named layer's g_x GEMM stays in the graph as Inductor would compile
     it (so every gradient below it is the exact one), while its g_W is HLA's and its x is
     saved compressed; the report says why its g_x is exact."""
     torch.manual_seed(0)
     x = torch.randn(4, 32, 64, requires_grad=True)
-
-    def grads(config):
-        torch._dynamo.reset()
-        torch.manual_seed(1)
-        m = MLP()
-        report, fw, bw = run_step(m, x, config)
-        g = (x.grad.clone(), m.fc1.weight.grad.clone(), m.fc2.weight.grad.clone())
-        x.grad = None
-        return report, bw, g
+    grads = lambda config: _mlp_grads(x, config)  # noqa: E731
 
     cfg = dict(min_features=0, exclude=(), include=("fc2",))
     report, bw, (gx, gw1, gw2) = grads(HOTConfig(**cfg, exact_gx=("fc2",)))
@@ -538,15 +542,7 @@ def test_exact_gx_gemm_e4m3_puts_the_kept_g_x_on_fp8():
     says so; a bad value names the field."""
     torch.manual_seed(0)
     x = torch.randn(4, 32, 64, requires_grad=True)
-
-    def grads(config):
-        torch._dynamo.reset()
-        torch.manual_seed(1)
-        m = MLP()
-        report, fw, bw = run_step(m, x, config)
-        g = (x.grad.clone(), m.fc1.weight.grad.clone(), m.fc2.weight.grad.clone())
-        x.grad = None
-        return report, bw, g
+    grads = lambda config: _mlp_grads(x, config)  # noqa: E731
 
     cfg = dict(min_features=0, exclude=(), include=("fc2",), exact_gx=("fc2",))
     report, bw, (gx, gw1, gw2) = grads(HOTConfig(**cfg, exact_gx_gemm="e4m3"))
