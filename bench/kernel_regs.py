@@ -128,7 +128,8 @@ def kernels_for(L: int, I: int, O: int, rank: int):
                           "fmax_ptr": "*i32" if fwd else w_type},
                          dict(PHASE=phase, BI=wbi, BO=wbo,
                               Q=448 if e4m3 else 127, FP8=False, E4M3=e4m3, INTERPRET=False,
-                              ROUND=H.tl.bfloat16 if param else None, FWD=fwd), wwarps))
+                              ROUND=H.tl.bfloat16 if param else None, FWD=fwd, ROTATE=True),
+                         wwarps))
     for what, C, stochastic in (("hla g", O, True), ("abc x", I, False)):
         for e4m3 in (False, True):     # int8 levels (INT8 GEMM) or scaled e4m3 (cuBLAS FP8)
             rp = hla._pow2_at_least(rank)
@@ -137,16 +138,25 @@ def kernels_for(L: int, I: int, O: int, rank: int):
             if stochastic and e4m3:      # g's operand: blocks in steps (hla._stepped_blocks)
                 bt, step = hla._stepped_blocks(bt, rp)
             ptrs = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv" if e4m3 else "*i8", "s_ptr": "*fp32",
-                    "amax_ptr": "*i32", "seed_ptr": "*i64"}
+                    "amax_ptr": "*i32", "seed_ptr": "*i64", "g8_ptr": "*i32", "g8s_ptr": "*i32",
+                    "g8_max_ptr": "*i32"}
             bound = e4m3 and not stochastic     # the saved x's bound scale: phase 2 alone
-            for phase in (2,) if bound else (1, 2):
-                rows.append((f"{what}{' e4m3' if e4m3 else ''} p{phase}", hla._hla_kernel, ptrs,
+            # g's e4m3 operand also with the plain e4m3 copy of g (exact_gx_gemm="e4m3")
+            copies = (False, True) if stochastic and e4m3 else (False,)
+            for phase, g8 in [(p, c) for p in ((2,) if bound else (1, 2)) for c in copies
+                              if p == 2 or not c]:
+                if g8:
+                    bt, step = hla._stepped_blocks(bt, rp, copy=True)
+                rows.append((f"{what}{' e4m3' if e4m3 else ''}{' + e4m3 copy' if g8 else ''} "
+                             f"p{phase}", hla._hla_kernel,
+                             {**ptrs, **({"g8_ptr": "*fp8e4nv", "g8s_ptr": "*fp32",
+                                          "g8_max_ptr": "*fp32"} if g8 else {})},
                              dict(PHASE=phase, BT=bt, BC=bcc, RP=hla._pow2_at_least(rank),
                                   RANK=rank, KEPT=hla._packed_rows(rank, "1d"),
                                   Q=(28 if bound else 448) if e4m3 else 127,
                                   STOCHASTIC=stochastic, TRANSPOSED=stochastic or e4m3,
                                   INTERPRET=False, E4M3=e4m3, CPT=cpt, FLAT=True,
-                                  EVEN_C=C % bcc == 0, BOUND=bound, STEP=step),
+                                  EVEN_C=C % bcc == 0, BOUND=bound, STEP=step, G8=g8),
                              warps))
     bt, bcc, warps, hr = grad_out.tile_shape(o_pad, False)
     for phase in (1, 2):

@@ -271,13 +271,11 @@ def _hla_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, seed_ptr, seed_add, scale_mul, S,
         keep = (tl.arange(0, RP) < RANK)[None, None, :]
         tl.atomic_max(amax_ptr, tl.max(tl.where(keep, abs_bits(v), 0)))
     else:
-        seed8 = 0
         if STOCHASTIC:
             seed = tl.load(seed_ptr) + seed_add
-            if G8:
-                seed8 = seed - seed_add + g8_seed_add
         else:   # nearest rounding: no seed (callers pass any pointer)
             seed = 0
+        seed8 = seed - seed_add + g8_seed_add    # the e4m3 copy's key (read only under G8)
         amax = tl.load(amax_ptr)
         if BOUND:
             amax = input_max_bits(amax, x_ptr.dtype.element_ty)
@@ -431,7 +429,7 @@ def _tile_shape(C: int, interp: bool, rp: int = 16,
     return 1, 256 * warps, warps, 8
 
 
-def _stepped_blocks(bt: int, rp: int) -> tuple[int, int]:
+def _stepped_blocks(bt: int, rp: int, copy: bool = False) -> tuple[int, int]:
     """(BT, STEP) of g's stochastic e4m3 operand: a program covers at least 4 token blocks
     (64 tokens), ``bt`` blocks (``_tile_shape``'s: a 32-byte run per channel) at a time.
 
@@ -443,7 +441,14 @@ def _stepped_blocks(bt: int, rp: int) -> tuple[int, int]:
     ViT's widths (``hla_step_2026-11-26T1931_h100``, ``..T1933_h100_r16``); at rank 8 the
     4-block tile is already one step (the fastest there). ``HOT_HLA_BT`` (tuning) runs as
     one step; ``HOT_HLA_STEP="BT,STEP"`` sets both (tuning: ``bench/hla_tile_sweep.py``).
-    The levels do not depend on the tile (Philox counters follow the element)."""
+    The levels do not depend on the tile (Philox counters follow the element).
+
+    ``copy`` (the kernel also writes g's plain e4m3 copy, ``gx8``): steps of the fewest
+    blocks a counter allows, at least 2: at rank 8 the one 4-block step spilled 1592 bytes
+    a thread with the copy's values live beside it (``bench/kernel_regs.py``, sm_90a);
+    2-block steps do not spill (rank 16's default already steps by 2)."""
+    if copy and "HOT_HLA_STEP" not in os.environ and "HOT_HLA_BT" not in os.environ:
+        return max(bt, 4), max(2, ref.UNIFORMS_PER_COUNTER // rp)
     if "HOT_HLA_STEP" in os.environ:
         total, step = (int(v) for v in os.environ["HOT_HLA_STEP"].split(","))
         per_counter = max(1, ref.UNIFORMS_PER_COUNTER // rp)
@@ -536,7 +541,7 @@ def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic:
     bt, bc, warps, cpt = _tile_shape(C, interpreting(), rp, channel_major)
     step = 0
     if stochastic and e4m3:
-        bt, step = _stepped_blocks(bt, rp)
+        bt, step = _stepped_blocks(bt, rp, copy=gx8 is not None)
     grid = (triton.cdiv(n_blk, bt) * triton.cdiv(C, bc),)
     meta = dict(BT=bt, BC=bc, RP=rp, RANK=rank, KEPT=_packed_rows(rank, select),
                 Q=(int(ref.E4M3_BOUND_Q) if bound else 448) if e4m3 else 2 ** (bits - 1) - 1,
