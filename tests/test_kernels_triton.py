@@ -378,7 +378,8 @@ def test_plain_w_operand_is_its_twin(poison, forward, O, I):
     """``weight_operands(hq=False)``: W^T in e4m3 per column with no transform
     (``reference.plain_weight_e4m3``, the g_x operand of ``exact_gx_gemm="e4m3"``) and the
     FP8 forward's W from the same read, bit-equal to the reference; ``hq_weight_quant``'s
-    ``rotate=False`` alone gives the same; a NaN column's scale is NaN."""
+    ``rotate=False`` alone gives the same, also from an fp32 parameter rounded as it is
+    read (``e4m3_gx_backward`` under ``recompute_operands``); a NaN column's scale is NaN."""
     w, m, r = _weight_copy(O, I)
     fwd_max = r if forward == "fp8_rowwise" else None
     got = F.weight_operands(w, m, fwd_max, forward, hq=False)
@@ -387,6 +388,10 @@ def test_plain_w_operand_is_its_twin(poison, forward, O, I):
     _operands_equal(got[:2], (q, s))
     _operands_equal(got[:2], H.hq_weight_quant(w, 8, fp8=True, e4m3=True, rotate=False))
     assert rel(q.float() * s[:, None], w.float().t()) < 0.05
+    wf = w.float() * (1 + 1e-3 * torch.rand(O, I))       # bits below bf16's mantissa
+    _operands_equal(H.hq_weight_quant(wf, 8, fp8=True, e4m3=True, rotate=False,
+                                      round_to=torch.bfloat16),   # as if given the bf16 copy
+                    H.hq_weight_quant(wf.bfloat16(), 8, fp8=True, e4m3=True, rotate=False))
     w[3, 2] = float("nan")
     q, s = H.hq_weight_quant(w, 8, fp8=True, e4m3=True, rotate=False)
     assert torch.isnan(s[2]) and not torch.isnan(s[3])

@@ -271,7 +271,7 @@ def e4m3_gx_backward(g: torch.Tensor, w: torch.Tensor, xt: torch.Tensor, x_scale
     if block != _FUSED_BLOCK or g.numel() == 0 or w.numel() == 0 or xt.numel() == 0 \
             or not formats.e4m3_gx_fused(g.device, g.dtype, L, O, w.shape[1], seq_len,
                                          seq_first, xt.dtype == torch.float8_e4m3fn):
-        return ((g @ w.to(g.dtype)).to(g.dtype),
+        return (g @ w.to(g.dtype),
                 hla_grad_weight(g, xt, x_scale, rank, "1d", 8, seed + 1, block, **lay,
                                 out_dtype=gw_dtype))
     m = torch.linalg.vector_norm(g, float("inf"), dim=1, dtype=torch.float32)
@@ -281,7 +281,8 @@ def e4m3_gx_backward(g: torch.Tensor, w: torch.Tensor, xt: torch.Tensor, x_scale
                                    scale_mul=1.0 / _FUSED_BLOCK, amax=bound, gx8=m,
                                    gx8_seed_add=0, **lay)
     if w_q is None:
-        w_q, w_s = hadamard.hq_weight_quant(w.to(g.dtype), 8, fp8=True, e4m3=True, rotate=False)
+        w_q, w_s = hadamard.hq_weight_quant(w, 8, fp8=True, e4m3=True, rotate=False,
+                                            round_to=g.dtype)
     gx = gemm.cublas_fp8_mm(g8, w_q, s8, w_s, g.dtype, fast_accum=False)
     gw = _gw(g, xt, x_scale, rank, "1d", 8, seed, lay, qg=(qg, sg), out_dtype=gw_dtype)
     return gx, gw

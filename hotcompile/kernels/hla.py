@@ -33,6 +33,7 @@ a few per million); the scale and every other level are equal.
 """
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -46,7 +47,8 @@ from .hadamard import (abs_bits, fwht16, input_amax_bits, input_max_bits, interp
                        seed_pointer, to_e4m3)
 
 
-_G8_FLOOR_BITS = tl.constexpr((127 - 100) << 23)   # fp32 bits of reference.GRAD_E4M3_FLOOR
+# reference.GRAD_E4M3_FLOOR's fp32 bits (a power of two: its exponent field alone)
+_G8_FLOOR_BITS = tl.constexpr((127 + math.frexp(ref.GRAD_E4M3_FLOOR)[1] - 1) << 23)
 
 
 @triton.jit

@@ -198,8 +198,8 @@ def rewrite_joint_graph(graph: Graph, config, params: Optional[Set[Node]] = None
         for s in group:
             hla_args = (s.grad, xq, xs, rank, config.gw_bits, config.block, seq, seq_first,
                         measure, config.kernels)
-            why_not = _e4m3_gx_refusal(s, config, seq, seq_first)
-            if s.gx is None and s.gx_exact is not None and why_not is None:
+            why_not = _e4m3_gx_refusal(s, config, seq, seq_first) if s.gx is None else "HQ"
+            if why_not is None:
                 # exact_gx_gemm="e4m3": g_x on FP8 with g_W, one op reading g once
                 anchor = min(s.gx_exact, s.gw, key=order.__getitem__)
                 op = add_node(graph, E4M3_GX_OP, hla_args + (
@@ -328,7 +328,7 @@ def _e4m3_gx_refusal(s: LinearSite, config, seq_len, seq_first: bool) -> Optiona
     exact, so the pass leaves the mm as it is and says why); on a CPU the reference twin
     computes it."""
     if config.exact_gx_gemm != "e4m3" or s.gx_exact is None:
-        return "exact_gx_gemm='bf16'"
+        return "exact_gx_gemm='bf16', or not an exact_gx site"
     g = s.grad.meta.get("val")
     if not isinstance(g, torch.Tensor):
         return "no fake value for g"
