@@ -4,15 +4,15 @@ default (g_x exact in bf16): the whole site, its parts, and g_x's error.
 Why: the head's g_x (Llama: 8192 x 32000 -> 4096) is the one bf16 GEMM left in a step with
 the FP8 forward (2.58 ms of 40.6 on the H200, 34th stop). Three earlier tries lost what
 the GEMM saved to extra passes over g (21st and 22nd stops, docs/BENCHMARKS.md). Here the
-HLA kernel, which reads g anyway for g_W, writes g's stochastic e4m3 copy from the same
-read (``hla.hla_quant(gx8=...)``), and W's plain e4m3 operand comes from the forward's W
-kernel (``weight_operands(hq=False)``). Timed on a synthetic logit-like g_y (softmax
-minus one-hot, over the batch), medians of CUDA events:
+per-token kernel writes g's stochastic e4m3 copy (a scale per token) and g's row maxima
+from one read (``hadamard.grad_e4m3``): the maxima give the HLA operand's bound, which the
+exact site computes by a reduction over g anyway. W's plain e4m3 operand comes from the
+forward's W kernel (``weight_operands(hq=False)``). Timed on a synthetic logit-like g_y
+(softmax minus one-hot, over the batch), medians of CUDA events:
 
 * ``site``: exact g_x + ``hla_grad_weight`` vs ``e4m3_gx_backward`` (W's operand given),
-  as eager ops (the torch reductions for the scales run as their own kernels here; in a
-  compiled graph Inductor fuses them with g's producer);
-* the HLA kernel without and with the e4m3 copy;
+  as eager ops;
+* the HLA kernel; g's row-max reduction (the exact site's bound); the copy's kernel;
 * the g_x GEMM: bf16, row-wise FP8 with fp32 and with fast accumulation (the last failed
   the word-level LM gate at the 22nd stop: +11%; not used);
 * W's forward kernel writing the HQ operand vs the plain one (with the row-wise forward's).
@@ -85,12 +85,13 @@ def main() -> None:
     a_ms = row("site: exact g_x + HLA g_W", site_exact, site_exact()[0])
     b_ms = row("site: e4m3_gx_backward", site_e4m3, site_e4m3()[0])
     bound = R.token_block_bound(g, 16, S).reshape(1).view(torch.int32)
-    amax = H.input_amax_bits(g)
     kw = dict(stochastic=True, seed=seed, seed_add=1, transposed=True, pad_to=16, e4m3=True,
               scale_mul=1 / 16, seq_len=S, amax=bound)
     row("HLA g kernel", lambda: HL.hla_quant(g, 16, "1d", 8, **kw))
-    row("HLA g kernel + g's e4m3 copy", lambda: HL.hla_quant(g, 16, "1d", 8, **kw, gx8=amax))
-    _, _, g8, s8 = HL.hla_quant(g, 16, "1d", 8, **kw, gx8=amax)
+    row("g's row maxima (torch reduction)", lambda: H.input_amax_bits(g, dim=1))
+    row("g's e4m3 copy + row maxima (per-token kernel)",
+        lambda: H.grad_e4m3(g, seed, row_max=True))
+    g8, s8 = H.grad_e4m3(g, seed)
     row("g_x GEMM bf16", lambda: g @ w, g @ w)
     for fast in (False, True):
         f = lambda: gemm.cublas_fp8_mm(g8, wq, s8, ws, torch.bfloat16,  # noqa: E731

@@ -90,11 +90,12 @@ def kernels_for(L: int, I: int, O: int, rank: int):
     o_pad = -(-O // 16) * 16
     rows = []
     bc, one, br, warps = H.token_tile(o_pad, False)
-    rows.append(("hq g per token", H._hq_token_kernel,
-                 {"g_ptr": "*bf16", "q_ptr": "*i8", "s_ptr": "*fp32", "seed_ptr": "*i64",
-                  "m_ptr": "*fp32", "z_ptr": "*i32"},
-                 dict(BR=br, BC=bc, ONE_TILE=one, Q=7, FP8=False, INTERPRET=False,
-                      ROW_MAX=True), warps))
+    for plain in (False, True):     # HQ levels, or g's plain e4m3 copy (exact_gx_gemm)
+        rows.append((f"hq g per token{' plain e4m3' if plain else ''}", H._hq_token_kernel,
+                     {"g_ptr": "*bf16", "q_ptr": "*fp8e4nv" if plain else "*i8",
+                      "s_ptr": "*fp32", "seed_ptr": "*i64", "m_ptr": "*fp32", "z_ptr": "*i32"},
+                     dict(BR=br, BC=bc, ONE_TILE=one, Q=448 if plain else 7, FP8=plain,
+                          INTERPRET=False, ROW_MAX=True, PLAIN=plain), warps))
     rows.append(("hla g bound", hla._block_bound_kernel, {"m_ptr": "*fp32", "out_ptr": "*i32"},
                  dict(BB=64), 4))
     for row_max in (False, True):
@@ -138,25 +139,16 @@ def kernels_for(L: int, I: int, O: int, rank: int):
             if stochastic and e4m3:      # g's operand: blocks in steps (hla._stepped_blocks)
                 bt, step = hla._stepped_blocks(bt, rp)
             ptrs = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv" if e4m3 else "*i8", "s_ptr": "*fp32",
-                    "amax_ptr": "*i32", "seed_ptr": "*i64", "g8_ptr": "*i32", "g8s_ptr": "*i32",
-                    "g8_max_ptr": "*i32"}
+                    "amax_ptr": "*i32", "seed_ptr": "*i64"}
             bound = e4m3 and not stochastic     # the saved x's bound scale: phase 2 alone
-            # g's e4m3 operand also with the plain e4m3 copy of g (exact_gx_gemm="e4m3")
-            copies = (False, True) if stochastic and e4m3 else (False,)
-            for phase, g8 in [(p, c) for p in ((2,) if bound else (1, 2)) for c in copies
-                              if p == 2 or not c]:
-                if g8:
-                    bt, step = hla._stepped_blocks(bt, rp, copy=True)
-                rows.append((f"{what}{' e4m3' if e4m3 else ''}{' + e4m3 copy' if g8 else ''} "
-                             f"p{phase}", hla._hla_kernel,
-                             {**ptrs, **({"g8_ptr": "*fp8e4nv", "g8s_ptr": "*fp32",
-                                          "g8_max_ptr": "*fp32"} if g8 else {})},
+            for phase in (2,) if bound else (1, 2):
+                rows.append((f"{what}{' e4m3' if e4m3 else ''} p{phase}", hla._hla_kernel, ptrs,
                              dict(PHASE=phase, BT=bt, BC=bcc, RP=hla._pow2_at_least(rank),
                                   RANK=rank, KEPT=hla._packed_rows(rank, "1d"),
                                   Q=(28 if bound else 448) if e4m3 else 127,
                                   STOCHASTIC=stochastic, TRANSPOSED=stochastic or e4m3,
                                   INTERPRET=False, E4M3=e4m3, CPT=cpt, FLAT=True,
-                                  EVEN_C=C % bcc == 0, BOUND=bound, STEP=step, G8=g8),
+                                  EVEN_C=C % bcc == 0, BOUND=bound, STEP=step),
                              warps))
     bt, bcc, warps, hr = grad_out.tile_shape(o_pad, False)
     for phase in (1, 2):

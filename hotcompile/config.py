@@ -73,8 +73,9 @@ class HOTConfig:
     768 -> 50257 and ViT's heads no).
     exact_gx_gemm: the g_x GEMM of the layers named in ``exact_gx``: ``bf16`` (default: as
     Inductor compiles it) or ``e4m3``: no Hadamard and no 4-bit levels, but g stochastically
-    rounded to e4m3 with a scale per token (unbiased; written by the layer's HLA kernel
-    from the read of g it makes anyway), W^T rounded to e4m3 per column, the FP8 GEMM with
+    rounded to e4m3 with a scale per token (unbiased; written by the per-token kernel,
+    whose read of g also gives the HLA operand's bound), W^T rounded to e4m3 per column,
+    the FP8 GEMM with
     fp32 accumulation (``reference.e4m3_gx_backward``), where the GPU and shapes allow it
     (``formats.e4m3_gx_fused``; the report says per site). Not the default: beside the FP8
     forward it made Llama d4096 1.353x Inductor against 1.329x without it and torchao's

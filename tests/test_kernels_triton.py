@@ -341,34 +341,34 @@ def test_hla_e4m3_bit_exact(poison, L, C, rank, stochastic):
 
 
 @cpu
-@pytest.mark.parametrize("L,C,rank,seq_len", [(64, 48, 16, 0), (40, 32, 8, 0), (96, 16, 16, 32)])
-def test_hla_writes_gs_plain_e4m3_copy_from_its_read(poison, L, C, rank, seq_len):
-    """``hla_quant(gx8=...)`` (``exact_gx_gemm="e4m3"``): g's HLA operand unchanged, and from
-    the same read g's plain stochastic e4m3 copy bit-equal to ``reference.grad_e4m3`` (its
-    channel-major uniforms, seed + ``gx8_seed_add``), a scale per token; another seed
-    draws other bits; a NaN makes its row's scale NaN and the row's values 0; token blocks
-    that are not row runs are refused."""
+@pytest.mark.parametrize("L,C", [(64, 48), (40, 1040), (9, 24)])
+def test_grad_e4m3_kernel_is_its_twin(poison, L, C):
+    """``hadamard.grad_e4m3`` (``exact_gx_gemm="e4m3"``): the per-token kernel writes g's
+    plain stochastic e4m3 copy bit-equal to ``reference.grad_e4m3`` (row-major uniforms, a
+    scale per token), in one tile or in two sweeps (1040 columns); its row maxima and the
+    bound word are ``hq_act_quant(row_max=True)``'s; another seed draws other bits; a NaN
+    makes its row's scale NaN and the row's values 0, an inf its row's values 0 (as the
+    twin's); a zero row takes the floor's scale."""
     x = _randn(L, C, dtype=torch.bfloat16) * torch.exp(torch.randn(1, C)).to(torch.bfloat16)
     x[2, 3] = 0.25
-    amax = x.float().abs().amax(1)
-    kw = dict(stochastic=True, seed=77, seed_add=1, transposed=True, pad_to=16, e4m3=True,
-              scale_mul=1 / 16, seq_len=seq_len)
-    q, s, g8, s8 = HL.hla_quant(x, rank, "1d", 8, **kw, gx8=amax, gx8_seed_add=0)
-    q0, s0 = HL.hla_quant(x, rank, "1d", 8, **kw)
-    assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8)) and torch.equal(s, s0)
+    x[4] = 0.0
+    q, s, m, word = H.grad_e4m3(x, 77, row_max=True)
     qr, sr = R.grad_e4m3(x, 77)
-    assert g8.shape == (L, C) and torch.equal(g8.view(torch.uint8), qr.view(torch.uint8))
-    assert torch.equal(s8, sr)
-    assert rel(g8.float() * s8[:, None], x.float()) < 0.1
-    _, _, other, _ = HL.hla_quant(x, rank, "1d", 8, **kw, gx8=amax, gx8_seed_add=5)
+    assert q.shape == (L, C) and torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
+    assert torch.equal(s, sr) and s[4] == R.GRAD_E4M3_FLOOR / 448
+    assert rel(q.float() * s[:, None], x.float()) < 0.1
+    assert torch.equal(m, x.float().abs().amax(1)) and word.item() == 0
+    assert torch.equal(HL.token_block_bound_bits(x, row_max=m, word=word),
+                       HL.token_block_bound_bits(x))
+    other, _ = H.grad_e4m3(x, 82)
     assert torch.equal(other.view(torch.uint8), R.grad_e4m3(x, 82)[0].view(torch.uint8))
-    assert not torch.equal(other.view(torch.uint8), g8.view(torch.uint8))
+    assert not torch.equal(other.view(torch.uint8), q.view(torch.uint8))
     x[5, 1] = float("nan")
-    _, _, g8, s8 = HL.hla_quant(x, rank, "1d", 8, **kw, gx8=x.float().abs().amax(1))
-    assert torch.isnan(s8[5]) and not g8[5].float().any() and torch.isfinite(s8[6:]).all()
-    assert torch.equal(g8.view(torch.uint8), R.grad_e4m3(x, 77)[0].view(torch.uint8))
-    with pytest.raises(ValueError, match="row runs"):
-        HL.hla_quant(x, rank, "1d", 8, **{**kw, "seq_len": 8}, gx8=amax)
+    x[6, 2] = float("inf")
+    q, s = H.grad_e4m3(x, 77)
+    assert torch.isnan(s[5]) and torch.isinf(s[6]) and not q[5:7].float().any()
+    assert torch.equal(q.view(torch.uint8), R.grad_e4m3(x, 77)[0].view(torch.uint8))
+    torch.testing.assert_close(s, R.grad_e4m3_scale(x), rtol=0, atol=0, equal_nan=True)
 
 
 @cpu
@@ -1028,7 +1028,7 @@ def test_gpu_weight_operands_are_the_compiled_casts(forward, O, I):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("L,O,I,seq_len", [(8192, 32000, 4096, 2048), (2048, 4096, 1024, 0)])
 def test_gpu_e4m3_gx_backward(L, O, I, seq_len):
-    """``exact_gx_gemm="e4m3"`` on the GPU: the HLA kernel's e4m3 copy of g bit-equal to
+    """``exact_gx_gemm="e4m3"`` on the GPU: the per-token kernel's e4m3 copy of g bit-equal to
     ``reference.grad_e4m3``; g_x on the row-wise FP8 GEMM within fp32-accumulation and bf16
     rounding of the twin, and within FP8's error of the exact product; g_W the plain
     ``hla_grad_weight`` with seed + 1; the forward's plain W operand gives the same g_x."""
@@ -1042,9 +1042,7 @@ def test_gpu_e4m3_gx_backward(L, O, I, seq_len):
     xq, xs = F.abc_compress(x, 16, "1d", 8, seq_len=seq_len, fmt="e4m3")
     seed = torch.tensor(21, device="cuda")
     gx, gw = F.e4m3_gx_backward(g, w, xq, xs, 16, seed, seq_len=seq_len)
-    _, _, g8, s8 = HL.hla_quant(g, 16, "1d", 8, stochastic=True, seed=seed, seed_add=1,
-                                transposed=True, pad_to=16, e4m3=True, scale_mul=1 / 16,
-                                seq_len=seq_len, gx8=g.float().abs().amax(1))
+    g8, s8 = H.grad_e4m3(g, seed)
     qr, sr = R.grad_e4m3(g, 21)
     assert torch.equal(g8.view(torch.uint8), qr.view(torch.uint8))
     assert torch.equal(s8, sr)

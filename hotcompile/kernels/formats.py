@@ -76,17 +76,11 @@ def gw_format_for(requested: str, device: torch.device) -> str:
     return gw_rule(requested, device.type, cap)
 
 
-def e4m3_gx_fused(device: torch.device, dtype: torch.dtype, L: int, O: int, I: int,
-                  seq_len: int, seq_first: bool, saved_e4m3: bool) -> bool:
+def e4m3_gx_fused(device: torch.device, dtype: torch.dtype, O: int, I: int) -> bool:
     """Whether ``hot::e4m3_gx_backward`` runs its FP8 g_x on this device and these shapes:
-    FP8 tensor cores (Ada/Hopper), bf16 g (the row-wise scaled GEMM's output), O and I
-    multiples of 16 (the GEMM's K and N), g's HLA operand in e4m3 (the kernel that writes g's
-    e4m3 copy is that operand's) and token blocks that are runs of 16 rows (a flat token
-    axis, batch-first sequences of a multiple of 16, or one sequence), which the copy's
-    Philox map assumes. Elsewhere on a GPU the op keeps g_x exact; the pass asks this
-    first and rewrites only where it holds, so the report is true."""
+    FP8 tensor cores (Ada/Hopper), bf16 g (the row-wise scaled GEMM's output), and O and I
+    multiples of 16 (the GEMM's K and N). Elsewhere on a GPU the op keeps g_x exact; the
+    pass asks this first and rewrites only where it holds, so the report is true."""
     if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
         return False
-    rows = seq_len in (0, None) or (seq_len % 16 == 0 and not seq_first) \
-        or (seq_first and L == seq_len)
-    return dtype == torch.bfloat16 and O % 16 == 0 and I % 16 == 0 and saved_e4m3 and rows
+    return dtype == torch.bfloat16 and O % 16 == 0 and I % 16 == 0

@@ -260,29 +260,29 @@ def e4m3_gx_backward(g: torch.Tensor, w: torch.Tensor, xt: torch.Tensor, x_scale
                      rank: int, seed=0, block: int = 16, *, seq_len: int = 0,
                      seq_first: bool = False, gw_dtype: torch.dtype | None = None,
                      w_q=None, w_s=None):
-    """``reference.e4m3_gx_backward`` on the GPU: g's row maxima give both scales (the HLA
-    operand's ``token_block_bound`` and the plain e4m3 copy's, one per token), then one HLA
-    kernel reads g once for g_W's operand and g_x's (``hla_quant(gx8=...)``), then the two
-    FP8 GEMMs. W's plain e4m3 operand comes from the forward (``w_q``, ``w_s``) or one W
-    kernel here. Where ``formats.e4m3_gx_fused`` does not hold, g_x is exact (g W) and g_W
-    the fused ``hla_grad_weight``."""
+    """``reference.e4m3_gx_backward`` on the GPU: the per-token kernel writes g's e4m3 copy
+    with a scale per token and g's row maxima from one read of g (``hadamard.grad_e4m3``);
+    the maxima give the e4m3 HLA operand's bound; the HLA kernel writes g_W's operand;
+    then the two FP8 GEMMs. W's plain e4m3 operand comes from the forward (``w_q``, ``w_s``)
+    or one W kernel here. Where ``formats.e4m3_gx_fused`` does not hold, g_x is exact
+    (g W) and g_W the fused ``hla_grad_weight``."""
     lay = dict(seq_len=seq_len, seq_first=seq_first)
     L, O = g.shape
     if block != _FUSED_BLOCK or g.numel() == 0 or w.numel() == 0 or xt.numel() == 0 \
-            or not formats.e4m3_gx_fused(g.device, g.dtype, L, O, w.shape[1], seq_len,
-                                         seq_first, xt.dtype == torch.float8_e4m3fn):
+            or xt.dtype not in (torch.int8, torch.float8_e4m3fn) \
+            or not formats.e4m3_gx_fused(g.device, g.dtype, O, w.shape[1]):
         return (g @ w.to(g.dtype),
                 hla_grad_weight(g, xt, x_scale, rank, "1d", 8, seed + 1, block, **lay,
                                 out_dtype=gw_dtype))
-    m = torch.linalg.vector_norm(g, float("inf"), dim=1, dtype=torch.float32)
-    bound = ref.block_sum_bound(m, 16, seq_len, seq_first).reshape(1).view(torch.int32)
-    qg, sg, g8, s8 = hla.hla_quant(g, rank, "1d", 8, stochastic=True, seed=seed, seed_add=1,
-                                   transposed=True, pad_to=16, e4m3=True,
-                                   scale_mul=1.0 / _FUSED_BLOCK, amax=bound, gx8=m,
-                                   gx8_seed_add=0, **lay)
+    g8, s8, m, word = hadamard.grad_e4m3(g, seed, row_max=True)
+    # the e4m3 HLA operand's scale comes from a bound of g's block sums (its row maxima);
+    # int8 levels take their own amax
+    bound = hla.token_block_bound_bits(g, seq_len, seq_first, m, word) \
+        if xt.dtype == torch.float8_e4m3fn else None
     if w_q is None:
         w_q, w_s = hadamard.hq_weight_quant(w, 8, fp8=True, e4m3=True, rotate=False,
                                             round_to=g.dtype)
     gx = gemm.cublas_fp8_mm(g8, w_q, s8, w_s, g.dtype, fast_accum=False)
-    gw = _gw(g, xt, x_scale, rank, "1d", 8, seed, lay, qg=(qg, sg), out_dtype=gw_dtype)
+    gw = _gw(g, xt, x_scale, rank, "1d", 8, seed, lay, seed_add=1, amax=bound,
+             out_dtype=gw_dtype)
     return gx, gw

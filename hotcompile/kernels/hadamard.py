@@ -21,6 +21,7 @@ shared with ``hla.py``, which applies the same transform along the token axis.
 """
 from __future__ import annotations
 
+import math
 import os
 from typing import Optional
 
@@ -31,11 +32,13 @@ from triton.language.extra.cuda import libdevice
 
 from .fp8_forward import AMAX_FLOOR, E4M3_MAX
 from .launch import launch
-from .reference import E4M3_BOUND_Q, PHILOX_ROUNDS, philox_counters
+from .reference import E4M3_BOUND_Q, GRAD_E4M3_FLOOR, PHILOX_ROUNDS, philox_counters
 
 _ROUNDS = tl.constexpr(PHILOX_ROUNDS)
 E4M3_AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
 E4M3_INV_MAX = tl.constexpr(1.0 / E4M3_MAX)
+# reference.GRAD_E4M3_FLOOR's fp32 bits (a power of two: its exponent field alone)
+_GRAD_E4M3_FLOOR_BITS = tl.constexpr((127 + math.frexp(GRAD_E4M3_FLOOR)[1] - 1) << 23)
 
 # =========================================================================== building blocks
 
@@ -282,34 +285,62 @@ def _load_fwht_rows(g_ptr, rows, col0, L, O, stride_g, BC: tl.constexpr):
 @triton.jit
 def _quantize_store_rows(q_ptr, v, s, inv_s, seed, rows, col0, L, O_pad, ldq, groups_per_row,
                          BC: tl.constexpr, Q: tl.constexpr, STOCHASTIC: tl.constexpr,
-                         FP8: tl.constexpr, INTERPRET: tl.constexpr, IEEE_DIV: tl.constexpr):
-    """Quantize a transformed (BR, BC) tile at (rows, col0) and store its levels."""
+                         FP8: tl.constexpr, INTERPRET: tl.constexpr, IEEE_DIV: tl.constexpr,
+                         PLAIN: tl.constexpr = False):
+    """Quantize a (BR, BC) tile at (rows, col0) and store it: integer levels, or with
+    ``PLAIN`` the scaled e4m3 values themselves (``to_e4m3``, stochastic)."""
     if STOCHASTIC:
         u = philox_uniform8(seed, rows, col0, groups_per_row, BC)
     else:
         u = 0.5
-    q = quantize(v, s, inv_s, u, Q, IEEE_DIV or INTERPRET, not INTERPRET)
     cols = col0 + tl.arange(0, BC)
     mask = (rows < L)[:, None] & (cols < O_pad)[None, :]
-    store_levels(q_ptr + rows.to(tl.int64)[:, None] * ldq + cols[None, :], q, mask, FP8)
+    ptrs = q_ptr + rows.to(tl.int64)[:, None] * ldq + cols[None, :]
+    if PLAIN:
+        tl.store(ptrs, to_e4m3(v, s, inv_s, IEEE_DIV or INTERPRET, INTERPRET, u, True),
+                 mask=mask)
+    else:
+        q = quantize(v, s, inv_s, u, Q, IEEE_DIV or INTERPRET, not INTERPRET)
+        store_levels(ptrs, q, mask, FP8)
+
+
+@triton.jit
+def _token_tile(g_ptr, rows, col0, L, O, stride_g, BC: tl.constexpr, PLAIN: tl.constexpr):
+    """A (BR, BC) tile of g as the per-token kernel quantizes it: each run of 16 columns
+    transformed, or with ``PLAIN`` as read."""
+    if PLAIN:
+        return _load_rows(g_ptr, rows, col0, L, O, stride_g, BC)
+    else:
+        return _load_fwht_rows(g_ptr, rows, col0, L, O, stride_g, BC)
+
+
+@triton.jit
+def _token_scale(amax_bits, Q: tl.constexpr, PLAIN: tl.constexpr):
+    """A row's scale from its max |value| bits: amax / Q, or with ``PLAIN``
+    max(amax, reference.GRAD_E4M3_FLOOR) / 448 (``reference.grad_e4m3_scale``: its
+    reciprocal stays finite unless the row holds inf or NaN)."""
+    if PLAIN:
+        return scale_from_amax_bits(tl.maximum(amax_bits, _GRAD_E4M3_FLOOR_BITS), 448)
+    else:
+        return scale_from_amax_bits(amax_bits, Q)
 
 
 @triton.jit
 def _quantize_row_chunks(g_ptr, q_ptr, s, inv_s, seed, rows, L, O, O_pad, stride_g, ldq,
                          groups_per_row, BC: tl.constexpr, Q: tl.constexpr, FP8: tl.constexpr,
-                         INTERPRET: tl.constexpr, IEEE_DIV: tl.constexpr):
+                         INTERPRET: tl.constexpr, IEEE_DIV: tl.constexpr, PLAIN: tl.constexpr):
     """Second sweep of a row set: re-read, re-transform and quantize each column chunk."""
     for col0 in range(0, O_pad, BC):
-        v = _load_fwht_rows(g_ptr, rows, col0, L, O, stride_g, BC)
+        v = _token_tile(g_ptr, rows, col0, L, O, stride_g, BC, PLAIN)
         _quantize_store_rows(q_ptr, v, s, inv_s, seed, rows, col0, L, O_pad, ldq, groups_per_row,
-                             BC, Q, True, FP8, INTERPRET, IEEE_DIV)
+                             BC, Q, True, FP8, INTERPRET, IEEE_DIV, PLAIN)
 
 
 @triton.jit
 def _hq_token_kernel(g_ptr, q_ptr, s_ptr, seed_ptr, m_ptr, z_ptr, L, O, O_pad, stride_g, ldq,
                      groups_per_row, BR: tl.constexpr, BC: tl.constexpr, ONE_TILE: tl.constexpr,
                      Q: tl.constexpr, FP8: tl.constexpr, INTERPRET: tl.constexpr,
-                     ROW_MAX: tl.constexpr):
+                     ROW_MAX: tl.constexpr, PLAIN: tl.constexpr):
     """Per-token (per-row) scales: one program owns BR whole rows.
 
     If a row fits one tile (ONE_TILE) it is loaded and transformed once and quantized from
@@ -319,6 +350,8 @@ def _hq_token_kernel(g_ptr, q_ptr, s_ptr, seed_ptr, m_ptr, z_ptr, L, O, O_pad, s
     ``ROW_MAX``: also store max |g[row, :]| (fp32, NaN if the row has one) at ``m_ptr``,
     the input of g's HLA bound (``hla.token_block_bound_bits``), and zero the int32 word at
     ``z_ptr``, which the bound's kernel then maxes into: no fill launch of its own.
+    ``PLAIN``: no transform and no levels: g itself stochastically rounded to e4m3 at its
+    row's scale (``reference.grad_e4m3``, the operand of an FP8 g_x without a Hadamard).
     """
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     seed = tl.load(seed_ptr)
@@ -330,34 +363,44 @@ def _hq_token_kernel(g_ptr, q_ptr, s_ptr, seed_ptr, m_ptr, z_ptr, L, O, O_pad, s
         if ROW_MAX:
             tl.store(m_ptr + rows, tl.max(abs_bits(x), axis=1).to(tl.float32, bitcast=True),
                      mask=rows < L)
-        v = fwht16_lastdim(x)
-        s = scale_from_amax_bits(tl.max(abs_bits(v), axis=1), Q)
+        if PLAIN:
+            v = x
+        else:
+            v = fwht16_lastdim(x)
+        s = _token_scale(tl.max(abs_bits(v), axis=1), Q, PLAIN)
         inv_s = tl.math.div_rn(1.0, s)
         if reciprocal_is_finite(inv_s):
             _quantize_store_rows(q_ptr, v, s[:, None], inv_s[:, None], seed, rows, 0, L, O_pad,
-                                 ldq, groups_per_row, BC, Q, True, FP8, INTERPRET, False)
+                                 ldq, groups_per_row, BC, Q, True, FP8, INTERPRET, False, PLAIN)
         else:
             _quantize_store_rows(q_ptr, v, s[:, None], inv_s[:, None], seed, rows, 0, L, O_pad,
-                                 ldq, groups_per_row, BC, Q, True, FP8, INTERPRET, True)
+                                 ldq, groups_per_row, BC, Q, True, FP8, INTERPRET, True, PLAIN)
     else:
         amax = tl.zeros((BR, BC), dtype=tl.int32)
         xmax = tl.zeros((BR, BC), dtype=tl.int32)
         for col0 in range(0, O_pad, BC):
             x = _load_rows(g_ptr, rows, col0, L, O, stride_g, BC)
-            if ROW_MAX:
-                xmax = tl.maximum(xmax, abs_bits(x))
-            amax = tl.maximum(amax, abs_bits(fwht16_lastdim(x)))
+            if PLAIN:
+                amax = tl.maximum(amax, abs_bits(x))
+            else:
+                if ROW_MAX:
+                    xmax = tl.maximum(xmax, abs_bits(x))
+                amax = tl.maximum(amax, abs_bits(fwht16_lastdim(x)))
         if ROW_MAX:
+            if PLAIN:
+                xmax = amax
             tl.store(m_ptr + rows, tl.max(xmax, axis=1).to(tl.float32, bitcast=True),
                      mask=rows < L)
-        s = scale_from_amax_bits(tl.max(amax, axis=1), Q)
+        s = _token_scale(tl.max(amax, axis=1), Q, PLAIN)
         inv_s = tl.math.div_rn(1.0, s)
         if reciprocal_is_finite(inv_s):
             _quantize_row_chunks(g_ptr, q_ptr, s[:, None], inv_s[:, None], seed, rows, L, O, O_pad,
-                                 stride_g, ldq, groups_per_row, BC, Q, FP8, INTERPRET, False)
+                                 stride_g, ldq, groups_per_row, BC, Q, FP8, INTERPRET, False,
+                                 PLAIN)
         else:
             _quantize_row_chunks(g_ptr, q_ptr, s[:, None], inv_s[:, None], seed, rows, L, O, O_pad,
-                                 stride_g, ldq, groups_per_row, BC, Q, FP8, INTERPRET, True)
+                                 stride_g, ldq, groups_per_row, BC, Q, FP8, INTERPRET, True,
+                                 PLAIN)
     tl.store(s_ptr + rows, s, mask=rows < L)
 
 
@@ -722,36 +765,64 @@ def hq_act_quant(g: torch.Tensor, bits: int, per_token: bool, seed, fp8: bool = 
     """
     if g.stride(-1) != 1:
         g = g.contiguous()
+    if per_token:
+        return _per_token(g, qmax(bits), seed, fp8, row_max, plain=False)
+    if row_max:
+        raise ValueError("hq_act_quant: row_max needs per_token")
+    L, O = g.shape
+    O_pad = -(-O // 16) * 16
+    dev = g.device
+    q = torch.empty((L, O_pad), dtype=level_dtype(fp8), device=dev)
+    s = scalar_buffer(dev)
+    amax = torch.zeros((1,), dtype=torch.int32, device=dev)
+    interp = interpreting()
+    bc, _ = column_tile(O_pad, max_tile=512 if not interp else 64)
+    br = max(1, (4096 if not interp else 128) // bc)
+    grid = (triton.cdiv(L, br) * triton.cdiv(O_pad, bc),)
+    args = (g, q, s, amax, seed_pointer(seed, dev), L, O, O_pad, g.stride(0), O_pad,
+            philox_counters(O_pad))
+    meta = dict(BR=br, BC=bc, Q=qmax(bits), FP8=fp8, INTERPRET=interp,
+                num_warps=4 if interp else 8)
+    launch(_hq_tensor_kernel, grid, *args, PHASE=1, **meta)
+    launch(_hq_tensor_kernel, grid, *args, PHASE=2, **meta)
+    return q, s
+
+
+def grad_e4m3(g: torch.Tensor, seed, row_max: bool = False):
+    """``reference.grad_e4m3`` on the GPU: g (L, O) -> (stochastic scaled e4m3 (L, O), fp32
+    (L,) scales, one per token), the A operand of an FP8 g_x without a Hadamard
+    (``exact_gx_gemm="e4m3"``), by the per-token kernel: each row read once (twice where it
+    is wider than a tile, the second time from L2) and its e4m3 copy written once. With
+    ``row_max``, also (row maxima, a zeroed int32 word) as ``hq_act_quant``'s: the same
+    read gives g's HLA bound (``hla.token_block_bound_bits``).
+
+    Why its own pass and not a side store of the HLA kernel (which reads g anyway): that
+    kernel's threads own channels and hold every token of their tile, so a per-token scale
+    is a vector each thread keeps beside the projection's values; the copy took it from 168
+    to 255 registers and from 0.34 to 0.96 ms at 8192 x 32000 (H200, 2026-11-29), where a
+    row-major pass costs about one read and one byte-per-element write."""
+    if g.stride(-1) != 1:
+        g = g.contiguous()
+    q, s, *rm = _per_token(g, 448, seed, True, row_max, plain=True)
+    return (q[:, :g.shape[1]], s, *rm)
+
+
+def _per_token(g, Q: int, seed, fp8: bool, row_max: bool, plain: bool):
+    """One launch of ``_hq_token_kernel`` over g's rows (``token_tile``)."""
     L, O = g.shape
     O_pad = -(-O // 16) * 16
     dev = g.device
     q = torch.empty((L, O_pad), dtype=level_dtype(fp8), device=dev)
     seed_t = seed_pointer(seed, dev)
-    Q = qmax(bits)
-    interp = interpreting()
-    groups = philox_counters(O_pad)
-    if per_token:
-        s = torch.empty((L,), dtype=torch.float32, device=dev)
-        m = torch.empty((L,), dtype=torch.float32, device=dev) if row_max else s  # s: unread
-        z = torch.empty((1,), dtype=torch.int32, device=dev) if row_max else seed_t
-        bc, one, br, warps = token_tile(O_pad, interp)
-        launch(_hq_token_kernel, (triton.cdiv(L, br),),
-            g, q, s, seed_t, m, z, L, O, O_pad, g.stride(0), O_pad, groups,
-            BR=br, BC=bc, ONE_TILE=one, Q=Q, FP8=fp8, INTERPRET=interp, ROW_MAX=row_max,
-            num_warps=warps)
-        return (q, s, m, z) if row_max else (q, s)
-    if row_max:
-        raise ValueError("hq_act_quant: row_max needs per_token")
-    s = scalar_buffer(dev)
-    amax = torch.zeros((1,), dtype=torch.int32, device=dev)
-    bc, _ = column_tile(O_pad, max_tile=512 if not interp else 64)
-    br = max(1, (4096 if not interp else 128) // bc)
-    grid = (triton.cdiv(L, br) * triton.cdiv(O_pad, bc),)
-    args = (g, q, s, amax, seed_t, L, O, O_pad, g.stride(0), O_pad, groups)
-    meta = dict(BR=br, BC=bc, Q=Q, FP8=fp8, INTERPRET=interp, num_warps=4 if interp else 8)
-    launch(_hq_tensor_kernel, grid, *args, PHASE=1, **meta)
-    launch(_hq_tensor_kernel, grid, *args, PHASE=2, **meta)
-    return q, s
+    s = torch.empty((L,), dtype=torch.float32, device=dev)
+    m = torch.empty((L,), dtype=torch.float32, device=dev) if row_max else s  # s: unread
+    z = torch.empty((1,), dtype=torch.int32, device=dev) if row_max else seed_t
+    bc, one, br, warps = token_tile(O_pad, interpreting())
+    launch(_hq_token_kernel, (triton.cdiv(L, br),),
+           g, q, s, seed_t, m, z, L, O, O_pad, g.stride(0), O_pad, philox_counters(O_pad),
+           BR=br, BC=bc, ONE_TILE=one, Q=Q, FP8=fp8, INTERPRET=interpreting(),
+           ROW_MAX=row_max, PLAIN=plain, num_warps=warps)
+    return (q, s, m, z) if row_max else (q, s)
 
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}

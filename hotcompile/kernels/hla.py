@@ -33,7 +33,6 @@ a few per million); the scale and every other level are equal.
 """
 from __future__ import annotations
 
-import math
 import os
 
 import torch
@@ -45,10 +44,6 @@ from . import reference as ref
 from .hadamard import (abs_bits, fwht16, input_amax_bits, input_max_bits, interpreting,
                        philox_uniform8, quantize, scalar_buffer, scale_from_amax_bits,
                        seed_pointer, to_e4m3)
-
-
-# reference.GRAD_E4M3_FLOOR's fp32 bits (a power of two: its exponent field alone)
-_G8_FLOOR_BITS = tl.constexpr((127 + math.frexp(ref.GRAD_E4M3_FLOOR)[1] - 1) << 23)
 
 
 @triton.jit
@@ -136,43 +131,17 @@ def _token_rows(blk0, n_blk, S, n_sblk, stride_b, stride_s, BT: tl.constexpr):
 
 
 @triton.jit
-def _store_grad_e4m3(g8_ptr, g8s_ptr, m8_ptr, x, tok, cols, mask, valid, first, seed8,
-                     groups8, blk0, C, BT: tl.constexpr, BC: tl.constexpr,
-                     INTERPRET: tl.constexpr):
-    """The g_x GEMM's plain e4m3 g (``reference.grad_e4m3``) from a (BT * 16 tokens, BC)
-    tile of g as read: each token's row over its scale max(m, 2**-100) / 448 (m its row
-    maximum at ``m8_ptr``), stochastically rounded onto the e4m3 grid, stored row-major
-    (L, C) at ``g8_ptr``; the programs of the first channel tile store the scales (the
-    GEMM's row scale, (L,)). The uniforms follow the channel-major map
-    (``reference.grad_uniforms``: counter c * groups8 + token // 16), so each thread's
-    come from the counters of its own channels, as the HLA operand's do. The floor keeps
-    each reciprocal finite, so the quotient's Markstein step holds (an inf or NaN row max
-    gives NaN quotients, stored as 0 like the reference's)."""
-    m = tl.load(m8_ptr + tok, mask=valid, other=1.0).to(tl.int32, bitcast=True)
-    s8 = scale_from_amax_bits(tl.maximum(m, _G8_FLOOR_BITS), 448)
-    inv8 = tl.math.div_rn(1.0, s8)
-    u = tl.trans(philox_uniform8(seed8, cols, blk0 * 16, groups8, BT * 16))   # (BT*16, BC)
-    q = to_e4m3(x, s8[:, None], inv8[:, None], INTERPRET, INTERPRET, u, True)
-    tl.store(g8_ptr + tok[:, None] * C + cols[None, :], q, mask=mask)
-    if first:
-        tl.store(g8s_ptr + tok, s8, mask=valid)
-
-
-@triton.jit
 def _load_project(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C, stride_x,
                   BT: tl.constexpr, BC: tl.constexpr,
                   RP: tl.constexpr, RANK: tl.constexpr, KEPT: tl.constexpr, CPT: tl.constexpr,
-                  FLAT: tl.constexpr = False, EVEN_C: tl.constexpr = False,
-                  G8: tl.constexpr = False, g8_ptr=0, g8s_ptr=0, m8_ptr=0, seed8=0,
-                  groups8=0, INTERPRET: tl.constexpr = False):
+                  FLAT: tl.constexpr = False, EVEN_C: tl.constexpr = False):
     """Blocks blk0 .. blk0+BT-1 of 16 neighbouring tokens, channels col0 .. col0+BC-1,
     projected onto the kept rows: a (BT, BC, RP) fp32 tile, coefficients last (entries
     >= rank: padding). ``CPT`` < 8 caps the load's vector at CPT channels, so a warp's
     32 threads span 32 * CPT channels and each thread keeps every token of its own
     (``_tile_shape``). ``FLAT``: block b's tokens are rows 16 b .. 16 b + 15 (one token axis,
     or batch-first sequences whose length is a multiple of 16): no per-row division.
-    ``EVEN_C``: BC divides C, no channel mask. ``G8`` (FLAT only): also store the tile as
-    it is read, stochastically rounded to e4m3 at scale s8 (``_store_grad_e4m3``)."""
+    ``EVEN_C``: BC divides C, no channel mask."""
     if FLAT:
         tok = blk0 * 16 + tl.arange(0, BT * 16)
         valid = tok < S * (n_blk // n_sblk)
@@ -186,9 +155,6 @@ def _load_project(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C, st
     else:
         mask = valid[:, None] & (cols < C)[None, :]
     x = tl.load(x_ptr + tok[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
-    if G8:
-        _store_grad_e4m3(g8_ptr, g8s_ptr, m8_ptr, x.to(tl.float32), tok, cols, mask, valid,
-                         col0 == 0, seed8, groups8, blk0, C, BT, BC, INTERPRET)
     x = tl.permute(tl.reshape(x.to(tl.float32), (BT, 16, BC)), (0, 2, 1))   # token axis last
     y = gather_kept(fwht16(tl.reshape(x, (BT * BC, 16))), RP, RANK, KEPT)
     return tl.reshape(y, (BT, BC, RP))
@@ -249,8 +215,7 @@ def _hla_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, seed_ptr, seed_add, scale_mul, S,
                 KEPT: tl.constexpr, Q: tl.constexpr, STOCHASTIC: tl.constexpr,
                 TRANSPOSED: tl.constexpr, INTERPRET: tl.constexpr, E4M3: tl.constexpr,
                 CPT: tl.constexpr, FLAT: tl.constexpr, EVEN_C: tl.constexpr,
-                BOUND: tl.constexpr, G8: tl.constexpr, g8_ptr, g8s_ptr, g8_max_ptr, g8_seed_add,
-                STEP: tl.constexpr = 0):
+                BOUND: tl.constexpr, STEP: tl.constexpr = 0):
     """One tile of BT token blocks x BC channels per program (phase 2: ``_phase2_tiles``).
 
     Phase 1: project, atomically max the amax of the kept coefficients into ``amax_ptr``
@@ -259,10 +224,7 @@ def _hla_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, seed_ptr, seed_add, scale_mul, S,
     (a power of two: exact). ``BOUND``: phase 2 alone, ``amax_ptr`` holding max |x| (the
     saved x's bound scale, ``reference.abc_compress``), rounded to the type x is read as
     (``hadamard.input_max_bits``). g's e4m3 operand also runs phase 2 alone, ``amax_ptr``
-    holding its ``reference.token_block_bound`` (an fp32 word, used as it is). ``G8`` (g's
-    stochastic e4m3 operand only): the same read of g also writes the g_x GEMM's plain
-    e4m3 g (``_store_grad_e4m3``), its scales from g's row maxima at ``g8_max_ptr``
-    (``reference.grad_e4m3_scale``), its bits from the seed + ``g8_seed_add``.
+    holding its ``reference.token_block_bound`` (an fp32 word, used as it is).
     """
     pid = tl.program_id(0)
     n_ct = tl.cdiv(C, BC)
@@ -277,7 +239,6 @@ def _hla_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, seed_ptr, seed_add, scale_mul, S,
             seed = tl.load(seed_ptr) + seed_add
         else:   # nearest rounding: no seed (callers pass any pointer)
             seed = 0
-        seed8 = seed - seed_add + g8_seed_add    # the e4m3 copy's key (read only under G8)
         amax = tl.load(amax_ptr)
         if BOUND:
             amax = input_max_bits(amax, x_ptr.dtype.element_ty)
@@ -290,12 +251,12 @@ def _hla_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, seed_ptr, seed_add, scale_mul, S,
             _phase2_tiles(x_ptr, q_ptr, s, inv_s, seed, pid, n_tiles, n_ct, S, n_sblk, stride_b,
                           stride_s, C, stride_x, ldq, n_blk, groups_per_row, BT, BC, RP, RANK,
                           KEPT, Q, STOCHASTIC, TRANSPOSED, INTERPRET, False, E4M3, CPT, FLAT,
-                          EVEN_C, STEP, G8, g8_ptr, g8s_ptr, g8_max_ptr, seed8, n_blk)
+                          EVEN_C, STEP)
         else:
             _phase2_tiles(x_ptr, q_ptr, s, inv_s, seed, pid, n_tiles, n_ct, S, n_sblk, stride_b,
                           stride_s, C, stride_x, ldq, n_blk, groups_per_row, BT, BC, RP, RANK,
                           KEPT, Q, STOCHASTIC, TRANSPOSED, INTERPRET, True, E4M3, CPT, FLAT,
-                          EVEN_C, STEP, G8, g8_ptr, g8s_ptr, g8_max_ptr, seed8, n_blk)
+                          EVEN_C, STEP)
 
 
 @triton.jit
@@ -305,8 +266,7 @@ def _phase2_tiles(x_ptr, q_ptr, s, inv_s, seed, pid, n_tiles, n_ct, S, n_sblk, s
                   Q: tl.constexpr, STOCHASTIC: tl.constexpr, TRANSPOSED: tl.constexpr,
                   INTERPRET: tl.constexpr, IEEE_DIV: tl.constexpr, E4M3: tl.constexpr,
                   CPT: tl.constexpr, FLAT: tl.constexpr, EVEN_C: tl.constexpr,
-                  STEP: tl.constexpr, G8: tl.constexpr, g8_ptr, g8s_ptr, m8_ptr, seed8,
-                  groups8):
+                  STEP: tl.constexpr):
     """Phase 2's tile(s) of this program, in reverse order: the tiles phase 1 read last
     come first (L2). The grid covers every tile, so the loop runs once; written as a loop
     (scale, seed and branch settled before it) it measured 4-14% faster than the same
@@ -317,16 +277,14 @@ def _phase2_tiles(x_ptr, q_ptr, s, inv_s, seed, pid, n_tiles, n_ct, S, n_sblk, s
         blk0, col0 = _tile_origin(n_tiles - 1 - t, n_ct, BT, BC)
         if STEP == 0 or STEP == BT:
             v = _load_project(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C,
-                              stride_x, BT, BC, RP, RANK, KEPT, CPT, FLAT, EVEN_C, G8, g8_ptr,
-                              g8s_ptr, m8_ptr, seed8, groups8, INTERPRET)
+                              stride_x, BT, BC, RP, RANK, KEPT, CPT, FLAT, EVEN_C)
             _quantize_store_tile(q_ptr, v, s, inv_s, seed, blk0, col0, n_blk, C, ldq,
                                  groups_per_row, BT, BC, RP, RANK, Q, STOCHASTIC, TRANSPOSED,
                                  INTERPRET, IEEE_DIV, E4M3)
         else:   # STEP blocks at a time: the registers of a STEP-block tile
             for i in tl.range(0, BT, STEP, num_stages=1):
                 v = _load_project(x_ptr, blk0 + i, col0, n_blk, S, n_sblk, stride_b, stride_s,
-                                  C, stride_x, STEP, BC, RP, RANK, KEPT, CPT, FLAT, EVEN_C,
-                                  G8, g8_ptr, g8s_ptr, m8_ptr, seed8, groups8, INTERPRET)
+                                  C, stride_x, STEP, BC, RP, RANK, KEPT, CPT, FLAT, EVEN_C)
                 _quantize_store_tile(q_ptr, v, s, inv_s, seed, blk0 + i, col0, n_blk, C, ldq,
                                      groups_per_row, STEP, BC, RP, RANK, Q, STOCHASTIC,
                                      TRANSPOSED, INTERPRET, IEEE_DIV, E4M3)
@@ -431,7 +389,7 @@ def _tile_shape(C: int, interp: bool, rp: int = 16,
     return 1, 256 * warps, warps, 8
 
 
-def _stepped_blocks(bt: int, rp: int, copy: bool = False) -> tuple[int, int]:
+def _stepped_blocks(bt: int, rp: int) -> tuple[int, int]:
     """(BT, STEP) of g's stochastic e4m3 operand: a program covers at least 4 token blocks
     (64 tokens), ``bt`` blocks (``_tile_shape``'s: a 32-byte run per channel) at a time.
 
@@ -443,14 +401,7 @@ def _stepped_blocks(bt: int, rp: int, copy: bool = False) -> tuple[int, int]:
     ViT's widths (``hla_step_2026-11-26T1931_h100``, ``..T1933_h100_r16``); at rank 8 the
     4-block tile is already one step (the fastest there). ``HOT_HLA_BT`` (tuning) runs as
     one step; ``HOT_HLA_STEP="BT,STEP"`` sets both (tuning: ``bench/hla_tile_sweep.py``).
-    The levels do not depend on the tile (Philox counters follow the element).
-
-    ``copy`` (the kernel also writes g's plain e4m3 copy, ``gx8``): steps of the fewest
-    blocks a counter allows, at least 2: at rank 8 the one 4-block step spilled 1592 bytes
-    a thread with the copy's values live beside it (``bench/kernel_regs.py``, sm_90a);
-    2-block steps do not spill (rank 16's default already steps by 2)."""
-    if copy and "HOT_HLA_STEP" not in os.environ and "HOT_HLA_BT" not in os.environ:
-        return max(bt, 4), max(2, ref.UNIFORMS_PER_COUNTER // rp)
+    The levels do not depend on the tile (Philox counters follow the element)."""
     if "HOT_HLA_STEP" in os.environ:
         total, step = (int(v) for v in os.environ["HOT_HLA_STEP"].split(","))
         per_counter = max(1, ref.UNIFORMS_PER_COUNTER // rp)
@@ -486,8 +437,7 @@ def token_layout(L: int, seq_len: int = 0, seq_first: bool = False):
 def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic: bool, seed=0,
               transposed: bool = False, pad_to: int = 1, seq_len: int = 0,
               seq_first: bool = False, seed_add: int = 0, e4m3: bool = False,
-              scale_mul: float = 1.0, amax: torch.Tensor | None = None,
-              gx8: torch.Tensor | None = None, gx8_seed_add: int = 0):
+              scale_mul: float = 1.0, amax: torch.Tensor | None = None):
     """Project x (L, C) along its tokens onto ``rank`` kept rows per block of 16
     neighbouring tokens of one sequence (``reference.sequence_blocks``) and quantize.
 
@@ -504,11 +454,6 @@ def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic:
     28; g (stochastic) from ``token_block_bound`` / 448, ``amax`` holding it when the
     caller has it (``token_block_bound_bits`` from the HQ kernel's row maxima), else a torch
     reduction here.
-
-    ``gx8`` (g's stochastic e4m3 operand only, blocks that are row runs): x's row maxima,
-    fp32 (L,); the same read of x then also writes ``reference.grad_e4m3``(x, seed +
-    ``gx8_seed_add``), and the return is (levels, scale, that (L, C) e4m3 operand, its
-    (L,) scales: the row scale of a row-wise scaled GEMM).
     """
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -543,7 +488,7 @@ def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic:
     bt, bc, warps, cpt = _tile_shape(C, interpreting(), rp, channel_major)
     step = 0
     if stochastic and e4m3:
-        bt, step = _stepped_blocks(bt, rp, copy=gx8 is not None)
+        bt, step = _stepped_blocks(bt, rp)
     grid = (triton.cdiv(n_blk, bt) * triton.cdiv(C, bc),)
     meta = dict(BT=bt, BC=bc, RP=rp, RANK=rank, KEPT=_packed_rows(rank, select),
                 Q=(int(ref.E4M3_BOUND_Q) if bound else 448) if e4m3 else 2 ** (bits - 1) - 1,
@@ -555,18 +500,6 @@ def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic:
     seed_t = seed_pointer(seed, dev) if stochastic else amax    # amax: an unread placeholder
     args = (x, q, s, amax, seed_t, int(seed_add), float(scale_mul), S, n_sblk, stride_b,
             stride_s, C, x.stride(0), ldq, n_blk, groups)
-    if gx8 is not None:
-        if not (stochastic and e4m3 and meta["FLAT"]):
-            raise ValueError("hla_quant: gx8 needs g's stochastic e4m3 operand on blocks that "
-                             "are row runs")
-        g8 = torch.empty((L, C), dtype=torch.float8_e4m3fn, device=dev)
-        s8 = torch.empty((L,), dtype=torch.float32, device=dev)
-        launch(_hla_kernel, grid, *args, PHASE=2, **meta, G8=True, g8_ptr=g8, g8s_ptr=s8,
-               g8_max_ptr=gx8, g8_seed_add=int(gx8_seed_add))
-        return q, s, g8, s8
-    # every argument named (a recorded launch, wrap_triton, fills no defaults): the unread
-    # e4m3 copy's pointers stand in as amax
-    meta.update(G8=False, g8_ptr=amax, g8s_ptr=amax, g8_max_ptr=amax, g8_seed_add=0)
     if not e4m3:
         launch(_hla_kernel, grid, *args, PHASE=1, **meta)
     launch(_hla_kernel, grid, *args, PHASE=2, **meta)

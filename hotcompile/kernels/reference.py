@@ -559,12 +559,10 @@ def grad_e4m3_scale(g: torch.Tensor) -> torch.Tensor:
 
 
 def grad_uniforms(seed, rows: int, cols: int, device=None) -> torch.Tensor:
-    """(rows, cols) uniforms of g's plain e4m3 operand, drawn channel-major (``uniform8`` of
-    the (cols, rows padded to 16) transpose), the map of ``hla_uniforms`` at 16 slots per
-    token block: the HLA kernel, whose threads own whole channels, writes this operand
-    from the same tile it projects (``hla.hla_quant(gx8=...)``)."""
-    padded = -(-int(rows) // UNIFORMS_PER_COUNTER) * UNIFORMS_PER_COUNTER
-    return uniform8(seed, cols, padded, device=device)[:, :rows].t()
+    """(rows, cols) uniforms of g's plain e4m3 operand: ``uniform8``, row-major, the map of
+    every per-token operand (the per-token kernel's rows are tokens:
+    ``hadamard.grad_e4m3``)."""
+    return uniform8(seed, rows, cols, device=device)
 
 
 def grad_e4m3(g: torch.Tensor, seed=0, scale: torch.Tensor | None = None):

@@ -198,7 +198,7 @@ def rewrite_joint_graph(graph: Graph, config, params: Optional[Set[Node]] = None
         for s in group:
             hla_args = (s.grad, xq, xs, rank, config.gw_bits, config.block, seq, seq_first,
                         measure, config.kernels)
-            why_not = _e4m3_gx_refusal(s, config, seq, seq_first) if s.gx is None else "HQ"
+            why_not = _e4m3_gx_refusal(s, config) if s.gx is None else "HQ"
             if why_not is None:
                 # exact_gx_gemm="e4m3": g_x on FP8 with g_W, one op reading g once
                 anchor = min(s.gx_exact, s.gw, key=order.__getitem__)
@@ -322,7 +322,7 @@ def _weight(graph: Graph, s: LinearSite, before: Node, fake_mode,
                     tag="is_backward", like=gx, fake_mode=fake_mode)
 
 
-def _e4m3_gx_refusal(s: LinearSite, config, seq_len, seq_first: bool) -> Optional[str]:
+def _e4m3_gx_refusal(s: LinearSite, config) -> Optional[str]:
     """Why an exact_gx site's g_x does not go on FP8 (``exact_gx_gemm="e4m3"``), or None.
     On a GPU: where ``formats.e4m3_gx_fused`` holds (elsewhere the op would keep g_x
     exact, so the pass leaves the mm as it is and says why); on a CPU the reference twin
@@ -334,13 +334,12 @@ def _e4m3_gx_refusal(s: LinearSite, config, seq_len, seq_first: bool) -> Optiona
         return "no fake value for g"
     if g.device.type != "cuda":
         return None
-    dims = (s.L, s.O, s.I)
-    if not all(isinstance(d, int) for d in dims) or not isinstance(seq_len, int):
+    if config.block != 16:
+        return f"block={config.block} (the fused kernels take blocks of 16)"
+    if not all(isinstance(d, int) for d in (s.O, s.I)):
         return "sizes vary (dynamic shapes)"
-    if not e4m3_gx_fused(g.device, g.dtype, *dims, seq_len, seq_first,
-                         s.gw_format == "e4m3"):
-        return ("needs FP8 tensor cores, bf16 g, O and I multiples of 16, an e4m3 saved "
-                "activation and token blocks of 16 consecutive rows")
+    if not e4m3_gx_fused(g.device, g.dtype, s.O, s.I):
+        return "needs FP8 tensor cores, bf16 g, and O and I multiples of 16"
     return None
 
 
