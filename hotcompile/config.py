@@ -78,10 +78,10 @@ class HOTConfig:
     the FP8 GEMM with
     fp32 accumulation (``reference.e4m3_gx_backward``), where the GPU and shapes allow it
     (``formats.e4m3_gx_fused``; the report says per site). Not the default: beside the FP8
-    forward it made Llama d4096 1.353x Inductor against 1.329x without it and torchao's
-    1.330x (H200; one scale per tensor then, whose copy cost 0.3 ms less), but the
-    byte-level GPT gate read +0.36 / +1.65 / +0.85% over 3 seeds (words +0.18 / +0.54 /
-    -0.01%): one seed past 1% (docs/BENCHMARKS.md, 35th stop).
+    forward it made Llama d4096 1.339x Inductor against 1.324x without it and torchao's
+    1.328x (H200, one call), but the byte-level GPT's final loss read +1.31% (s.e. 0.52)
+    over Inductor's across 6 seeds, against +0.49% (0.50) for the FP8 forward alone
+    (docs/BENCHMARKS.md, 36th stop).
     min_features: a linear with in- or out-features below this stays exact (too small to win).
     min_speedup: the cost gate (``passes/cost.py``): on a GPU, a site is rewritten only when
     its predicted exact backward time is at least this multiple of HOT's (1.0: never
