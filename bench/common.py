@@ -57,9 +57,11 @@ def file_part(name: str) -> str:
 
 
 def git_commit() -> Optional[str]:
-    """HEAD's short hash, with "+dirty" when tracked files differ from it: the device
-    machines get a copy of the working tree next to a .git that can be older, and a result
-    must not name a commit whose code it did not run."""
+    """HEAD's short hash, with "+dirty" when tracked files differ from it, and then the
+    digest of the package's code that ran (``code_digest``): the device machines get a
+    copy of the working tree next to a .git that can be older, and a result must not name
+    a commit whose code it did not run. ``python bench/common.py --which DIGEST`` names the
+    commits whose package has that digest."""
     try:
         out = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"],
                              capture_output=True, text=True, timeout=10)
@@ -69,9 +71,68 @@ def git_commit() -> Optional[str]:
         dirty = subprocess.run(["git", "-C", REPO, "status", "--porcelain",
                                 "--untracked-files=no"], capture_output=True, text=True,
                                timeout=30).stdout.strip()
-        return head + ("+dirty" if dirty else "")
+        return head + (f"+dirty, code {code_digest()}" if dirty else "")
     except Exception:  # noqa: BLE001 - a missing git is not an error for a benchmark
         return None
+
+
+_CODE_DIR = "hotcompile"
+
+
+def _digest(files: Iterable[Tuple[str, bytes]]) -> str:
+    import hashlib
+    h = hashlib.sha1()
+    for path, data in sorted(files):
+        h.update(path.encode() + b"\0" + str(len(data)).encode() + b"\0" + data)
+    return h.hexdigest()[:10]
+
+
+def code_digest() -> str:
+    """A digest of the package's ``.py`` files as they are on disk (paths and bytes): the
+    same for a working tree and for the commit it equals (``commit_code_digest``)."""
+    root = os.path.join(REPO, _CODE_DIR)
+    files = []
+    for d, _, names in os.walk(root):
+        for n in names:
+            if n.endswith(".py"):
+                path = os.path.join(d, n)
+                with open(path, "rb") as f:
+                    files.append((os.path.relpath(path, REPO).replace(os.sep, "/"), f.read()))
+    return _digest(files)
+
+
+def _tree_files(rev: str) -> List[Tuple[str, str]]:
+    """(path, blob id) of the package's ``.py`` files at ``rev``."""
+    out = subprocess.run(["git", "-C", REPO, "ls-tree", "-r", rev, _CODE_DIR],
+                         capture_output=True, text=True, check=True).stdout
+    rows = [line.split("\t", 1) for line in out.splitlines()]
+    return [(path, meta.split()[2]) for meta, path in rows if path.endswith(".py")]
+
+
+def _blobs(ids: Iterable[str]) -> Dict[str, bytes]:
+    """Blob contents by id, from one ``git cat-file --batch``."""
+    ids = sorted(set(ids))
+    out = subprocess.run(["git", "-C", REPO, "cat-file", "--batch"], check=True,
+                         input="".join(i + "\n" for i in ids).encode(),
+                         capture_output=True).stdout
+    blobs, pos = {}, 0
+    for i in ids:
+        end = out.index(b"\n", pos)
+        size = int(out[pos:end].split()[2])
+        blobs[i] = out[end + 1:end + 1 + size]
+        pos = end + 2 + size
+    return blobs
+
+
+def commits_with_code(digest: str, limit: int = 200) -> List[str]:
+    """The commits (of the last ``limit`` from HEAD) whose package has ``code_digest``
+    ``digest``: which code a "+dirty" result ran."""
+    revs = subprocess.run(["git", "-C", REPO, "rev-list", f"--max-count={limit}", "HEAD"],
+                          capture_output=True, text=True, check=True).stdout.split()
+    trees = {r: _tree_files(r) for r in revs}
+    blobs = _blobs(b for files in trees.values() for _, b in files)
+    return [r[:7] for r, files in trees.items()
+            if _digest((p, blobs[b]) for p, b in files) == digest]
 
 
 def optional_version(mod: str) -> Optional[str]:
@@ -729,3 +790,13 @@ def have_matplotlib() -> bool:
 def log(msg: str) -> None:
     print(msg, flush=True)
     sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    import argparse
+    ap = argparse.ArgumentParser(description="The package's code digest (result files' "
+                                 "'git' field), or the commits that have a given one.")
+    ap.add_argument("--which", metavar="DIGEST", help="list the commits with this digest")
+    ap.add_argument("--limit", type=int, default=200, help="commits to search from HEAD")
+    a = ap.parse_args()
+    print(" ".join(commits_with_code(a.which, a.limit)) if a.which else code_digest())

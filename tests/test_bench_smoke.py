@@ -995,3 +995,25 @@ def test_train_pools_a_mode_run_more_than_once_in_one_invocation():
     # one run per mode: unchanged
     single = {"runs": res["runs"][:2]}
     assert T.pool_repeats(single["runs"]) == single["runs"]
+
+
+def test_result_git_field_names_the_code_that_ran():
+    """A "+dirty" result carries the digest of the package's code (``common.code_digest``);
+    ``commits_with_code`` finds the commit whose package has it: the working tree's digest
+    is HEAD's where the package is as committed, and one changed byte changes it."""
+    C = _load("common")
+    if not shutil.which("git") or not os.path.isdir(os.path.join(REPO, ".git")):
+        pytest.skip("no git checkout")
+    status = subprocess.run(["git", "-C", REPO, "status", "--porcelain", "hotcompile"],
+                            capture_output=True, text=True).stdout
+    files = C._tree_files("HEAD")
+    blobs = C._blobs(b for _, b in files)
+    head = C._digest((p, blobs[b]) for p, b in files)
+    assert len(head) == 10 and files and all(p.startswith("hotcompile/") for p, _ in files)
+    if not status.strip():
+        assert C.code_digest() == head
+        assert C.commits_with_code(head, limit=1) == [
+            subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"],
+                           capture_output=True, text=True).stdout.strip()[:7]]
+    p, b = files[0]
+    assert C._digest([(p, blobs[b] + b" ")] + [(q, blobs[c]) for q, c in files[1:]]) != head
