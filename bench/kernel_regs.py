@@ -95,7 +95,7 @@ def kernels_for(L: int, I: int, O: int, rank: int):
                      {"g_ptr": "*bf16", "q_ptr": "*fp8e4nv" if plain else "*i8",
                       "s_ptr": "*fp32", "seed_ptr": "*i64", "m_ptr": "*fp32", "z_ptr": "*i32"},
                      dict(BR=br, BC=bc, ONE_TILE=one, Q=448 if plain else 7, FP8=plain,
-                          INTERPRET=False, ROW_MAX=True, PLAIN=plain, NEAREST=False), warps))
+                          INTERPRET=False, ROW_MAX=True, PLAIN=plain), warps))
     rows.append(("hla g bound", hla._block_bound_kernel, {"m_ptr": "*fp32", "out_ptr": "*i32"},
                  dict(BB=64), 4))
     for row_max in (False, True):

@@ -17,7 +17,7 @@ from .kernels.saved_fp8 import FORMATS as _SAVED_FORMATS
 
 _KERNELS = ("auto", "triton", "reference")
 _GX_SCALES = ("lqs", "token", "tensor")
-_EXACT_GX_GEMMS = ("bf16", "e4m3", "e4m3_nearest")
+_EXACT_GX_GEMMS = ("bf16", "e4m3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,9 +81,7 @@ class HOTConfig:
     forward it made Llama d4096 1.339x Inductor against 1.324x without it and torchao's
     1.328x (H200, one call), but the byte-level GPT's final loss read +1.31% (s.e. 0.52)
     over Inductor's across 6 seeds, against +0.49% (0.50) for the FP8 forward alone
-    (docs/BENCHMARKS.md, 36th stop). ``e4m3_nearest``: the same, g rounded to its nearest
-    e4m3 instead of stochastically (half the squared error, no random bits, biased per
-    value: what torchao's float8 casts do).
+    (docs/BENCHMARKS.md, 36th stop).
     min_features: a linear with in- or out-features below this stays exact (too small to win).
     min_speedup: the cost gate (``passes/cost.py``): on a GPU, a site is rewritten only when
     its predicted exact backward time is at least this multiple of HOT's (1.0: never

@@ -332,10 +332,6 @@ def test_grad_e4m3_is_unbiased_and_fp8_close():
     gx, gw = R.e4m3_gx_backward(g, w, xq, xs, 16, 7)
     assert rel(gx, g @ w) < 0.06
     assert torch.equal(gw, R.hla_grad_weight(g, xq, xs, 16, "1d", 8, 8))
-    qn, sn = R.grad_e4m3(g, 5, stochastic=False)      # exact_gx_gemm="e4m3_nearest"
-    assert torch.equal(qn.float(), lo) and torch.equal(sn, s[:, 0])
-    gxn, gwn = R.e4m3_gx_backward(g, w, xq, xs, 16, 7, nearest=True)
-    assert torch.equal(gwn, gw) and not torch.equal(gxn, gx) and rel(gxn, g @ w) < 0.06
     g[1, 1] = float("nan")
     q, s = R.grad_e4m3(g, 5)
     assert torch.isnan(s[1]) and not q[1].float().any() and torch.isfinite(s[2:]).all()

@@ -86,11 +86,6 @@ def _ints(*vals) -> bool:
     return all(isinstance(v, int) for v in vals)
 
 
-def _gx_rounding(config) -> str:
-    """How an FP8 exact_gx site rounds g (``exact_gx_gemm``)."""
-    return "rounded to nearest" if config.exact_gx_gemm == "e4m3_nearest" else "stochastic"
-
-
 def record_site(site: "LinearSite", graph_index: int, config, plan=None) -> SiteRecord:
     dtype = str(site.dtype) if site.dtype is not None else "?"
     before = after = None
@@ -111,8 +106,7 @@ def record_site(site: "LinearSite", graph_index: int, config, plan=None) -> Site
     if site.eligible:
         scale = "lqs" if config.gx_scale == "lqs" else config.gx_scale
         gx = (f"HQ g{config.gx_bits}/w{config.gx_w_bits} ({scale})" if site.gx is not None
-              else f"FP8 e4m3 g/W, no Hadamard, g {_gx_rounding(config)} ({site.gx_kept})"
-              if site.gx_e4m3
+              else f"FP8 e4m3 g/W, no Hadamard ({site.gx_kept})" if site.gx_e4m3
               else f"exact ({site.gx_kept})" if site.gx_kept else "- (x needs no grad)")
         fmt = "e4m3" if site.gw_format == "e4m3" else f"int{config.gw_bits}"
         gw = f"HLA r={rank}/{config.block} {fmt}" if site.gw is not None else "- (frozen weight)"

@@ -259,7 +259,7 @@ def linear_backward(g: torch.Tensor, w: torch.Tensor, xt: torch.Tensor, x_scale:
 def e4m3_gx_backward(g: torch.Tensor, w: torch.Tensor, xt: torch.Tensor, x_scale: torch.Tensor,
                      rank: int, seed=0, block: int = 16, *, seq_len: int = 0,
                      seq_first: bool = False, gw_dtype: torch.dtype | None = None,
-                     w_q=None, w_s=None, nearest: bool = False):
+                     w_q=None, w_s=None):
     """``reference.e4m3_gx_backward`` on the GPU: the per-token kernel writes g's e4m3 copy
     with a scale per token and g's row maxima from one read of g (``hadamard.grad_e4m3``);
     the maxima give the e4m3 HLA operand's bound; the HLA kernel writes g_W's operand;
@@ -274,7 +274,7 @@ def e4m3_gx_backward(g: torch.Tensor, w: torch.Tensor, xt: torch.Tensor, x_scale
         return (g @ w.to(g.dtype),
                 hla_grad_weight(g, xt, x_scale, rank, "1d", 8, seed + 1, block, **lay,
                                 out_dtype=gw_dtype))
-    g8, s8, m, word = hadamard.grad_e4m3(g, seed, row_max=True, stochastic=not nearest)
+    g8, s8, m, word = hadamard.grad_e4m3(g, seed, row_max=True)
     # the e4m3 HLA operand's scale comes from a bound of g's block sums (its row maxima);
     # int8 levels take their own amax
     bound = hla.token_block_bound_bits(g, seq_len, seq_first, m, word) \

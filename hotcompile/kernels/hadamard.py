@@ -297,7 +297,7 @@ def _quantize_store_rows(q_ptr, v, s, inv_s, seed, rows, col0, L, O_pad, ldq, gr
     mask = (rows < L)[:, None] & (cols < O_pad)[None, :]
     ptrs = q_ptr + rows.to(tl.int64)[:, None] * ldq + cols[None, :]
     if PLAIN:
-        tl.store(ptrs, to_e4m3(v, s, inv_s, IEEE_DIV or INTERPRET, INTERPRET, u, STOCHASTIC),
+        tl.store(ptrs, to_e4m3(v, s, inv_s, IEEE_DIV or INTERPRET, INTERPRET, u, True),
                  mask=mask)
     else:
         q = quantize(v, s, inv_s, u, Q, IEEE_DIV or INTERPRET, not INTERPRET)
@@ -328,20 +328,19 @@ def _token_scale(amax_bits, Q: tl.constexpr, PLAIN: tl.constexpr):
 @triton.jit
 def _quantize_row_chunks(g_ptr, q_ptr, s, inv_s, seed, rows, L, O, O_pad, stride_g, ldq,
                          groups_per_row, BC: tl.constexpr, Q: tl.constexpr, FP8: tl.constexpr,
-                         INTERPRET: tl.constexpr, IEEE_DIV: tl.constexpr, PLAIN: tl.constexpr,
-                         NEAREST: tl.constexpr):
+                         INTERPRET: tl.constexpr, IEEE_DIV: tl.constexpr, PLAIN: tl.constexpr):
     """Second sweep of a row set: re-read, re-transform and quantize each column chunk."""
     for col0 in range(0, O_pad, BC):
         v = _token_tile(g_ptr, rows, col0, L, O, stride_g, BC, PLAIN)
         _quantize_store_rows(q_ptr, v, s, inv_s, seed, rows, col0, L, O_pad, ldq, groups_per_row,
-                             BC, Q, not NEAREST, FP8, INTERPRET, IEEE_DIV, PLAIN)
+                             BC, Q, True, FP8, INTERPRET, IEEE_DIV, PLAIN)
 
 
 @triton.jit
 def _hq_token_kernel(g_ptr, q_ptr, s_ptr, seed_ptr, m_ptr, z_ptr, L, O, O_pad, stride_g, ldq,
                      groups_per_row, BR: tl.constexpr, BC: tl.constexpr, ONE_TILE: tl.constexpr,
                      Q: tl.constexpr, FP8: tl.constexpr, INTERPRET: tl.constexpr,
-                     ROW_MAX: tl.constexpr, PLAIN: tl.constexpr, NEAREST: tl.constexpr):
+                     ROW_MAX: tl.constexpr, PLAIN: tl.constexpr):
     """Per-token (per-row) scales: one program owns BR whole rows.
 
     If a row fits one tile (ONE_TILE) it is loaded and transformed once and quantized from
@@ -352,8 +351,7 @@ def _hq_token_kernel(g_ptr, q_ptr, s_ptr, seed_ptr, m_ptr, z_ptr, L, O, O_pad, s
     the input of g's HLA bound (``hla.token_block_bound_bits``), and zero the int32 word at
     ``z_ptr``, which the bound's kernel then maxes into: no fill launch of its own.
     ``PLAIN``: no transform and no levels: g itself stochastically rounded to e4m3 at its
-    row's scale (``reference.grad_e4m3``, the operand of an FP8 g_x without a Hadamard);
-    with ``NEAREST`` (``PLAIN`` only) rounded to the nearest e4m3 instead.
+    row's scale (``reference.grad_e4m3``, the operand of an FP8 g_x without a Hadamard).
     """
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     seed = tl.load(seed_ptr)
@@ -373,12 +371,10 @@ def _hq_token_kernel(g_ptr, q_ptr, s_ptr, seed_ptr, m_ptr, z_ptr, L, O, O_pad, s
         inv_s = tl.math.div_rn(1.0, s)
         if reciprocal_is_finite(inv_s):
             _quantize_store_rows(q_ptr, v, s[:, None], inv_s[:, None], seed, rows, 0, L, O_pad,
-                                 ldq, groups_per_row, BC, Q, not NEAREST, FP8, INTERPRET,
-                                 False, PLAIN)
+                                 ldq, groups_per_row, BC, Q, True, FP8, INTERPRET, False, PLAIN)
         else:
             _quantize_store_rows(q_ptr, v, s[:, None], inv_s[:, None], seed, rows, 0, L, O_pad,
-                                 ldq, groups_per_row, BC, Q, not NEAREST, FP8, INTERPRET,
-                                 True, PLAIN)
+                                 ldq, groups_per_row, BC, Q, True, FP8, INTERPRET, True, PLAIN)
     else:
         amax = tl.zeros((BR, BC), dtype=tl.int32)
         xmax = tl.zeros((BR, BC), dtype=tl.int32)
@@ -400,11 +396,11 @@ def _hq_token_kernel(g_ptr, q_ptr, s_ptr, seed_ptr, m_ptr, z_ptr, L, O, O_pad, s
         if reciprocal_is_finite(inv_s):
             _quantize_row_chunks(g_ptr, q_ptr, s[:, None], inv_s[:, None], seed, rows, L, O, O_pad,
                                  stride_g, ldq, groups_per_row, BC, Q, FP8, INTERPRET, False,
-                                 PLAIN, NEAREST)
+                                 PLAIN)
         else:
             _quantize_row_chunks(g_ptr, q_ptr, s[:, None], inv_s[:, None], seed, rows, L, O, O_pad,
                                  stride_g, ldq, groups_per_row, BC, Q, FP8, INTERPRET, True,
-                                 PLAIN, NEAREST)
+                                 PLAIN)
     tl.store(s_ptr + rows, s, mask=rows < L)
 
 
@@ -770,7 +766,7 @@ def hq_act_quant(g: torch.Tensor, bits: int, per_token: bool, seed, fp8: bool = 
     if g.stride(-1) != 1:
         g = g.contiguous()
     if per_token:
-        return _per_token(g, qmax(bits), seed, fp8, row_max, plain=False, nearest=False)
+        return _per_token(g, qmax(bits), seed, fp8, row_max, plain=False)
     if row_max:
         raise ValueError("hq_act_quant: row_max needs per_token")
     L, O = g.shape
@@ -792,14 +788,13 @@ def hq_act_quant(g: torch.Tensor, bits: int, per_token: bool, seed, fp8: bool = 
     return q, s
 
 
-def grad_e4m3(g: torch.Tensor, seed, row_max: bool = False, stochastic: bool = True):
+def grad_e4m3(g: torch.Tensor, seed, row_max: bool = False):
     """``reference.grad_e4m3`` on the GPU: g (L, O) -> (stochastic scaled e4m3 (L, O), fp32
     (L,) scales, one per token), the A operand of an FP8 g_x without a Hadamard
     (``exact_gx_gemm="e4m3"``), by the per-token kernel: each row read once (twice where it
     is wider than a tile, the second time from L2) and its e4m3 copy written once. With
     ``row_max``, also (row maxima, a zeroed int32 word) as ``hq_act_quant``'s: the same
-    read gives g's HLA bound (``hla.token_block_bound_bits``). ``stochastic=False``: each
-    value rounded to the nearest e4m3 (``exact_gx_gemm="e4m3_nearest"``; no random bits).
+    read gives g's HLA bound (``hla.token_block_bound_bits``).
 
     Why its own pass and not a side store of the HLA kernel (which reads g anyway): that
     kernel's threads own channels and hold every token of their tile, so a per-token scale
@@ -808,11 +803,11 @@ def grad_e4m3(g: torch.Tensor, seed, row_max: bool = False, stochastic: bool = T
     row-major pass costs about one read and one byte-per-element write."""
     if g.stride(-1) != 1:
         g = g.contiguous()
-    q, s, *rm = _per_token(g, 448, seed, True, row_max, plain=True, nearest=not stochastic)
+    q, s, *rm = _per_token(g, 448, seed, True, row_max, plain=True)
     return (q[:, :g.shape[1]], s, *rm)
 
 
-def _per_token(g, Q: int, seed, fp8: bool, row_max: bool, plain: bool, nearest: bool):
+def _per_token(g, Q: int, seed, fp8: bool, row_max: bool, plain: bool):
     """One launch of ``_hq_token_kernel`` over g's rows (``token_tile``)."""
     L, O = g.shape
     O_pad = -(-O // 16) * 16
@@ -826,7 +821,7 @@ def _per_token(g, Q: int, seed, fp8: bool, row_max: bool, plain: bool, nearest: 
     launch(_hq_token_kernel, (triton.cdiv(L, br),),
            g, q, s, seed_t, m, z, L, O, O_pad, g.stride(0), O_pad, philox_counters(O_pad),
            BR=br, BC=bc, ONE_TILE=one, Q=Q, FP8=fp8, INTERPRET=interpreting(),
-           ROW_MAX=row_max, PLAIN=plain, NEAREST=nearest, num_warps=warps)
+           ROW_MAX=row_max, PLAIN=plain, num_warps=warps)
     return (q, s, m, z) if row_max else (q, s)
 
 

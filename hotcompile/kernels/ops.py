@@ -267,8 +267,7 @@ def e4m3_gx_backward_body(g: Tensor, xq: Tensor, x_scale: Tensor, rank: int, gw_
                           block: int, seq_len: int, seq_first: bool, measure: str, kernels: str,
                           w: Tensor, seeds: Optional[Tensor] = None, seed_index: int = 0,
                           gw_fp32: bool = False, w_q: Optional[Tensor] = None,
-                          w_s: Optional[Tensor] = None,
-                          nearest: bool = False) -> tuple[Tensor, Tensor]:
+                          w_s: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """(g_x, g_W) of a layer named in ``exact_gx`` under ``exact_gx_gemm="e4m3"``: g_x with no
     Hadamard and no 4-bit levels, on the FP8 GEMM (``reference.e4m3_gx_backward``: g
     stochastically rounded to e4m3 with a scale per token, W^T rounded to e4m3 per column, fp32
@@ -277,16 +276,15 @@ def e4m3_gx_backward_body(g: Tensor, xq: Tensor, x_scale: Tensor, rank: int, gw_
     writes g's e4m3 operand and g's row maxima (the HLA bound) from one read of g
     (``fused.e4m3_gx_backward``); where the fused
     path does not apply there (``formats.e4m3_gx_fused``), g_x is exact. ``w_q``, ``w_s``:
-    W's plain e4m3 operand from the forward's ``weight_operands(hq=False)``. ``nearest``
-    (``exact_gx_gemm="e4m3_nearest"``): g rounded to the nearest e4m3, not stochastically."""
+    W's plain e4m3 operand from the forward's ``weight_operands(hq=False)``."""
     seed = _seed(g, seeds, seed_index)
     if measure:
         RANK.measure(measure, g, xq, x_scale, block, seq_len, seq_first)
     lay = dict(seq_len=seq_len, seq_first=seq_first, gw_dtype=_gw_dtype(g, gw_fp32))
     if triton_usable(g, kernels):
         return _fused().e4m3_gx_backward(g, w, xq, x_scale, rank, seed, block, **lay,
-                                         w_q=w_q, w_s=w_s, nearest=nearest)
-    return ref.e4m3_gx_backward(g, w, xq, x_scale, rank, seed, block, **lay, nearest=nearest)
+                                         w_q=w_q, w_s=w_s)
+    return ref.e4m3_gx_backward(g, w, xq, x_scale, rank, seed, block, **lay)
 
 
 e4m3_gx_backward = torch.library.custom_op("hot::e4m3_gx_backward", mutates_args=())(
@@ -295,7 +293,7 @@ e4m3_gx_backward = torch.library.custom_op("hot::e4m3_gx_backward", mutates_args
 
 @e4m3_gx_backward.register_fake
 def _(g, xq, x_scale, rank, gw_bits, block, seq_len, seq_first, measure, kernels, w, seeds=None,
-      seed_index=0, gw_fp32=False, w_q=None, w_s=None, nearest=False):
+      seed_index=0, gw_fp32=False, w_q=None, w_s=None):
     torch._check(g.shape[1] == w.shape[0], lambda: "e4m3_gx_backward: g and w disagree on O")
     torch._check(xq.shape[0] == ref.hla_rows(g.shape[0], rank, block, seq_len),
                  lambda: "e4m3_gx_backward: compressed buffer rows disagree with g")

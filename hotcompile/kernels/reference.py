@@ -565,18 +565,13 @@ def grad_uniforms(seed, rows: int, cols: int, device=None) -> torch.Tensor:
     return uniform8(seed, rows, cols, device=device)
 
 
-def grad_e4m3(g: torch.Tensor, seed=0, scale: torch.Tensor | None = None,
-              stochastic: bool = True):
+def grad_e4m3(g: torch.Tensor, seed=0, scale: torch.Tensor | None = None):
     """g (L, C) -> (stochastic scaled e4m3 (L, C), fp32 (L,) scales ``grad_e4m3_scale``):
     the g_x GEMM's A operand of a layer whose g_x takes no Hadamard
     (``exact_gx_gemm="e4m3"``). Unbiased like every stochastic operand here; a scale per
     token, so a row's small entries keep their own e4m3 binade (3 mantissa bits) down to
-    its max * 2**-12.8 and reach the subnormals below. ``stochastic=False``
-    (``exact_gx_gemm="e4m3_nearest"``): each value to its nearest e4m3 (ties to even), half
-    the squared error of a stochastic rounding and no random bits, but biased per value."""
+    its max * 2**-12.8 and reach the subnormals below."""
     s = grad_e4m3_scale(g) if scale is None else scale
-    if not stochastic:
-        return quantize_e4m3(g, per_row=True, scale=s)
     u = grad_uniforms(seed, g.shape[0], g.shape[1], device=g.device)
     return quantize_e4m3(g, per_row=True, stochastic=True, u=u, scale=s)
 
@@ -591,13 +586,12 @@ def plain_weight_e4m3(w: torch.Tensor):
 def e4m3_gx_backward(g: torch.Tensor, w: torch.Tensor, xt: torch.Tensor,
                      x_scale: torch.Tensor, rank: int, seed=0, block: int = 16, *,
                      seq_len: int = 0, seq_first: bool = False,
-                     gw_dtype: torch.dtype | None = None, nearest: bool = False):
+                     gw_dtype: torch.dtype | None = None):
     """(g_x, g_W) of a layer whose g_x keeps no Hadamard nor 4-bit levels but runs on FP8:
     g_x = ``grad_e4m3``(g) @ ``plain_weight_e4m3``(W)^T, with fp32 accumulation (the
     products of e4m3 values are exact in fp64; the GEMM sums in fp32), and g_W as
-    ``hla_grad_weight``. Bits: g_x's from ``seed``, g_W's from ``seed + 1``. ``nearest``:
-    g rounded to the nearest e4m3 (``grad_e4m3(stochastic=False)``)."""
-    gq, gs = grad_e4m3(g, seed, stochastic=not nearest)
+    ``hla_grad_weight``. Bits: g_x's from ``seed``, g_W's from ``seed + 1``."""
+    gq, gs = grad_e4m3(g, seed)
     wq, ws = plain_weight_e4m3(w.to(g.dtype))
     acc = (gq.double() @ wq.double().t()).float()
     gx = (acc * gs[:, None] * ws[None, :]).to(g.dtype)

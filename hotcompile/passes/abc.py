@@ -106,7 +106,7 @@ def compress_inputs(graph: Graph, groups: Dict[tuple, List[LinearSite]], config,
             # before the group's first backward mm (a site's whole backward is one op,
             # placed before the first of its g_x and g_W mms; with exact_gx_gemm="e4m3",
             # an exact_gx site's g_x mm too: its op may replace it)
-            e4m3 = config.exact_gx_gemm != "bf16"
+            e4m3 = config.exact_gx_gemm == "e4m3"
             anchor = min((n for s in group for n in (s.gx, s.gw, s.gx_exact if e4m3 else None)
                           if n is not None),
                          key=order.__getitem__)

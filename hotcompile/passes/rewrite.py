@@ -205,17 +205,14 @@ def rewrite_joint_graph(graph: Graph, config, params: Optional[Set[Node]] = None
                 op = add_node(graph, E4M3_GX_OP, hla_args + (
                     _weight(graph, s, anchor, fake_mode, s.gx_exact),), before=anchor,
                     tag="is_backward", like=s.gw, fake_mode=fake_mode)
-                if config.exact_gx_gemm == "e4m3_nearest":
-                    op.kwargs = {**op.kwargs, "nearest": True}
                 s.rewritten_gw, s.gx_e4m3 = op, True
                 gx, gw = (add_node(graph, operator.getitem, (op, i), before=anchor,
                                    tag="is_backward", like=s.gw, val=op.meta["val"][i])
                           for i in range(2))
                 _replace(graph, s.gx_exact, gx, s.gx_t, fake_mode)
             elif s.gx is None:
-                if s.gx_exact is not None and config.exact_gx_gemm != "bf16":
-                    s.gx_kept += (f"; exact_gx_gemm='{config.exact_gx_gemm}' not applied: "
-                                  f"{why_not}")
+                if s.gx_exact is not None and config.exact_gx_gemm == "e4m3":
+                    s.gx_kept += f"; exact_gx_gemm='e4m3' not applied: {why_not}"
                 gw = add_node(graph, HLA_OP, hla_args, before=s.gw, tag="is_backward",
                               like=s.gw, fake_mode=fake_mode)
                 s.rewritten_gw = gw
@@ -330,7 +327,7 @@ def _e4m3_gx_refusal(s: LinearSite, config) -> Optional[str]:
     On a GPU: where ``formats.e4m3_gx_fused`` holds (elsewhere the op would keep g_x
     exact, so the pass leaves the mm as it is and says why); on a CPU the reference twin
     computes it."""
-    if config.exact_gx_gemm == "bf16" or s.gx_exact is None:
+    if config.exact_gx_gemm != "e4m3" or s.gx_exact is None:
         return "exact_gx_gemm='bf16', or not an exact_gx site"
     g = s.grad.meta.get("val")
     if not isinstance(g, torch.Tensor):
