@@ -1031,7 +1031,8 @@ def test_gpu_e4m3_gx_backward(L, O, I, seq_len):
     """``exact_gx_gemm="e4m3"`` on the GPU: the per-token kernel's e4m3 copy of g bit-equal to
     ``reference.grad_e4m3``; g_x on the row-wise FP8 GEMM within fp32-accumulation and bf16
     rounding of the twin, and within FP8's error of the exact product; g_W the plain
-    ``hla_grad_weight`` with seed + 1; the forward's plain W operand gives the same g_x."""
+    ``hla_grad_weight`` with seed + 1; the forward's plain W operand gives the same g_x;
+    with an int8 saved x, the same g_x and that x's g_W."""
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("no FP8 tensor cores")
     torch.manual_seed(4)
@@ -1054,6 +1055,11 @@ def test_gpu_e4m3_gx_backward(L, O, I, seq_len):
     wq, ws = R.plain_weight_e4m3(w)
     gx2, _ = F.e4m3_gx_backward(g, w, xq, xs, 16, seed, seq_len=seq_len, w_q=wq, w_s=ws)
     assert torch.equal(gx2, gx)
+    # an int8 saved x (gw_format="int8"): g_W's HLA operand takes its own amax
+    xq8, xs8 = F.abc_compress(x, 16, "1d", 8, seq_len=seq_len, fmt="int8")
+    gx8, gw8 = F.e4m3_gx_backward(g, w, xq8, xs8, 16, seed, seq_len=seq_len)
+    assert torch.equal(gx8, gx)
+    assert torch.equal(gw8, F.hla_grad_weight(g, xq8, xs8, 16, "1d", 8, 22, seq_len=seq_len))
 
 
 class _Launches(torch.utils._python_dispatch.TorchDispatchMode):
