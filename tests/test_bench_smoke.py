@@ -580,6 +580,9 @@ def test_accuracy_lm_seeds_pair_each_hot_run_with_its_inductor_run():
     assert len(ent["runs"]) == 6 and abs(ent["gap"]["hot_vs_inductor"] - gap) < 1e-12
     t = merged["targets"][0]
     assert t["verdict"] == "PASS" and "mean of 3 seeds" in t["measured"]
+    one = A.merge_results([{**res, "lm": {**res["lm"], "corpora": {"stdlib": {
+        "corpus": "stdlib", "data": {}, "runs": [r for r in runs if r["seed"] == 0]}}}}])
+    assert "one seed" in one["targets"][0]["measured"] and "gate_pool" in one["targets"][0]["measured"]
     md = A.markdown(merged)
     assert "| mode | seed | final val loss |" in md
     assert "+2.00%" in md and "-1.00%" in md          # each hot row vs its own seed's run
