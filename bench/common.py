@@ -71,9 +71,18 @@ def git_commit() -> Optional[str]:
         dirty = subprocess.run(["git", "-C", REPO, "status", "--porcelain",
                                 "--untracked-files=no"], capture_output=True, text=True,
                                timeout=30).stdout.strip()
-        return head + (f"+dirty, code {code_digest()}" if dirty else "")
+        # a new module of the package that git does not track yet runs too
+        dirty = dirty or subprocess.run(
+            ["git", "-C", REPO, "ls-files", "--others", "--exclude-standard", _CODE_DIR],
+            capture_output=True, text=True, timeout=30).stdout.strip()
     except Exception:  # noqa: BLE001 - a missing git is not an error for a benchmark
         return None
+    if not dirty:
+        return head
+    try:
+        return f"{head}+dirty, code {code_digest()}"
+    except OSError as e:
+        return f"{head}+dirty (no code digest: {e})"
 
 
 _CODE_DIR = "hotcompile"
@@ -103,9 +112,9 @@ def code_digest() -> str:
 
 def _tree_files(rev: str) -> List[Tuple[str, str]]:
     """(path, blob id) of the package's ``.py`` files at ``rev``."""
-    out = subprocess.run(["git", "-C", REPO, "ls-tree", "-r", rev, _CODE_DIR],
+    out = subprocess.run(["git", "-C", REPO, "ls-tree", "-r", "-z", rev, _CODE_DIR],
                          capture_output=True, text=True, check=True).stdout
-    rows = [line.split("\t", 1) for line in out.splitlines()]
+    rows = [entry.split("\t", 1) for entry in out.split("\0") if entry]
     return [(path, meta.split()[2]) for meta, path in rows if path.endswith(".py")]
 
 
@@ -118,7 +127,10 @@ def _blobs(ids: Iterable[str]) -> Dict[str, bytes]:
     blobs, pos = {}, 0
     for i in ids:
         end = out.index(b"\n", pos)
-        size = int(out[pos:end].split()[2])
+        header = out[pos:end].split()
+        if len(header) != 3:        # "<id> missing": a partial or shallow clone
+            raise RuntimeError(f"git has no object {i} ({out[pos:end].decode()!r})")
+        size = int(header[2])
         blobs[i] = out[end + 1:end + 1 + size]
         pos = end + 2 + size
     return blobs

@@ -557,3 +557,31 @@ def test_exact_gx_gemm_e4m3_puts_the_kept_g_x_on_fp8():
     assert rel(gw1, gw1_e) < 0.06 and rel(gw2, gw2_e) < 0.06
     with pytest.raises(ValueError, match="exact_gx_gemm"):
         HOTConfig(exact_gx_gemm="fp8")
+
+
+def test_e4m3_gx_refusal_gives_the_true_reason(monkeypatch):
+    """The pass asks ``_e4m3_gx_refusal`` before it puts an exact_gx site's g_x on FP8, and
+    the report carries its answer: no reason on a CPU (the reference twin) or where
+    ``formats.e4m3_gx_fused`` holds; otherwise the option, the block, dynamic sizes or the
+    rule's conditions, each named."""
+    from types import SimpleNamespace
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from hotcompile.passes import rewrite
+
+    def site(device, O=64, I=32, exact=True):
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            g = torch.empty(16, O, device=device, dtype=torch.bfloat16)
+        return SimpleNamespace(gx_exact=object() if exact else None, O=O, I=I,
+                               grad=SimpleNamespace(meta={"val": g}))
+
+    asked = []
+    monkeypatch.setattr(rewrite, "e4m3_gx_fused",
+                        lambda dev, dt, O, I: asked.append((O, I)) or (O % 16 == 0))
+    on = HOTConfig(exact_gx_gemm="e4m3")
+    assert "bf16" in rewrite._e4m3_gx_refusal(site("cuda"), HOTConfig())
+    assert "not an exact_gx site" in rewrite._e4m3_gx_refusal(site("cuda", exact=False), on)
+    assert rewrite._e4m3_gx_refusal(site("cpu"), on) is None and not asked
+    assert "block=8" in rewrite._e4m3_gx_refusal(
+        site("cuda"), HOTConfig(exact_gx_gemm="e4m3", block=8, rank=8))
+    assert rewrite._e4m3_gx_refusal(site("cuda"), on) is None and asked == [(64, 32)]
+    assert "multiples of 16" in rewrite._e4m3_gx_refusal(site("cuda", O=40), on)

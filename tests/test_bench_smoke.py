@@ -1018,5 +1018,17 @@ def test_result_git_field_names_the_code_that_ran():
         assert C.commits_with_code(head, limit=1) == [
             subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"],
                            capture_output=True, text=True).stdout.strip()[:7]]
+    untracked = subprocess.run(["git", "-C", REPO, "ls-files", "--others", "--exclude-standard",
+                                "hotcompile"], capture_output=True, text=True).stdout
+    if not any(f.endswith(".py") for f in untracked.split()):
+        # dirty or not: the digest is of the files as they are on disk
+        disk = []
+        for p, _ in files:
+            if os.path.exists(os.path.join(REPO, p)):
+                with open(os.path.join(REPO, p), "rb") as f:
+                    disk.append((p, f.read()))
+        assert C.code_digest() == C._digest(disk)
     p, b = files[0]
     assert C._digest([(p, blobs[b] + b" ")] + [(q, blobs[c]) for q, c in files[1:]]) != head
+    with pytest.raises(RuntimeError, match="no object"):
+        C._blobs(["0" * 40])

@@ -1026,13 +1026,16 @@ def test_gpu_weight_operands_are_the_compiled_casts(forward, O, I):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("L,O,I,seq_len", [(8192, 32000, 4096, 2048), (2048, 4096, 1024, 0)])
-def test_gpu_e4m3_gx_backward(L, O, I, seq_len):
+@pytest.mark.parametrize("L,O,I,seq_len,seq_first", [(8192, 32000, 4096, 2048, False),
+                                                     (2048, 4096, 1024, 0, False),
+                                                     (4096, 4096, 1024, 2048, True)])
+def test_gpu_e4m3_gx_backward(L, O, I, seq_len, seq_first):
     """``exact_gx_gemm="e4m3"`` on the GPU: the per-token kernel's e4m3 copy of g bit-equal to
     ``reference.grad_e4m3``; g_x on the row-wise FP8 GEMM within fp32-accumulation and bf16
     rounding of the twin, and within FP8's error of the exact product; g_W the plain
     ``hla_grad_weight`` with seed + 1; the forward's plain W operand gives the same g_x;
-    with an int8 saved x, the same g_x and that x's g_W."""
+    with an int8 saved x, the same g_x and that x's g_W; sequence-first token blocks (the
+    bound from the copy's row maxima follows the layout)."""
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("no FP8 tensor cores")
     torch.manual_seed(4)
@@ -1040,26 +1043,27 @@ def test_gpu_e4m3_gx_backward(L, O, I, seq_len):
     g[torch.arange(L), torch.randint(0, O, (L,))] = -1e-2          # a logit-gradient shape
     w = (_randn(O, I, device="cuda") * 0.02).to(torch.bfloat16)
     x = _randn(L, I, dtype=torch.bfloat16, device="cuda")
-    xq, xs = F.abc_compress(x, 16, "1d", 8, seq_len=seq_len, fmt="e4m3")
+    lay = dict(seq_len=seq_len, seq_first=seq_first)
+    xq, xs = F.abc_compress(x, 16, "1d", 8, **lay, fmt="e4m3")
     seed = torch.tensor(21, device="cuda")
-    gx, gw = F.e4m3_gx_backward(g, w, xq, xs, 16, seed, seq_len=seq_len)
+    gx, gw = F.e4m3_gx_backward(g, w, xq, xs, 16, seed, **lay)
     g8, s8 = H.grad_e4m3(g, seed)
     qr, sr = R.grad_e4m3(g, 21)
     assert torch.equal(g8.view(torch.uint8), qr.view(torch.uint8))
     assert torch.equal(s8, sr)
-    twin_gx, twin_gw = R.e4m3_gx_backward(g, w, xq, xs, 16, 21, seq_len=seq_len)
+    twin_gx, twin_gw = R.e4m3_gx_backward(g, w, xq, xs, 16, 21, **lay)
     assert rel(gx.float(), twin_gx.float()) < 4e-3
     assert rel(gx.double(), g.double() @ w.double()) < 0.06
-    assert torch.equal(gw, F.hla_grad_weight(g, xq, xs, 16, "1d", 8, 22, seq_len=seq_len))
+    assert torch.equal(gw, F.hla_grad_weight(g, xq, xs, 16, "1d", 8, 22, **lay))
     assert rel(gw.float(), twin_gw.float()) < 4e-3
     wq, ws = R.plain_weight_e4m3(w)
-    gx2, _ = F.e4m3_gx_backward(g, w, xq, xs, 16, seed, seq_len=seq_len, w_q=wq, w_s=ws)
+    gx2, _ = F.e4m3_gx_backward(g, w, xq, xs, 16, seed, **lay, w_q=wq, w_s=ws)
     assert torch.equal(gx2, gx)
     # an int8 saved x (gw_format="int8"): g_W's HLA operand takes its own amax
-    xq8, xs8 = F.abc_compress(x, 16, "1d", 8, seq_len=seq_len, fmt="int8")
-    gx8, gw8 = F.e4m3_gx_backward(g, w, xq8, xs8, 16, seed, seq_len=seq_len)
+    xq8, xs8 = F.abc_compress(x, 16, "1d", 8, **lay, fmt="int8")
+    gx8, gw8 = F.e4m3_gx_backward(g, w, xq8, xs8, 16, seed, **lay)
     assert torch.equal(gx8, gx)
-    assert torch.equal(gw8, F.hla_grad_weight(g, xq8, xs8, 16, "1d", 8, 22, seq_len=seq_len))
+    assert torch.equal(gw8, F.hla_grad_weight(g, xq8, xs8, 16, "1d", 8, 22, **lay))
 
 
 class _Launches(torch.utils._python_dispatch.TorchDispatchMode):

@@ -324,14 +324,23 @@ def test_grad_e4m3_is_unbiased_and_fp8_close():
     assert ((mean - g).abs() <= 5 * step * s / (2 * 20) + 1e-12).all()
     near = lo * s
     assert ((near - g).abs() > 5 * step * s / (2 * 20)).any()
+    # the row-major map: element (r, c) takes byte c % 4 of word (c % 16) // 4 of Philox
+    # counter r * ceil(40 / 16) + c // 16
     u = R.grad_uniforms(5, 48, 40)
-    assert torch.equal(u, R.uniform8(5, 48, 40))
+    r, c = torch.meshgrid(torch.arange(48), torch.arange(40), indexing="ij")
+    words = torch.stack(R.philox4x32(5, r * 3 + c // 16))
+    byte = (words.gather(0, ((c % 16) // 4)[None]).squeeze(0) >> (8 * (c % 4))) & 0xFF
+    assert torch.equal(u, (byte.float() + 0.5) / 256)
     w = torch.randn(40, 24) * 0.05
     x = torch.randn(48, 24)
     xq, xs = R.abc_compress(x, 16, "1d", 8)
     gx, gw = R.e4m3_gx_backward(g, w, xq, xs, 16, 7)
     assert rel(gx, g @ w) < 0.06
     assert torch.equal(gw, R.hla_grad_weight(g, xq, xs, 16, "1d", 8, 8))
+    # x saved as int8 levels with gw_bits=4: g's HLA levels are 4-bit too, as the plain op's
+    xq4, xs4 = R.abc_compress(x, 16, "1d", 4)
+    _, gw4 = R.e4m3_gx_backward(g, w, xq4, xs4, 16, 7, gw_bits=4)
+    assert torch.equal(gw4, R.hla_grad_weight(g, xq4, xs4, 16, "1d", 4, 8))
     g[1, 1] = float("nan")
     q, s = R.grad_e4m3(g, 5)
     assert torch.isnan(s[1]) and not q[1].float().any() and torch.isfinite(s[2:]).all()

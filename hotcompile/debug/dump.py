@@ -119,7 +119,7 @@ def site_cost(rec, config) -> Optional[dict]:
                   gemm_gx=L * O * q + O * I * q + L * I * e)
     elif r["gx_path"].startswith("FP8"):          # exact_gx_gemm="e4m3"
         fl.update(gemm_gx=2 * L * O * I)
-        by.update(g8_gy=L * O * q, gemm_gx=L * O * q + O * I * q + L * I * e)
+        by.update(g8_gy=L * O * e + L * O * q, gemm_gx=L * O * q + O * I * q + L * I * e)
     elif has_gx:
         fl.update(gemm_gx_exact=2 * L * O * I)
         by.update(gemm_gx_exact=(L * O + O * I + L * I) * e)

@@ -259,7 +259,7 @@ def linear_backward(g: torch.Tensor, w: torch.Tensor, xt: torch.Tensor, x_scale:
 def e4m3_gx_backward(g: torch.Tensor, w: torch.Tensor, xt: torch.Tensor, x_scale: torch.Tensor,
                      rank: int, seed=0, block: int = 16, *, seq_len: int = 0,
                      seq_first: bool = False, gw_dtype: torch.dtype | None = None,
-                     w_q=None, w_s=None):
+                     w_q=None, w_s=None, gw_bits: int = 8):
     """``reference.e4m3_gx_backward`` on the GPU: the per-token kernel writes g's e4m3 copy
     with a scale per token and g's row maxima from one read of g (``hadamard.grad_e4m3``);
     the maxima give the e4m3 HLA operand's bound; the HLA kernel writes g_W's operand;
@@ -269,20 +269,20 @@ def e4m3_gx_backward(g: torch.Tensor, w: torch.Tensor, xt: torch.Tensor, x_scale
     lay = dict(seq_len=seq_len, seq_first=seq_first)
     L, O = g.shape
     if block != _FUSED_BLOCK or g.numel() == 0 or w.numel() == 0 or xt.numel() == 0 \
-            or xt.dtype not in (torch.int8, torch.float8_e4m3fn) \
+            or xt.dtype not in (torch.int8, torch.float8_e4m3fn) or not _fused_bits(gw_bits) \
             or not formats.e4m3_gx_fused(g.device, g.dtype, O, w.shape[1]):
         return (g @ w.to(g.dtype),
-                hla_grad_weight(g, xt, x_scale, rank, "1d", 8, seed + 1, block, **lay,
+                hla_grad_weight(g, xt, x_scale, rank, "1d", gw_bits, seed + 1, block, **lay,
                                 out_dtype=gw_dtype))
-    g8, s8, m, word = hadamard.grad_e4m3(g, seed, row_max=True)
-    # the e4m3 HLA operand's scale comes from a bound of g's block sums (its row maxima);
-    # int8 levels take their own amax
-    bound = hla.token_block_bound_bits(g, seq_len, seq_first, m, word) \
-        if xt.dtype == torch.float8_e4m3fn else None
+    # the e4m3 HLA operand's scale comes from a bound of g's block sums, from the row
+    # maxima the copy's kernel writes; int8 levels take their own amax
+    e4m3_hla = xt.dtype == torch.float8_e4m3fn
+    g8, s8, *rm = hadamard.grad_e4m3(g, seed, row_max=e4m3_hla)
+    bound = hla.token_block_bound_bits(g, seq_len, seq_first, *rm) if e4m3_hla else None
     if w_q is None:
         w_q, w_s = hadamard.hq_weight_quant(w, 8, fp8=True, e4m3=True, rotate=False,
                                             round_to=g.dtype)
     gx = gemm.cublas_fp8_mm(g8, w_q, s8, w_s, g.dtype, fast_accum=False)
-    gw = _gw(g, xt, x_scale, rank, "1d", 8, seed, lay, seed_add=1, amax=bound,
+    gw = _gw(g, xt, x_scale, rank, "1d", gw_bits, seed, lay, seed_add=1, amax=bound,
              out_dtype=gw_dtype)
     return gx, gw

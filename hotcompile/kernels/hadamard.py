@@ -318,7 +318,8 @@ def _token_tile(g_ptr, rows, col0, L, O, stride_g, BC: tl.constexpr, PLAIN: tl.c
 def _token_scale(amax_bits, Q: tl.constexpr, PLAIN: tl.constexpr):
     """A row's scale from its max |value| bits: amax / Q, or with ``PLAIN``
     max(amax, reference.GRAD_E4M3_FLOOR) / 448 (``reference.grad_e4m3_scale``: its
-    reciprocal stays finite unless the row holds inf or NaN)."""
+    reciprocal stays finite unless the row holds a NaN; an inf row's is 0, and its
+    values come out 0 as the twin's)."""
     if PLAIN:
         return scale_from_amax_bits(tl.maximum(amax_bits, _GRAD_E4M3_FLOOR_BITS), 448)
     else:
@@ -794,7 +795,9 @@ def grad_e4m3(g: torch.Tensor, seed, row_max: bool = False):
     (``exact_gx_gemm="e4m3"``), by the per-token kernel: each row read once (twice where it
     is wider than a tile, the second time from L2) and its e4m3 copy written once. With
     ``row_max``, also (row maxima, a zeroed int32 word) as ``hq_act_quant``'s: the same
-    read gives g's HLA bound (``hla.token_block_bound_bits``).
+    read gives g's HLA bound (``hla.token_block_bound_bits``). Where O is not a multiple
+    of 16 the values are a view of (L, O rounded up to 16) rows (the FP8 GEMM's K needs a
+    multiple of 16 anyway: ``formats.e4m3_gx_fused``).
 
     Why its own pass and not a side store of the HLA kernel (which reads g anyway): that
     kernel's threads own channels and hold every token of their tile, so a per-token scale

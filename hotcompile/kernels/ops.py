@@ -283,8 +283,8 @@ def e4m3_gx_backward_body(g: Tensor, xq: Tensor, x_scale: Tensor, rank: int, gw_
     lay = dict(seq_len=seq_len, seq_first=seq_first, gw_dtype=_gw_dtype(g, gw_fp32))
     if triton_usable(g, kernels):
         return _fused().e4m3_gx_backward(g, w, xq, x_scale, rank, seed, block, **lay,
-                                         w_q=w_q, w_s=w_s)
-    return ref.e4m3_gx_backward(g, w, xq, x_scale, rank, seed, block, **lay)
+                                         w_q=w_q, w_s=w_s, gw_bits=gw_bits)
+    return ref.e4m3_gx_backward(g, w, xq, x_scale, rank, seed, block, **lay, gw_bits=gw_bits)
 
 
 e4m3_gx_backward = torch.library.custom_op("hot::e4m3_gx_backward", mutates_args=())(

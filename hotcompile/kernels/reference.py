@@ -586,17 +586,18 @@ def plain_weight_e4m3(w: torch.Tensor):
 def e4m3_gx_backward(g: torch.Tensor, w: torch.Tensor, xt: torch.Tensor,
                      x_scale: torch.Tensor, rank: int, seed=0, block: int = 16, *,
                      seq_len: int = 0, seq_first: bool = False,
-                     gw_dtype: torch.dtype | None = None):
+                     gw_dtype: torch.dtype | None = None, gw_bits: int = 8):
     """(g_x, g_W) of a layer whose g_x keeps no Hadamard nor 4-bit levels but runs on FP8:
     g_x = ``grad_e4m3``(g) @ ``plain_weight_e4m3``(W)^T, with fp32 accumulation (the
     products of e4m3 values are exact in fp64; the GEMM sums in fp32), and g_W as
-    ``hla_grad_weight``. Bits: g_x's from ``seed``, g_W's from ``seed + 1``."""
+    ``hla_grad_weight`` (g's levels of ``gw_bits`` where x is saved as int8 levels). Bits:
+    g_x's from ``seed``, g_W's from ``seed + 1``."""
     gq, gs = grad_e4m3(g, seed)
     wq, ws = plain_weight_e4m3(w.to(g.dtype))
     acc = (gq.double() @ wq.double().t()).float()
     gx = (acc * gs[:, None] * ws[None, :]).to(g.dtype)
-    gw = hla_grad_weight(g, xt, x_scale, rank, "1d", 8, seed + 1, block, seq_len=seq_len,
-                         seq_first=seq_first, out_dtype=gw_dtype)
+    gw = hla_grad_weight(g, xt, x_scale, rank, "1d", gw_bits, seed + 1, block,
+                         seq_len=seq_len, seq_first=seq_first, out_dtype=gw_dtype)
     return gx, gw
 
 

@@ -200,7 +200,7 @@ def rewrite_joint_graph(graph: Graph, config, params: Optional[Set[Node]] = None
                         measure, config.kernels)
             why_not = _e4m3_gx_refusal(s, config) if s.gx is None else "HQ"
             if why_not is None:
-                # exact_gx_gemm="e4m3": g_x on FP8 with g_W, one op reading g once
+                # exact_gx_gemm="e4m3": g_x on FP8 with g_W, one op for both
                 anchor = min(s.gx_exact, s.gw, key=order.__getitem__)
                 op = add_node(graph, E4M3_GX_OP, hla_args + (
                     _weight(graph, s, anchor, fake_mode, s.gx_exact),), before=anchor,
