@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import hashlib
 import json
 import math
 import os
@@ -89,7 +90,6 @@ _CODE_DIR = "hotcompile"
 
 
 def _digest(files: Iterable[Tuple[str, bytes]]) -> str:
-    import hashlib
     h = hashlib.sha1()
     for path, data in sorted(files):
         h.update(path.encode() + b"\0" + str(len(data)).encode() + b"\0" + data)
@@ -98,7 +98,8 @@ def _digest(files: Iterable[Tuple[str, bytes]]) -> str:
 
 def code_digest() -> str:
     """A digest of the package's ``.py`` files as they are on disk (paths and bytes): the
-    same for a working tree and for the commit it equals (``commit_code_digest``)."""
+    same for a working tree and for a commit whose package it equals
+    (``commits_with_code``)."""
     root = os.path.join(REPO, _CODE_DIR)
     files = []
     for d, _, names in os.walk(root):

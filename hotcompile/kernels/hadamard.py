@@ -288,7 +288,7 @@ def _quantize_store_rows(q_ptr, v, s, inv_s, seed, rows, col0, L, O_pad, ldq, gr
                          FP8: tl.constexpr, INTERPRET: tl.constexpr, IEEE_DIV: tl.constexpr,
                          PLAIN: tl.constexpr = False):
     """Quantize a (BR, BC) tile at (rows, col0) and store it: integer levels, or with
-    ``PLAIN`` the scaled e4m3 values themselves (``to_e4m3``, stochastic)."""
+    ``PLAIN`` the scaled e4m3 values themselves (``to_e4m3``)."""
     if STOCHASTIC:
         u = philox_uniform8(seed, rows, col0, groups_per_row, BC)
     else:
@@ -297,7 +297,7 @@ def _quantize_store_rows(q_ptr, v, s, inv_s, seed, rows, col0, L, O_pad, ldq, gr
     mask = (rows < L)[:, None] & (cols < O_pad)[None, :]
     ptrs = q_ptr + rows.to(tl.int64)[:, None] * ldq + cols[None, :]
     if PLAIN:
-        tl.store(ptrs, to_e4m3(v, s, inv_s, IEEE_DIV or INTERPRET, INTERPRET, u, True),
+        tl.store(ptrs, to_e4m3(v, s, inv_s, IEEE_DIV or INTERPRET, INTERPRET, u, STOCHASTIC),
                  mask=mask)
     else:
         q = quantize(v, s, inv_s, u, Q, IEEE_DIV or INTERPRET, not INTERPRET)
@@ -820,10 +820,11 @@ def _per_token(g, Q: int, seed, fp8: bool, row_max: bool, plain: bool):
     s = torch.empty((L,), dtype=torch.float32, device=dev)
     m = torch.empty((L,), dtype=torch.float32, device=dev) if row_max else s  # s: unread
     z = torch.empty((1,), dtype=torch.int32, device=dev) if row_max else seed_t
-    bc, one, br, warps = token_tile(O_pad, interpreting())
+    interp = interpreting()
+    bc, one, br, warps = token_tile(O_pad, interp)
     launch(_hq_token_kernel, (triton.cdiv(L, br),),
            g, q, s, seed_t, m, z, L, O, O_pad, g.stride(0), O_pad, philox_counters(O_pad),
-           BR=br, BC=bc, ONE_TILE=one, Q=Q, FP8=fp8, INTERPRET=interpreting(),
+           BR=br, BC=bc, ONE_TILE=one, Q=Q, FP8=fp8, INTERPRET=interp,
            ROW_MAX=row_max, PLAIN=plain, num_warps=warps)
     return (q, s, m, z) if row_max else (q, s)
 

@@ -270,12 +270,12 @@ def e4m3_gx_backward_body(g: Tensor, xq: Tensor, x_scale: Tensor, rank: int, gw_
                           w_s: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """(g_x, g_W) of a layer named in ``exact_gx`` under ``exact_gx_gemm="e4m3"``: g_x with no
     Hadamard and no 4-bit levels, on the FP8 GEMM (``reference.e4m3_gx_backward``: g
-    stochastically rounded to e4m3 with a scale per token, W^T rounded to e4m3 per column, fp32
-    accumulation), g_W as ``hla_grad_weight``. The first ten arguments are
+    stochastically rounded to e4m3 with a scale per token, W^T rounded to e4m3 per column,
+    fp32 accumulation), g_W as ``hla_grad_weight``. The first ten arguments are
     ``hla_grad_weight``'s, as ``linear_backward``'s are. On the GPU the per-token kernel
     writes g's e4m3 operand and g's row maxima (the HLA bound) from one read of g
-    (``fused.e4m3_gx_backward``); where the fused
-    path does not apply there (``formats.e4m3_gx_fused``), g_x is exact. ``w_q``, ``w_s``:
+    (``fused.e4m3_gx_backward``); where the fused path does not apply there
+    (``formats.e4m3_gx_fused``), g_x is exact. ``w_q``, ``w_s``:
     W's plain e4m3 operand from the forward's ``weight_operands(hq=False)``."""
     seed = _seed(g, seeds, seed_index)
     if measure:
