@@ -267,20 +267,13 @@ def store_levels(ptrs, q, mask, FP8: tl.constexpr):
 
 
 @triton.jit
-def _load_raw(g_ptr, rows, col0, L, O, stride_g, BC: tl.constexpr, live=True):
-    """g[rows, col0:col0+BC] in g's own type (zeros outside L x O: the reference's zero
-    padding of O; nothing is read where ``live`` is false: a prefetch past the last
-    chunk or row set of a program)."""
-    cols = col0 + tl.arange(0, BC)
-    mask = ((rows < L) & live)[:, None] & (cols < O)[None, :]
-    return tl.load(g_ptr + rows.to(tl.int64)[:, None] * stride_g + cols[None, :], mask=mask,
-                   other=0.0)
-
-
-@triton.jit
 def _load_rows(g_ptr, rows, col0, L, O, stride_g, BC: tl.constexpr):
-    """g[rows, col0:col0+BC] as fp32 (``_load_raw``)."""
-    return _load_raw(g_ptr, rows, col0, L, O, stride_g, BC).to(tl.float32)
+    """g[rows, col0:col0+BC] as fp32 (zeros outside L x O: the reference's zero padding
+    of O)."""
+    cols = col0 + tl.arange(0, BC)
+    mask = (rows < L)[:, None] & (cols < O)[None, :]
+    x = tl.load(g_ptr + rows.to(tl.int64)[:, None] * stride_g + cols[None, :], mask=mask, other=0.0)
+    return x.to(tl.float32)
 
 
 @triton.jit
@@ -312,13 +305,13 @@ def _quantize_store_rows(q_ptr, v, s, inv_s, seed, rows, col0, L, O_pad, ldq, gr
 
 
 @triton.jit
-def _token_transform(x, PLAIN: tl.constexpr):
-    """A loaded (BR, BC) tile as the per-token kernel quantizes it: fp32, each run of 16
-    columns transformed, or with ``PLAIN`` as read."""
+def _token_tile(g_ptr, rows, col0, L, O, stride_g, BC: tl.constexpr, PLAIN: tl.constexpr):
+    """A (BR, BC) tile of g as the per-token kernel quantizes it: each run of 16 columns
+    transformed, or with ``PLAIN`` as read."""
     if PLAIN:
-        return x.to(tl.float32)
+        return _load_rows(g_ptr, rows, col0, L, O, stride_g, BC)
     else:
-        return fwht16_lastdim(x.to(tl.float32))
+        return _load_fwht_rows(g_ptr, rows, col0, L, O, stride_g, BC)
 
 
 @triton.jit
@@ -337,12 +330,9 @@ def _token_scale(amax_bits, Q: tl.constexpr, PLAIN: tl.constexpr):
 def _quantize_row_chunks(g_ptr, q_ptr, s, inv_s, seed, rows, L, O, O_pad, stride_g, ldq,
                          groups_per_row, BC: tl.constexpr, Q: tl.constexpr, FP8: tl.constexpr,
                          INTERPRET: tl.constexpr, IEEE_DIV: tl.constexpr, PLAIN: tl.constexpr):
-    """Second sweep of a row set: re-read, re-transform and quantize each column chunk,
-    the next chunk's load issued before this one is quantized."""
-    nxt = _load_raw(g_ptr, rows, 0, L, O, stride_g, BC)
-    for col0 in tl.range(0, O_pad, BC, num_stages=1):
-        v = _token_transform(nxt, PLAIN)
-        nxt = _load_raw(g_ptr, rows, col0 + BC, L, O, stride_g, BC, col0 + BC < O_pad)
+    """Second sweep of a row set: re-read, re-transform and quantize each column chunk."""
+    for col0 in range(0, O_pad, BC):
+        v = _token_tile(g_ptr, rows, col0, L, O, stride_g, BC, PLAIN)
         _quantize_store_rows(q_ptr, v, s, inv_s, seed, rows, col0, L, O_pad, ldq, groups_per_row,
                              BC, Q, True, FP8, INTERPRET, IEEE_DIV, PLAIN)
 
@@ -351,83 +341,68 @@ def _quantize_row_chunks(g_ptr, q_ptr, s, inv_s, seed, rows, L, O, O_pad, stride
 def _hq_token_kernel(g_ptr, q_ptr, s_ptr, seed_ptr, m_ptr, z_ptr, L, O, O_pad, stride_g, ldq,
                      groups_per_row, BR: tl.constexpr, BC: tl.constexpr, ONE_TILE: tl.constexpr,
                      Q: tl.constexpr, FP8: tl.constexpr, INTERPRET: tl.constexpr,
-                     ROW_MAX: tl.constexpr, PLAIN: tl.constexpr, SETS: tl.constexpr = 1):
-    """Per-token (per-row) scales: one program owns SETS consecutive sets of BR whole rows.
+                     ROW_MAX: tl.constexpr, PLAIN: tl.constexpr):
+    """Per-token (per-row) scales: one program owns BR whole rows.
 
     If a row fits one tile (ONE_TILE) it is loaded and transformed once and quantized from
-    registers: one read, one write; the next row set's load is issued before this one is
-    transformed, so each program keeps a read in flight while it computes (the kernel was
-    latency-bound at one tile per program: ncu, bench/NOTES_kernels.md). Otherwise a first
-    sweep over the row's column chunks keeps an elementwise running max (reduced across
-    lanes once, at the end) and a second sweep, which re-reads the chunks while they are
-    still in L1/L2, quantizes them; each sweep loads a chunk ahead.
+    registers: one read, one write. Otherwise a first sweep over the row's column chunks
+    keeps an elementwise running max (reduced across lanes once, at the end) and a second
+    sweep, which re-reads the chunks while they are still in L1/L2, quantizes them.
     ``ROW_MAX``: also store max |g[row, :]| (fp32, NaN if the row has one) at ``m_ptr``,
     the input of g's HLA bound (``hla.token_block_bound_bits``), and zero the int32 word at
     ``z_ptr``, which the bound's kernel then maxes into: no fill launch of its own.
     ``PLAIN``: no transform and no levels: g itself stochastically rounded to e4m3 at its
     row's scale (``reference.grad_e4m3``, the operand of an FP8 g_x without a Hadamard).
-    The levels do not depend on BR, BC or SETS (Philox counters follow the element).
     """
-    set0 = tl.program_id(0) * SETS
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
     seed = tl.load(seed_ptr)
     if ROW_MAX:
         if tl.program_id(0) == 0:
             tl.store(z_ptr, 0)
     if ONE_TILE:
-        nxt = _load_raw(g_ptr, set0 * BR + tl.arange(0, BR), 0, L, O, stride_g, BC)
-        for i in tl.range(0, SETS, num_stages=1):
-            rows = (set0 + i) * BR + tl.arange(0, BR)
-            x = nxt.to(tl.float32)
-            nxt = _load_raw(g_ptr, rows + BR, 0, L, O, stride_g, BC, i + 1 < SETS)
-            if ROW_MAX:
-                tl.store(m_ptr + rows, tl.max(abs_bits(x), axis=1).to(tl.float32, bitcast=True),
-                         mask=rows < L)
-            if PLAIN:
-                v = x
-            else:
-                v = fwht16_lastdim(x)
-            s = _token_scale(tl.max(abs_bits(v), axis=1), Q, PLAIN)
-            inv_s = tl.math.div_rn(1.0, s)
-            if reciprocal_is_finite(inv_s):
-                _quantize_store_rows(q_ptr, v, s[:, None], inv_s[:, None], seed, rows, 0, L,
-                                     O_pad, ldq, groups_per_row, BC, Q, True, FP8, INTERPRET,
-                                     False, PLAIN)
-            else:
-                _quantize_store_rows(q_ptr, v, s[:, None], inv_s[:, None], seed, rows, 0, L,
-                                     O_pad, ldq, groups_per_row, BC, Q, True, FP8, INTERPRET,
-                                     True, PLAIN)
-            tl.store(s_ptr + rows, s, mask=rows < L)
+        x = _load_rows(g_ptr, rows, 0, L, O, stride_g, BC)
+        if ROW_MAX:
+            tl.store(m_ptr + rows, tl.max(abs_bits(x), axis=1).to(tl.float32, bitcast=True),
+                     mask=rows < L)
+        if PLAIN:
+            v = x
+        else:
+            v = fwht16_lastdim(x)
+        s = _token_scale(tl.max(abs_bits(v), axis=1), Q, PLAIN)
+        inv_s = tl.math.div_rn(1.0, s)
+        if reciprocal_is_finite(inv_s):
+            _quantize_store_rows(q_ptr, v, s[:, None], inv_s[:, None], seed, rows, 0, L, O_pad,
+                                 ldq, groups_per_row, BC, Q, True, FP8, INTERPRET, False, PLAIN)
+        else:
+            _quantize_store_rows(q_ptr, v, s[:, None], inv_s[:, None], seed, rows, 0, L, O_pad,
+                                 ldq, groups_per_row, BC, Q, True, FP8, INTERPRET, True, PLAIN)
     else:
-        for i in tl.range(0, SETS, num_stages=1):
-            rows = (set0 + i) * BR + tl.arange(0, BR)
-            amax = tl.zeros((BR, BC), dtype=tl.int32)
-            xmax = tl.zeros((BR, BC), dtype=tl.int32)
-            nxt = _load_raw(g_ptr, rows, 0, L, O, stride_g, BC)
-            for col0 in tl.range(0, O_pad, BC, num_stages=1):
-                x = nxt.to(tl.float32)
-                nxt = _load_raw(g_ptr, rows, col0 + BC, L, O, stride_g, BC, col0 + BC < O_pad)
-                if PLAIN:
-                    amax = tl.maximum(amax, abs_bits(x))
-                else:
-                    if ROW_MAX:
-                        xmax = tl.maximum(xmax, abs_bits(x))
-                    amax = tl.maximum(amax, abs_bits(fwht16_lastdim(x)))
-            if ROW_MAX:
-                if PLAIN:
-                    xmax = amax
-                tl.store(m_ptr + rows, tl.max(xmax, axis=1).to(tl.float32, bitcast=True),
-                         mask=rows < L)
-            s = _token_scale(tl.max(amax, axis=1), Q, PLAIN)
-            inv_s = tl.math.div_rn(1.0, s)
-            if reciprocal_is_finite(inv_s):
-                _quantize_row_chunks(g_ptr, q_ptr, s[:, None], inv_s[:, None], seed, rows, L, O,
-                                     O_pad, stride_g, ldq, groups_per_row, BC, Q, FP8, INTERPRET,
-                                     False, PLAIN)
+        amax = tl.zeros((BR, BC), dtype=tl.int32)
+        xmax = tl.zeros((BR, BC), dtype=tl.int32)
+        for col0 in range(0, O_pad, BC):
+            x = _load_rows(g_ptr, rows, col0, L, O, stride_g, BC)
+            if PLAIN:
+                amax = tl.maximum(amax, abs_bits(x))
             else:
-                _quantize_row_chunks(g_ptr, q_ptr, s[:, None], inv_s[:, None], seed, rows, L, O,
-                                     O_pad, stride_g, ldq, groups_per_row, BC, Q, FP8, INTERPRET,
-                                     True, PLAIN)
-            tl.store(s_ptr + rows, s, mask=rows < L)
+                if ROW_MAX:
+                    xmax = tl.maximum(xmax, abs_bits(x))
+                amax = tl.maximum(amax, abs_bits(fwht16_lastdim(x)))
+        if ROW_MAX:
+            if PLAIN:
+                xmax = amax
+            tl.store(m_ptr + rows, tl.max(xmax, axis=1).to(tl.float32, bitcast=True),
+                     mask=rows < L)
+        s = _token_scale(tl.max(amax, axis=1), Q, PLAIN)
+        inv_s = tl.math.div_rn(1.0, s)
+        if reciprocal_is_finite(inv_s):
+            _quantize_row_chunks(g_ptr, q_ptr, s[:, None], inv_s[:, None], seed, rows, L, O, O_pad,
+                                 stride_g, ldq, groups_per_row, BC, Q, FP8, INTERPRET, False,
+                                 PLAIN)
+        else:
+            _quantize_row_chunks(g_ptr, q_ptr, s[:, None], inv_s[:, None], seed, rows, L, O, O_pad,
+                                 stride_g, ldq, groups_per_row, BC, Q, FP8, INTERPRET, True,
+                                 PLAIN)
+    tl.store(s_ptr + rows, s, mask=rows < L)
 
 
 @triton.jit
@@ -741,8 +716,8 @@ def scalar_buffer(device) -> torch.Tensor:
     return torch.empty((1,), dtype=torch.float32, device=device).view(())
 
 
-def token_tile(O_pad: int, interp: bool) -> tuple[int, bool, int, int, int]:
-    """(BC, ONE_TILE, BR rows, warps, SETS) of the per-token kernel on rows of ``O_pad``:
+def token_tile(O_pad: int, interp: bool) -> tuple[int, bool, int, int]:
+    """(BC, ONE_TILE, BR rows, warps) of the per-token kernel on rows of ``O_pad``:
     ``column_tile`` with at most 1/8 of a row padded (``HOT_HQ_TOKEN_TILE`` caps BC),
     BR = 2048 / BC rows (1 to 8), 4 warps. The interpreter keeps small tiles (at most 1024
     columns, 256 elements per row set, least padding): its cost is per operation, and the
@@ -754,20 +729,16 @@ def token_tile(O_pad: int, interp: bool) -> tuple[int, bool, int, int, int]:
     (11008 as 3 x 4096: 0.175 vs 0.194 ms as 43 x 256; 2304 as 5 x 512: 0.044 vs 0.047).
     The rule's pick is within 2.5% of the fastest tile at every width measured (768, 2304,
     3072, 4096, 11008, 12288, 16384); software pipelining of the chunk loop (1 or 3
-    stages) changed nothing. ``HOT_HQ_TOKEN_FORCE="BC,BR,WARPS[,SETS]"`` sets the tile
-    (tuning; ONE_TILE when BC >= O_pad).
-
-    SETS, the row sets a program walks, loading each one ahead (``HOT_HQ_TOKEN_SETS``);
-    the interpreter takes 2, so CPU tests cover the prefetch and a program's last set."""
-    sets = int(os.environ.get("HOT_HQ_TOKEN_SETS", "1")) if not interp else 2
+    stages) changed nothing. ``HOT_HQ_TOKEN_FORCE="BC,BR,WARPS"`` sets the tile (tuning;
+    ONE_TILE when BC >= O_pad)."""
     force = os.environ.get("HOT_HQ_TOKEN_FORCE")
     if force and not interp:
-        bc, br, warps, *rest = (int(t) for t in force.split(","))
-        return bc, bc >= O_pad, br, warps, (rest[0] if rest else sets)
+        bc, br, warps = (int(t) for t in force.split(","))
+        return bc, bc >= O_pad, br, warps
     max_tile = int(os.environ.get("HOT_HQ_TOKEN_TILE", "4096")) if not interp else 1024
     bc, one = column_tile(O_pad, max_tile=max_tile, max_waste=None if interp else 0.125)
     br = max(1, min(8, 2048 // bc)) if not interp else max(1, min(8, 256 // bc))
-    return bc, one, br, 4, sets
+    return bc, one, br, 4
 
 
 def input_amax_bits(x: torch.Tensor, dim=None):
@@ -850,11 +821,11 @@ def _per_token(g, Q: int, seed, fp8: bool, row_max: bool, plain: bool):
     m = torch.empty((L,), dtype=torch.float32, device=dev) if row_max else s  # s: unread
     z = torch.empty((1,), dtype=torch.int32, device=dev) if row_max else seed_t
     interp = interpreting()
-    bc, one, br, warps, sets = token_tile(O_pad, interp)
-    launch(_hq_token_kernel, (triton.cdiv(triton.cdiv(L, br), sets),),
+    bc, one, br, warps = token_tile(O_pad, interp)
+    launch(_hq_token_kernel, (triton.cdiv(L, br),),
            g, q, s, seed_t, m, z, L, O, O_pad, g.stride(0), O_pad, philox_counters(O_pad),
            BR=br, BC=bc, ONE_TILE=one, Q=Q, FP8=fp8, INTERPRET=interp,
-           ROW_MAX=row_max, PLAIN=plain, SETS=sets, num_warps=warps)
+           ROW_MAX=row_max, PLAIN=plain, num_warps=warps)
     return (q, s, m, z) if row_max else (q, s)
 
 

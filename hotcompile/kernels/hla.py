@@ -131,17 +131,22 @@ def _token_rows(blk0, n_blk, S, n_sblk, stride_b, stride_s, BT: tl.constexpr):
 
 
 @triton.jit
-def _load_blocks(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C, stride_x,
-                 BT: tl.constexpr, BC: tl.constexpr, CPT: tl.constexpr,
-                 FLAT: tl.constexpr = False, EVEN_C: tl.constexpr = False, live=True):
-    """Blocks blk0 .. blk0+BT-1 of 16 neighbouring tokens, channels col0 .. col0+BC-1, as
-    read: a (BT * 16, BC) tile in x's type (nothing is read where ``live`` is false)."""
+def _load_project(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C, stride_x,
+                  BT: tl.constexpr, BC: tl.constexpr,
+                  RP: tl.constexpr, RANK: tl.constexpr, KEPT: tl.constexpr, CPT: tl.constexpr,
+                  FLAT: tl.constexpr = False, EVEN_C: tl.constexpr = False):
+    """Blocks blk0 .. blk0+BT-1 of 16 neighbouring tokens, channels col0 .. col0+BC-1,
+    projected onto the kept rows: a (BT, BC, RP) fp32 tile, coefficients last (entries
+    >= rank: padding). ``CPT`` < 8 caps the load's vector at CPT channels, so a warp's
+    32 threads span 32 * CPT channels and each thread keeps every token of its own
+    (``_tile_shape``). ``FLAT``: block b's tokens are rows 16 b .. 16 b + 15 (one token axis,
+    or batch-first sequences whose length is a multiple of 16): no per-row division.
+    ``EVEN_C``: BC divides C, no channel mask."""
     if FLAT:
         tok = blk0 * 16 + tl.arange(0, BT * 16)
         valid = tok < S * (n_blk // n_sblk)
     else:
         tok, valid = _token_rows(blk0, n_blk, S, n_sblk, stride_b, stride_s, BT)
-    valid = valid & live
     cols = col0 + tl.arange(0, BC)
     if CPT < 8:
         cols = tl.max_contiguous(cols, CPT)
@@ -149,27 +154,10 @@ def _load_blocks(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C, str
         mask = valid[:, None]
     else:
         mask = valid[:, None] & (cols < C)[None, :]
-    return tl.load(x_ptr + tok[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
-
-
-@triton.jit
-def _project(x, BT: tl.constexpr, BC: tl.constexpr, RP: tl.constexpr, RANK: tl.constexpr,
-             KEPT: tl.constexpr):
-    """A loaded (BT * 16, BC) tile projected onto the kept rows: (BT, BC, RP) fp32."""
+    x = tl.load(x_ptr + tok[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
     x = tl.permute(tl.reshape(x.to(tl.float32), (BT, 16, BC)), (0, 2, 1))   # token axis last
     y = gather_kept(fwht16(tl.reshape(x, (BT * BC, 16))), RP, RANK, KEPT)
     return tl.reshape(y, (BT, BC, RP))
-
-
-@triton.jit
-def _load_project(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C, stride_x,
-                  BT: tl.constexpr, BC: tl.constexpr,
-                  RP: tl.constexpr, RANK: tl.constexpr, KEPT: tl.constexpr, CPT: tl.constexpr,
-                  FLAT: tl.constexpr = False, EVEN_C: tl.constexpr = False):
-    """``_load_blocks`` then ``_project``."""
-    x = _load_blocks(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C, stride_x,
-                     BT, BC, CPT, FLAT, EVEN_C)
-    return _project(x, BT, BC, RP, RANK, KEPT)
 
 
 @triton.jit
@@ -293,15 +281,10 @@ def _phase2_tiles(x_ptr, q_ptr, s, inv_s, seed, pid, n_tiles, n_ct, S, n_sblk, s
             _quantize_store_tile(q_ptr, v, s, inv_s, seed, blk0, col0, n_blk, C, ldq,
                                  groups_per_row, BT, BC, RP, RANK, Q, STOCHASTIC, TRANSPOSED,
                                  INTERPRET, IEEE_DIV, E4M3)
-        else:   # STEP blocks at a time, the next step's load issued before this one is
-            # projected and quantized
-            nxt = _load_blocks(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C,
-                               stride_x, STEP, BC, CPT, FLAT, EVEN_C)
+        else:   # STEP blocks at a time: the registers of a STEP-block tile
             for i in tl.range(0, BT, STEP, num_stages=1):
-                v = _project(nxt, STEP, BC, RP, RANK, KEPT)
-                nxt = _load_blocks(x_ptr, blk0 + i + STEP, col0, n_blk, S, n_sblk, stride_b,
-                                   stride_s, C, stride_x, STEP, BC, CPT, FLAT, EVEN_C,
-                                   i + STEP < BT)
+                v = _load_project(x_ptr, blk0 + i, col0, n_blk, S, n_sblk, stride_b, stride_s,
+                                  C, stride_x, STEP, BC, RP, RANK, KEPT, CPT, FLAT, EVEN_C)
                 _quantize_store_tile(q_ptr, v, s, inv_s, seed, blk0 + i, col0, n_blk, C, ldq,
                                      groups_per_row, STEP, BC, RP, RANK, Q, STOCHASTIC,
                                      TRANSPOSED, INTERPRET, IEEE_DIV, E4M3)
