@@ -48,11 +48,17 @@ class HOTConfig:
     stochastically rounded onto the e4m3 grid, x saved in e4m3), ``int8`` (``gw_bits``
     levels, the INT8 Triton GEMM), or ``auto`` (default): e4m3 on CUDA devices with FP8
     tensor cores, int8 elsewhere (``kernels.formats.gw_rule`` has the measurements).
-    forward: the forward GEMM of a rewritten site: ``bf16`` (default: as Inductor compiles
-    it), ``fp8`` (tensor-wise scaled e4m3 operands on ``torch._scaled_mm``, the casts
-    Inductor-fused aten ops: ``kernels/fp8_forward.py``) or ``fp8_rowwise`` (a scale per
-    token and per output feature; bf16 forwards only), where the forward cost gate
-    predicts it faster and the GPU has FP8 tensor cores; the report says per site.
+    forward: the forward GEMM of a rewritten site: ``auto`` (default: ``fp8_rowwise`` for a
+    bf16 forward on a Hopper GPU, ``bf16`` elsewhere: CPU, fp32 or fp16 forwards, other
+    chips), ``bf16`` (as Inductor compiles it), ``fp8`` (tensor-wise scaled e4m3 operands on
+    ``torch._scaled_mm``, the casts Inductor-fused aten ops: ``kernels/fp8_forward.py``) or
+    ``fp8_rowwise`` (a scale per token and per output feature; bf16 forwards only), where
+    the forward cost gate predicts it faster and the GPU has FP8 tensor cores; the report
+    says per site. Why ``auto`` takes the row-wise FP8 forward on Hopper: Llama d4096 1.32x
+    Inductor against 1.17x with a bf16 forward (H200), and the byte- and word-level GPT
+    gates passed pooled (+0.49%, s.e. 0.50, over 7 seeds; +0.27%, s.e. 0.26, over 6), while
+    its cost gate keeps ViT-B's and GPT-2's layers in bf16 (docs/BENCHMARKS.md, 36th and
+    37th stops).
     kernels: ``auto`` = fused Triton on CUDA, reference torch elsewhere.
     include / exclude: layer names to restrict / skip: a name as the compiled module's
     ``named_modules()`` gives it (``blocks.0.fc2``), one dotted component of it (``head``),
@@ -130,7 +136,7 @@ class HOTConfig:
     gw_bits: int = 8
     gx_scale: str = "token"
     gw_format: str = "auto"
-    forward: str = "bf16"
+    forward: str = "auto"
     rank_tolerance: float = 0.1
     rank_calibration_steps: int = 2
     rank_calibration_start: int = 100

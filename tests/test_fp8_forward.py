@@ -27,7 +27,7 @@ def _e4m3_grid_ok(q: torch.Tensor) -> bool:
 def test_config_field_is_validated():
     with pytest.raises(ValueError, match="HOTConfig.forward"):
         HOTConfig(forward="fp16")
-    assert HOTConfig().forward == "bf16"
+    assert HOTConfig().forward == "auto"
 
 
 def test_tensorwise_cast_scale_and_grid():
@@ -82,6 +82,25 @@ def test_forward_rule(monkeypatch):
     assert F8.forward_rule("fp8", cuda, 64, 64) == ("fp8", "")
     with pytest.raises(ValueError, match="HOTConfig.forward"):
         F8.forward_rule("e5m2", cpu, 64, 64)
+
+
+@pytest.mark.parametrize("capability, dtype, want", [
+    ((9, 0), torch.bfloat16, ("fp8_rowwise", "")),      # Hopper, bf16 forward: row-wise FP8
+    ((9, 0), torch.float32, ("bf16", "")),               # an fp32 forward: nothing asked
+    ((9, 0), torch.float16, ("bf16", "")),
+    ((8, 9), torch.bfloat16, ("bf16", "")),              # FP8 tensor cores, no cost table
+    ((10, 0), torch.bfloat16, ("bf16", "")),             # not measured
+    ((8, 0), torch.bfloat16, ("bf16", "")),
+])
+def test_auto_forward_is_rowwise_fp8_on_hopper_only(monkeypatch, capability, dtype, want):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: capability)
+    assert F8.forward_rule("auto", torch.device("cuda"), 64, 64, dtype) == want
+    # a shape cuBLAS refuses still says why, as an explicit request would
+    if want[0] != "bf16":
+        fmt, why = F8.forward_rule("auto", torch.device("cuda"), 64, 72, dtype)
+        assert fmt == "bf16" and "out-features a multiple of 16 (got 72)" in why
+    # CPU (where an explicit request runs the reference, for tests): bf16, nothing to say
+    assert F8.forward_rule("auto", torch.device("cpu"), 64, 64, dtype) == ("bf16", "")
 
 
 # --------------------------------------------------------------------------- the pass
@@ -149,6 +168,26 @@ def test_bf16_autocast_block_and_dynamic_lengths(forward):
             ref = m(x)
         assert (y.float() - ref.float()).norm() / ref.float().norm() < 0.05
     assert [r.forward for r in be.report.training] == [forward] * 4
+
+
+def test_auto_forward_on_cpu_compiles_the_bf16_forward():
+    """The default ``forward="auto"`` on CPU (no FP8 GPU): the same graph as an explicit
+    ``"bf16"``, under bf16 autocast too, and no forward reason in the report."""
+    torch.manual_seed(6)
+    m, x = Block(64), torch.randn(2, 16, 64)
+    counts = {}
+    for forward in ("auto", "bf16"):
+        be = hotcompile.backend(_cfg(forward=forward))
+        with capture_graphs() as graphs:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = torch.compile(m, backend=be)(x)
+            y.float().sum().backward()
+        assert [(r.forward, r.forward_reason) for r in be.report.training] == [("bf16", "")] * 4
+        assert "forward bf16" not in str(be.report)
+        counts[forward] = sorted(str(n.target) for g in graphs for n in g.nodes
+                                 if n.op == "call_function")
+    assert counts["auto"] == counts["bf16"]
+    assert "aten._scaled_mm.default" not in counts["auto"]
 
 
 def test_unaligned_features_keep_bf16_with_the_reason():

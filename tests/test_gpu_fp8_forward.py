@@ -74,8 +74,24 @@ def test_gpu_fp8_forward_under_autocast_trains_like_the_bf16_forward():
     err = rel(y.reshape(-1, 512), bf16)
     assert err < 1e-3 and err < rel(fp32, bf16) / 5, (err, rel(fp32, bf16))
     assert rel(y.double(), y64) < 0.06
-    _, _, _, g_bf16 = _run(m, x, HOTConfig(**CFG))
+    _, _, _, g_bf16 = _run(m, x, HOTConfig(forward="bf16", **CFG))
     (y64 * torch.linspace(-1, 1, 512, device="cuda", dtype=torch.float64)).sum().backward()
     for a, b, e in zip(g_fp8, g_bf16, [p.grad for p in m64.parameters() if p.dim() == 2]):
         assert torch.isfinite(a).all()
         assert rel(a, e) < 1.5 * rel(b, e) + 0.03, (rel(a, e), rel(b, e))
+
+
+def test_gpu_default_forward_is_rowwise_fp8_on_hopper():
+    """The default ``forward="auto"``: the row-wise FP8 forward on a Hopper GPU under bf16
+    autocast (a ``_scaled_mm`` per site), bf16 in an fp32 graph; elsewhere bf16."""
+    torch.manual_seed(0)
+    m = MLP(512, 2048, 512).cuda()
+    x = torch.randn(8, 256, 512, device="cuda")
+    want = "fp8_rowwise" if torch.cuda.get_device_capability()[0] == 9 else "bf16"
+    be, y, graphs, grads = _run(m, x, HOTConfig(**CFG))
+    assert [r.forward for r in be.report.layers] == [want, want]
+    assert sum(n.target == torch.ops.aten._scaled_mm.default
+               for g in graphs for n in g.nodes) >= (2 if want != "bf16" else 0)
+    assert all(torch.isfinite(g).all() for g in grads)
+    be, *_ = _run(m, x, HOTConfig(**CFG), autocast=False)
+    assert [(r.forward, r.forward_reason) for r in be.report.layers] == [("bf16", "")] * 2

@@ -33,8 +33,8 @@ def _bias(site: LinearSite):
 
 
 def gate_forward(sites: List[LinearSite], config) -> None:
-    """Set each site's ``forward`` (the requested FP8 format or "bf16") and, for bf16 where
-    FP8 was asked for, ``forward_reason``."""
+    """Set each site's ``forward`` (the requested FP8 format, what ``"auto"`` resolves to
+    on its device, or "bf16") and, for bf16 where FP8 was asked for, ``forward_reason``."""
     if config.forward == "bf16":
         return
     shares: Dict[str, int] = {}
