@@ -9,8 +9,11 @@ so a kernel change can be checked for spills on a CPU machine before any device 
 
 Caveat: launches specialise every integer argument that happens to be divisible by 16
 (``tt.divisibility``); this marks pointers, strides, leading dimensions, ``O_pad`` and ``K``
-(multiples of 16 in HOT's buffers) and nothing else, so counts can differ from a launched
-binary. A spill here is a strong hint, not a measurement of speed.
+(multiples of 16 in HOT's buffers) and the sizes ``L``, ``O``, ``C`` and ``S`` where the
+shape's own are (at the default shapes all are): left unmarked, a mask on ``cols < O``
+splits the per-token kernel's 16-byte loads into 2-byte ones (32 instead of 4 a thread),
+which no launch at these shapes compiles. Counts can still differ from a launched binary.
+A spill here is a strong hint, not a measurement of speed.
 
     python bench/kernel_regs.py                        # Llama d4096 and ViT-B shapes
     python bench/kernel_regs.py --shapes 8192x4096x14336 --rank 8
@@ -57,13 +60,17 @@ def signature(kernel, pointers: dict, constexprs: dict) -> dict:
     return sig
 
 
-def report(kernel, pointers: dict, constexprs: dict, warps: int, stages: int = 3) -> dict:
-    """Compile for sm_90a and read ptxas -v: registers per thread, spill stores (bytes)."""
+def report(kernel, pointers: dict, constexprs: dict, warps: int, stages: int = 3,
+           sizes16: tuple = ()) -> dict:
+    """Compile for sm_90a and read ptxas -v: registers per thread, spill stores (bytes).
+    ``sizes16``: the size arguments (``L``, ``O``, ...) whose values at this shape are
+    multiples of 16, which a launch specialises as such."""
     names = list(inspect.signature(kernel.fn).parameters)
     # what a launch specialises: pointers are 16-byte aligned (torch allocations), leading
     # dimensions and strides of HOT's operands are multiples of 16 (padded buffers)
     aligned = [i for i, n in enumerate(names) if n not in constexprs and
-               (n in pointers or n.startswith(("ld", "stride")) or n in ("O_pad", "K"))]
+               (n in pointers or n.startswith(("ld", "stride")) or n in ("O_pad", "K")
+                or n in sizes16)]
     src = ASTSource(fn=kernel, signature=signature(kernel, pointers, constexprs),
                     constexprs=constexprs,
                     attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
@@ -178,7 +185,10 @@ def site_reports(L: int, I: int, O: int, rank: int):
     out = []
     for name, kernel, ptrs, const, warps in kernels_for(L, I, O, rank):
         w, st = warps if isinstance(warps, tuple) else (warps, 3)
-        out.append((name, report(kernel, ptrs, const, w, st)))
+        # the g side's sizes are (L, O), the x side's (L, I): C and S are the HLA kernel's
+        c = I if name.startswith("abc") else O
+        sizes16 = tuple(n for n, v in (("L", L), ("O", O), ("C", c), ("S", L)) if v % 16 == 0)
+        out.append((name, report(kernel, ptrs, const, w, st, sizes16)))
     return out
 
 
