@@ -1,5 +1,5 @@
-"""Registers, spills and tile layout conversions of HOT's Triton kernels for sm_90, compiled
-offline: no GPU needed.
+"""Registers, spills and shared-memory instructions of HOT's Triton kernels for sm_90,
+compiled offline: no GPU needed.
 
 Why: a memory-bound kernel that spills registers to local memory moves far more bytes than
 its tensors, and the H100 timings alone do not say why a kernel sits at 30% of copy
@@ -89,23 +89,27 @@ def report(kernel, pointers: dict, constexprs: dict, warps: int, stages: int = 3
     return {"registers": int(regs[-1]) if regs else None,
             "spill_bytes": int(spills[-1]) if spills else None,
             "shared": ck.metadata.shared,
-            "tile_converts": tile_converts(ck.asm["ttgir"])}
+            "smem_ops": shared_memory_ops(ck.asm["cubin"])}
 
 
-def tile_converts(ttgir: str, min_elems: int = 256) -> int:
-    """Layout conversions of whole tiles (``ttg.convert_layout`` of at least ``min_elems``
-    elements) in a kernel's TTGIR, counted where they appear in the code (a loop body or a
-    branch counts once). Why: such a conversion goes through shared memory with a barrier
-    (LDSM/STS in SASS), which a memory-bound kernel pays on every tile; g's HLA operand
-    converts each loaded tile into its K-major store's layout (bench/NOTES_kernels.md,
-    thirty-seventh stop). Scalars and per-row vectors (a row's scale) are not counted."""
-    n = 0
-    for m in re.finditer(r"ttg\.convert_layout %\S+ : tensor<([0-9x]+)x[a-zA-Z]", ttgir):
-        elems = 1
-        for d in m.group(1).split("x"):
-            elems *= int(d)
-        n += elems >= min_elems
-    return n
+def shared_memory_ops(cubin: bytes) -> int:
+    """Shared-memory loads and stores (STS, LDS, LDSM) in a kernel's SASS, counted where
+    they appear in the code (a loop body or a branch counts once). Why: a tile moved
+    between register layouts through shared memory (a ``ttg.convert_layout`` Triton could
+    not lower to register moves) costs a store, a barrier and a load per tile, which a
+    memory-bound kernel pays on every tile: g's HLA operand has 16 STS and 16 LDSM for its
+    two branches (bench/NOTES_kernels.md, thirty-seventh stop); a cross-warp reduction
+    (a row's max over 4 warps) takes a few. None: no ``nvdisasm`` in this triton wheel."""
+    tool = os.path.join(os.path.dirname(_ptxas()), "nvdisasm")
+    if not os.path.exists(tool):
+        return None
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        sass = subprocess.run([tool, "-c", path], capture_output=True, text=True).stdout
+    return len(re.findall(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?(?:STS|LDS|LDSM)\b", sass,
+                          re.M))
 
 
 def kernels_for(L: int, I: int, O: int, rank: int):
@@ -217,14 +221,14 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     print(f"sm_90a, triton {triton.__version__}, HLA rank {a.rank}")
     print(f"{'shape L x I -> O':<22}{'kernel':<28}{'regs':>6}{'spill B':>9}{'smem B':>8}"
-          f"{'tile cvt':>9}")
+          f"{'smem ops':>9}")
     worst = 0
     for item in a.shapes.split(","):
         L, I, O = (int(v) for v in item.lower().split("x"))
         for name, r in site_reports(L, I, O, a.rank):
             worst = max(worst, r["spill_bytes"] or 0)
             print(f"{item:<22}{name:<28}{r['registers']!s:>6}{r['spill_bytes']!s:>9}"
-                  f"{r['shared']:>8}{r['tile_converts']:>9}", flush=True)
+                  f"{r['shared']:>8}{r['smem_ops']!s:>9}", flush=True)
     print(f"largest spill: {worst} bytes per thread")
     return 0
 

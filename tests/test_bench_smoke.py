@@ -447,20 +447,22 @@ def test_kernel_regs_offline_and_rank8_kernels_do_not_spill():
     if "ptxas" in out.stderr and "No such file" in out.stderr:
         pytest.skip("this triton wheel carries no ptxas")
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    rows, cvts = {}, {}
+    rows, smem = {}, {}
     for line in out.stdout.splitlines():
         parts = line.split()
         if line.startswith("8192x4096x14336") and parts[-4].isdigit():
             rows[" ".join(parts[1:-4])] = (int(parts[-4]), int(parts[-3]))
-            cvts[" ".join(parts[1:-4])] = int(parts[-1])
+            smem[" ".join(parts[1:-4])] = parts[-1]
     assert {"hla g p2", "grad_out p2", "abc x p2", "hq g per token"} <= set(rows), rows
     for name, (regs, spill) in rows.items():
         assert 0 < regs <= 255 and spill == 0, (name, regs, spill)
     assert "largest spill: 0 bytes" in out.stdout
-    # tile layout conversions (shared memory and a barrier each): counted for every kernel;
-    # g's plain e4m3 copy stores each chunk in the layout it loaded it in
-    assert set(cvts) == set(rows) and min(cvts.values()) >= 0, cvts
-    assert cvts["hq g per token plain e4m3"] == 0, cvts
+    # shared-memory instructions per kernel (None without nvdisasm): g's plain e4m3 copy
+    # needs at most a cross-warp reduction's few, never a tile's layout conversion
+    assert set(smem) == set(rows), smem
+    if smem["hq g per token plain e4m3"] != "None":
+        assert all(v.isdigit() for v in smem.values()), smem
+        assert int(smem["hq g per token plain e4m3"]) <= 8, smem
 
 
 def test_peak_live_replays_an_allocator_trace():
