@@ -147,9 +147,10 @@ def forward_rule(requested: str, device: torch.device, I, O,
     in/out features that are multiples of 16 (cuBLAS's FP8 layout rule), and for row-wise
     scales a bf16 forward (the only output the row-wise GEMM has).
 
-    "auto" (the default) is "fp8_rowwise" for a bf16 forward on a CUDA GPU of compute
+    "auto" (the default) is "fp8_rowwise" for a bf16 forward on an NVIDIA GPU of compute
     capability 9.x, and "bf16" with no reason elsewhere (CPU, an fp32 or fp16 forward,
-    another chip): a default that was not asked for FP8 has nothing to explain there.
+    another chip; ROCm, whose MI300 also reports 9.x but whose FP8 is e4m3fnuz): a default
+    that was not asked for FP8 has nothing to explain there.
     Why row-wise on Hopper: Llama d4096 1.32x Inductor against 1.17x with the bf16
     forward, the byte- and word-level GPT gates passed pooled over 7 and 6 seeds
     (docs/BENCHMARKS.md, 36th and 37th stops), and its forward cost gate keeps the layers
@@ -157,7 +158,7 @@ def forward_rule(requested: str, device: torch.device, I, O,
     if requested not in FORWARDS:
         raise ValueError(f"HOTConfig.forward must be one of {FORWARDS}, got {requested!r}")
     if requested == "auto":
-        if (device.type != "cuda" or dtype != torch.bfloat16
+        if (device.type != "cuda" or dtype != torch.bfloat16 or torch.version.hip
                 or torch.cuda.get_device_capability(device)[0] != AUTO_CAPABILITY):
             return "bf16", ""
         requested = "fp8_rowwise"
