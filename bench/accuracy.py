@@ -232,7 +232,10 @@ def unapplied(rec: dict) -> str:
     cfg = rec.get("hot_config") or {}
     out = []
     n = rec.get("hot_sites_rewritten", 0)
-    if cfg.get("forward", "bf16") != "bf16" and n and rec.get("hot_forward_fp8", n) < n:
+    # "auto" (the default) asks for FP8 only where it applies (Hopper, a bf16 forward):
+    # sites it kept in bf16 were not refused anything
+    if cfg.get("forward", "bf16") not in ("bf16", "auto") and n \
+            and rec.get("hot_forward_fp8", n) < n:
         why = "; ".join(rec.get("hot_forward_reasons") or []) or "reason not recorded"
         out.append(f"FP8 forward on {rec['hot_forward_fp8']}/{n} sites ({why})")
     if cfg.get("saved_activations") in ("fp8", "fp8_all") and rec.get("hot_saved_activations"):

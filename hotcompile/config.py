@@ -57,8 +57,10 @@ class HOTConfig:
     says per site. Why ``auto`` takes the row-wise FP8 forward on Hopper: Llama d4096 1.32x
     Inductor against 1.17x with a bf16 forward (H200), and the byte- and word-level GPT
     gates passed pooled (+0.49%, s.e. 0.50, over 7 seeds; +0.27%, s.e. 0.26, over 6), while
-    its cost gate keeps ViT-B's and GPT-2's layers in bf16 (docs/BENCHMARKS.md, 36th and
-    37th stops).
+    the backward's cost gate leaves ViT-B's and GPT-2's layers exact, forward included
+    (docs/BENCHMARKS.md, 36th and 37th stops). ``min_speedup=0`` turns the forward's gate
+    off too: under ``auto`` every aligned site on Hopper then takes the FP8 forward
+    (``forward="bf16"`` keeps Inductor's).
     kernels: ``auto`` = fused Triton on CUDA, reference torch elsewhere.
     include / exclude: layer names to restrict / skip: a name as the compiled module's
     ``named_modules()`` gives it (``blocks.0.fc2``), one dotted component of it (``head``),
@@ -90,8 +92,10 @@ class HOTConfig:
     min_features: a linear with in- or out-features below this stays exact (too small to win).
     min_speedup: the cost gate (``passes/cost.py``): on a GPU, a site is rewritten only when
     its predicted exact backward time is at least this multiple of HOT's (1.0: never
-    slower; 0: gate off, every eligible site rewritten for HOT's memory savings). CPU
-    runs the reference kernels and is not gated.
+    slower; 0: gate off, every eligible site rewritten for HOT's memory savings; the
+    forward's FP8 gate is off then too, so under the default ``forward="auto"`` every
+    aligned site on Hopper takes the FP8 forward). CPU runs the reference kernels and is
+    not gated.
     abc: save the compressed activation instead of x (False: compress in backward).
     recompute_operands: let backward rebuild, instead of keeping, the operands of HOT's
     backward that are pointwise functions of tensors it keeps anyway (``passes/
@@ -244,9 +248,10 @@ class HOTConfig:
     @classmethod
     def paper(cls, **overrides) -> "HOTConfig":
         """The HOT paper's settings: HLA r=8 of 16 tokens, 4-bit g_y and W on the g_x path,
-        LQS choosing the g_x scaling per layer. Not the default: r=8 breaks text models and
-        the 4-bit W operand is the whole of g_x's bias (docs/BENCHMARKS.md)."""
-        kw = dict(rank=8, gx_bits=4, gx_w_bits=4, gw_bits=8, gx_scale="lqs")
+        LQS choosing the g_x scaling per layer, the forward left as it is (bf16). Not the
+        default: r=8 breaks text models and the 4-bit W operand is the whole of g_x's bias
+        (docs/BENCHMARKS.md)."""
+        kw = dict(rank=8, gx_bits=4, gx_w_bits=4, gw_bits=8, gx_scale="lqs", forward="bf16")
         kw.update(overrides)
         return cls(**kw)
 

@@ -694,9 +694,11 @@ def test_digits_says_what_an_fp32_model_did_not_apply():
     assert rbf["hot_forward_fp8"] == n - 1 >= 1, rbf["hot_forward_reasons"]
     assert A.unapplied(rbf) == (f"FP8 forward on {n - 1}/{n} sites (FP8 forward needs "
                                 "out-features a multiple of 16 (got 10))"), A.unapplied(rbf)
-    # a run that asked for neither has nothing to say
-    assert A.unapplied({"hot_config": {"forward": "bf16", "saved_activations": "exact"},
-                        "hot_sites_rewritten": 3, "hot_forward_fp8": 0}) == ""
+    # a run that asked for neither has nothing to say, nor one on the default "auto"
+    # forward, which asks for FP8 only where it applies (an fp32 model: nowhere)
+    for forward in ("bf16", "auto"):
+        assert A.unapplied({"hot_config": {"forward": forward, "saved_activations": "exact"},
+                            "hot_sites_rewritten": 3, "hot_forward_fp8": 0}) == ""
 
 
 def test_first_step_lists_what_each_warm_process_compiled(tmp_path):

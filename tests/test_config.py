@@ -29,6 +29,7 @@ def test_defaults_and_frozen():
         (16, 16, 4, 8, 8, "auto")
     p = HOTConfig.paper()
     assert (p.rank, p.gx_bits, p.gx_w_bits, p.gx_scale) == (8, 4, 4, "lqs")
+    assert c.forward == "auto" and p.forward == "bf16"     # the paper leaves the forward
     with pytest.raises(Exception):
         c.rank = 4
     assert HOTConfig(exclude=["a", "b"]).exclude == ("a", "b")

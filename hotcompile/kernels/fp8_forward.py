@@ -153,8 +153,10 @@ def forward_rule(requested: str, device: torch.device, I, O,
     that was not asked for FP8 has nothing to explain there.
     Why row-wise on Hopper: Llama d4096 1.32x Inductor against 1.17x with the bf16
     forward, the byte- and word-level GPT gates passed pooled over 7 and 6 seeds
-    (docs/BENCHMARKS.md, 36th and 37th stops), and its forward cost gate keeps the layers
-    where it would not pay (ViT-B's and GPT-2's) in bf16."""
+    (docs/BENCHMARKS.md, 36th and 37th stops); the forward cost gate keeps bf16 where FP8
+    would not pay, and ViT-B's and GPT-2's layers stay exact altogether (the backward's
+    gate), forward included. With ``min_speedup=0`` both gates are off: every aligned site
+    takes it."""
     if requested not in FORWARDS:
         raise ValueError(f"HOTConfig.forward must be one of {FORWARDS}, got {requested!r}")
     if requested == "auto":

@@ -44,7 +44,9 @@ def gate_forward(sites: List[LinearSite], config) -> None:
     for s in sites:
         x, y = s.x.meta.get("val"), s.fwd.meta.get("val")
         if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
-            s.forward, s.forward_reason = "bf16", "no fake tensor to check the FP8 GEMM against"
+            s.forward = "bf16"      # "auto" asked nothing it could resolve: no reason
+            s.forward_reason = "" if config.forward == "auto" else \
+                "no fake tensor to check the FP8 GEMM against"
             continue
         fmt, why = F8.forward_rule(config.forward, x.device, s.I, s.O, y.dtype)
         if fmt != "bf16":
