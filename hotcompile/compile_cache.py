@@ -51,11 +51,28 @@ def _describe(v) -> str:
         else type(v).__name__
 
 
+def _gpus(example_inputs: List) -> str:
+    """The GPUs a graph's inputs live on, by name and compute capability. Why: the pass
+    decides by the chip (its cost table, ``forward="auto"``, ``gw_format="auto"``), a cache
+    folder can be shared by machines with different GPUs, and Inductor keys its own cache
+    on the GPU: without this, a hit on one chip could load the records another wrote."""
+    names = set()
+    for v in example_inputs:
+        if isinstance(v, torch.Tensor) and v.device.type == "cuda":
+            try:
+                names.add(f"{torch.cuda.get_device_name(v.device)} "
+                          f"{tuple(torch.cuda.get_device_capability(v.device))}")
+            except Exception:  # noqa: BLE001 - no driver (fake CUDA tensors in CPU tests)
+                names.add("cuda")
+    return ",".join(sorted(names))
+
+
 def graph_key(gm: torch.fx.GraphModule, example_inputs: List, pass_uuid: str) -> str:
-    """Key of the records of one Dynamo graph compiled by one pass configuration."""
+    """Key of the records of one Dynamo graph compiled by one pass configuration on one
+    kind of GPU (``_gpus``)."""
     h = hashlib.sha256()
     for part in (str(_FORMAT), torch.__version__, pass_uuid, gm.code,
-                 "|".join(_describe(v) for v in example_inputs)):
+                 "|".join(_describe(v) for v in example_inputs), _gpus(example_inputs)):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()

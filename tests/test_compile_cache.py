@@ -134,3 +134,25 @@ def _two_backends(monkeypatch):
         assert len(be.report.rewritten) == 4
     assert len(ran) == 2
     assert len(keys[0]) == len(keys[1]) == 4 and not keys[0] & keys[1]
+
+
+def test_record_key_names_the_gpu(monkeypatch):
+    """The records' key covers the GPU the graph's inputs are on (name and capability):
+    the pass decides by the chip (``forward="auto"``, the cost table), and a cache folder
+    shared by two machines must not serve one chip's records to the other. CPU inputs and
+    inputs on an unnamed device keep a key of their own."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from hotcompile import compile_cache
+    gm = torch.fx.symbolic_trace(lambda x: x * 2)
+    with FakeTensorMode():
+        x = torch.empty(4, 8, device="cuda")
+    keys = {}
+    for name, cap in (("NVIDIA H100 80GB HBM3", (9, 0)), ("NVIDIA H200", (9, 0)),
+                      ("NVIDIA A100-SXM4-80GB", (8, 0))):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None, n=name: n)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None, c=cap: c)
+        keys[name] = compile_cache.graph_key(gm, [x], "uuid")
+        assert keys[name] == compile_cache.graph_key(gm, [x], "uuid")     # stable
+    assert len(set(keys.values())) == 3, keys
+    cpu = compile_cache.graph_key(gm, [torch.empty(4, 8)], "uuid")
+    assert cpu not in keys.values()
