@@ -57,13 +57,13 @@ def _gpus(example_inputs: List) -> str:
     folder can be shared by machines with different GPUs, and Inductor keys its own cache
     on the GPU: without this, a hit on one chip could load the records another wrote."""
     names = set()
-    for v in example_inputs:
-        if isinstance(v, torch.Tensor) and v.device.type == "cuda":
-            try:
-                names.add(f"{torch.cuda.get_device_name(v.device)} "
-                          f"{tuple(torch.cuda.get_device_capability(v.device))}")
-            except Exception:  # noqa: BLE001 - no driver (fake CUDA tensors in CPU tests)
-                names.add("cuda")
+    for d in {v.device for v in example_inputs
+              if isinstance(v, torch.Tensor) and v.device.type == "cuda"}:
+        try:
+            names.add(f"{torch.cuda.get_device_name(d)} "
+                      f"{tuple(torch.cuda.get_device_capability(d))}")
+        except Exception:  # noqa: BLE001 - no driver (fake CUDA tensors in CPU tests)
+            names.add("cuda")
     return ",".join(sorted(names))
 
 
