@@ -70,7 +70,9 @@ def parse_args(argv=None):
     p.add_argument("--tiny", action="store_true",
                    help="small config for a CPU smoke check (default on a machine without CUDA)")
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--d", type=int, default=2048)
+    # "--width" first: torchrun's own parser takes "--d" for an abbreviation of its options
+    # ("ambiguous option: --d could match --duplicate-stdout-filters", torch 2.11)
+    p.add_argument("--width", "--d", dest="d", type=int, default=2048, help="model width")
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--batch", type=int, default=4, help="sequences per rank")
@@ -91,10 +93,11 @@ def parse_args(argv=None):
     if a.tiny:
         # small enough for two gloo processes on a laptop; d=256 keeps every block linear
         # above HOTConfig's default min_features=256
-        given = set(argv if argv is not None else sys.argv[1:])
+        given = {s.split("=")[0] for s in (argv if argv is not None else sys.argv[1:])}
+        flags = dict(d=("--d", "--width"))
         for k, v in dict(layers=2, d=256, heads=4, seq=64, batch=2, vocab=512, steps=3,
                          warmup=2).items():
-            if f"--{k}" not in given:
+            if not given & set(flags.get(k, (f"--{k}",))):
                 setattr(a, k, v)
     return a
 
