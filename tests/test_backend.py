@@ -572,7 +572,7 @@ def test_e4m3_gx_refusal_gives_the_true_reason(monkeypatch):
         with FakeTensorMode(allow_non_fake_inputs=True):
             g = torch.empty(16, O, device=device, dtype=torch.bfloat16)
         return SimpleNamespace(gx_exact=object() if exact else None, O=O, I=I,
-                               grad=SimpleNamespace(meta={"val": g}))
+                               grad=SimpleNamespace(meta={"val": g}), gx_e4m3_refusal=None)
 
     asked = []
     monkeypatch.setattr(rewrite, "e4m3_gx_fused",

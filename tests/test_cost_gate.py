@@ -266,3 +266,51 @@ def test_default_head_gate_at_the_benchmark_shapes():
     assert ratio(16384, 768, 50257) < 0.8
     assert ratio(64, 768, 1000) < 0.1 and ratio(128, 768, 1000) < 0.1
     assert HOTConfig().min_speedup == 1.0 and HOTConfig().exact_gx == ("head", "lm_head")
+
+
+class WithHead(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(64, 64)
+        self.head = torch.nn.Linear(64, 64)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.a(x)))
+
+
+def test_exact_gx_gemm_e4m3_is_priced_by_the_gate(monkeypatch):
+    """``exact_gx_gemm="e4m3"`` puts the head's g_x on FP8: the gate prices it (the exact
+    side gains the bf16 g_x GEMM, HOT's side the per-token kernel, the W kernel and the FP8
+    GEMM). Where that does not pay but the g_W alone does, the head keeps its g_x exact,
+    its g_W HOT's, and the report gives the gate's reason; where it pays, g_x goes on FP8."""
+    gx_side = ("hq_g_token", "hq_w", "hq_cublas")
+
+    def table(gx_slope):
+        return cost.CostModel(name="stand-in", host_hot_ms=0.0, host_exact_ms=0.0,
+                              kernels={k: (0.0, gx_slope if k in gx_side else
+                                           1e-9 if "bf16" in k else 1e-15)
+                                       for k in cost.KERNELS})
+
+    e, h = table(1e-6).predict(1024, 512, 512, 16, 16, False, True, 1.0, True,
+                               gx_e4m3=True)
+    e0, h0 = table(1e-6).predict(1024, 512, 512, 16, 16, False, True, 1.0, True)
+    assert e == pytest.approx(2 * e0) and h > 1000 * h0     # both GEMMs exact; HQ's kernels
+    assert cost.site_kernels(False, True, gx_e4m3=True) == gx_side + cost.site_kernels(False, True)
+
+    def head(gx_slope):
+        monkeypatch.setattr(cost, "model_for", lambda device: table(gx_slope))
+        torch._dynamo.reset()
+        be = hotcompile.backend(HOTConfig(min_features=0, exclude=(), kernels="reference",
+                                          exact_gx_gemm="e4m3"))
+        torch.compile(WithHead(), backend=be)(torch.randn(2, 32, 64)).sum().backward()
+        return {r.name: r for r in be.report.layers}["head"]
+
+    dear = head(1e-6)
+    assert dear.reason is None and dear.gw_path.startswith("HLA"), dear
+    assert dear.gx_path.startswith("exact (exact_gx pattern 'head'; exact_gx_gemm='e4m3' not "
+                                   "applied: cost gate: predicted backward"), dear.gx_path
+    exact, hot = dear.predicted_ms                 # the prediction of what runs: g_W alone
+    assert exact > hot and hot < 1e-3
+    cheap = head(1e-15)
+    assert cheap.reason is None and cheap.gx_path.startswith("FP8 e4m3 g/W"), cheap.gx_path
+    assert cheap.predicted_ms[0] == pytest.approx(2 * exact)

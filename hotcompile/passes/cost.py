@@ -54,7 +54,8 @@ SAME_LINE = {"rebuild_x": "fwd_cast_x"}
 
 
 def site_kernels(gx: bool, gw: bool, rank: int = 16, gx_gemm: str = "hq_cublas",
-                 gw_gemm: str = "hla_int8", w_fp32: bool = False, rebuild_x: bool = False) -> tuple:
+                 gw_gemm: str = "hla_int8", w_fp32: bool = False, rebuild_x: bool = False,
+                 gx_e4m3: bool = False) -> tuple:
     """The kernels of a site's HOT backward (``abc_x``: its share of the forward's ABC,
     which writes the saved x K-major, as the g_W GEMM reads it; ``hla_g``: g's HLA operand,
     written K-major).
@@ -62,8 +63,17 @@ def site_kernels(gx: bool, gw: bool, rank: int = 16, gx_gemm: str = "hq_cublas",
     pair up to ``ONE_PASS_MAX_RANK`` (int8 saved activations only); one of them:
     ``hq_grad_input`` or ``hla_grad_weight`` alone. ``gx_gemm`` / ``gw_gemm``: the GEMMs'
     paths (``gx_gemm_kernel``, ``gw_gemm_kernel``). ``recompute_operands``: ``w_fp32``, HQ's
-    W kernel reads the fp32 parameter; ``rebuild_x``, backward rebuilds x first."""
+    W kernel reads the fp32 parameter; ``rebuild_x``, backward rebuilds x first.
+    ``gx_e4m3`` (an exact_gx site under ``exact_gx_gemm="e4m3"``, ``gx`` False): its g_x on
+    FP8 without HQ, priced on HQ's lines, whose kernels it runs: the per-token kernel
+    writing g's e4m3 copy (``hadamard.grad_e4m3``), the W kernel writing the plain operand
+    and the row-wise cuBLAS FP8 GEMM. Not fitted on its own: the head's timings
+    (``bench/head_gx_gemm.py``, H200, 8192 x 32000 -> 4096) put the copy at 0.395 ms and
+    the W kernel at 0.151 ms, beside HQ g's 0.0405 ms at 8192 x 4096 (g 8x smaller)."""
     hq_w = "hq_w_fp32" if w_fp32 else "hq_w"
+    if gx_e4m3 and not gx:
+        return ("hq_g_token", hq_w, "hq_cublas") + site_kernels(False, gw, rank, gx_gemm,
+                                                                gw_gemm, w_fp32, rebuild_x)
     extra = ("rebuild_x",) if rebuild_x and gw else ()
     if gx and gw and rank <= ONE_PASS_MAX_RANK and gw_gemm == "hla_int8":
         return ("grad_out", hq_w, gx_gemm, "hla_int8", "abc_x") + extra
@@ -133,13 +143,15 @@ class CostModel:
     def gpu_ms(self, L: int, I: int, O: int, rank: int, block: int, gx: bool = True,
                gw: bool = True, abc_share: float = 1.0,
                gx_gemm: str = "hq_cublas", gw_gemm: str = "hla_int8", w_fp32: bool = False,
-               rebuild_x: bool = False) -> Tuple[float, float]:
+               rebuild_x: bool = False, gx_e4m3: bool = False) -> Tuple[float, float]:
         """(exact, HOT) GPU time of the site's backward (+ its share of the ABC kernel and,
-        with ``rebuild_x``, of x's rebuild: both shared by the sites reading one x)."""
+        with ``rebuild_x``, of x's rebuild: both shared by the sites reading one x).
+        ``gx_e4m3``: g_x on FP8 without HQ (``site_kernels``)."""
         t = lambda k: self.kernel_ms(k, L, I, O, rank, block)  # noqa: E731
-        exact = (t("gx_bf16") if gx else 0.0) + (t("gw_bf16") if gw else 0.0)
+        exact = (t("gx_bf16") if gx or gx_e4m3 else 0.0) + (t("gw_bf16") if gw else 0.0)
         hot = sum(t(k) * (abc_share if k in ("abc_x", "rebuild_x") else 1.0)
-                  for k in site_kernels(gx, gw, rank, gx_gemm, gw_gemm, w_fp32, rebuild_x))
+                  for k in site_kernels(gx, gw, rank, gx_gemm, gw_gemm, w_fp32, rebuild_x,
+                                        gx_e4m3))
         return exact, hot
 
     def predict_forward(self, L: int, I: int, O: int, x_share: float = 1.0) -> Tuple[float, float]:
@@ -152,12 +164,12 @@ class CostModel:
     def predict(self, L: int, I: int, O: int, rank: int, block: int, gx: bool, gw: bool,
                 abc_share: float, graphs: bool, gx_gemm: str = "hq_cublas",
                 gw_gemm: str = "hla_int8", w_fp32: bool = False,
-                rebuild_x: bool = False) -> Tuple[float, float]:
+                rebuild_x: bool = False, gx_e4m3: bool = False) -> Tuple[float, float]:
         """(exact, HOT) predicted ms; ``graphs``: the step replays a CUDA graph (no host)."""
         exact, hot = self.gpu_ms(L, I, O, rank, block, gx, gw, abc_share, gx_gemm, gw_gemm,
-                                 w_fp32, rebuild_x)
+                                 w_fp32, rebuild_x, gx_e4m3)
         if not graphs:
-            share = (int(gx) + int(gw)) / 2
+            share = (int(gx or gx_e4m3) + int(gw)) / 2
             exact = max(exact, self.host_exact_ms * share)
             hot = max(hot, self.host_hot_ms * share)
         return exact, hot

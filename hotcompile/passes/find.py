@@ -76,6 +76,7 @@ class LinearSite:
     gx_kept: str = ""             # why its g_x mm stays exact while g_W is HOT's (exact_gx)
     gx_exact: Optional[Node] = None  # that g_x mm (exact_gx_gemm="e4m3" may rewrite it)
     gx_e4m3: bool = False         # its g_x runs on FP8 (hot::e4m3_gx_backward, rewrite.py)
+    gx_e4m3_refusal: Optional[str] = None  # why the cost gate kept that g_x exact
     gw_fp32: bool = False         # g_W written in fp32, its cast folded (grad_cast.py)
     rewritten_gx: Optional[Node] = None
     rewritten_gw: Optional[Node] = None

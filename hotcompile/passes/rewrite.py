@@ -133,16 +133,29 @@ def _cost_gate(sites: List[LinearSite], groups, config) -> None:
                       else "not gated: unknown sizes")
             continue
         rank = s.rank if isinstance(s.rank, int) else config.block
-        exact, hot = model.predict(*dims, rank, config.block, s.gx is not None,
-                                   s.gw is not None, 1.0 / size.get(s.key, 1), graphs,
-                                   cost.gx_gemm_kernel(config, val, s.I),
-                                   cost.gw_gemm_kernel(config, val),
-                                   w_fp32=s.w_chain is not None, rebuild_x=s.key in rebuilt)
+        price = lambda gx_e4m3: model.predict(  # noqa: E731
+            *dims, rank, config.block, s.gx is not None, s.gw is not None,
+            1.0 / size.get(s.key, 1), graphs, cost.gx_gemm_kernel(config, val, s.I),
+            cost.gw_gemm_kernel(config, val), w_fp32=s.w_chain is not None,
+            rebuild_x=s.key in rebuilt, gx_e4m3=gx_e4m3)
+        mode = 'CUDA graphs' if graphs else 'default mode, host time included'
+        fails = lambda e, h: config.min_speedup > 0 and e < config.min_speedup * h  # noqa: E731
+        if s.gx is None and s.gw is not None and _e4m3_gx_refusal(s, config) is None:
+            # exact_gx_gemm="e4m3": priced with its FP8 g_x; where that does not pay but
+            # the g_W alone does, the site keeps g_x exact (rewrite reads s.gx_e4m3_refusal)
+            exact, hot = price(True)
+            if fails(exact, hot):
+                s.gx_e4m3_refusal = (f"cost gate: predicted backward {hot:.3f} ms with it vs "
+                                     f"{exact:.3f} ms exact ({exact / hot:.2f}x < min_speedup "
+                                     f"{config.min_speedup:g}; {mode})")
+                exact, hot = price(False)
+        else:
+            exact, hot = price(False)
         s.cost = (exact, hot, model.name)
-        if config.min_speedup > 0 and exact < config.min_speedup * hot:
+        if fails(exact, hot):
             s.reason = (f"cost gate: predicted backward {hot:.3f} ms with HOT vs {exact:.3f} ms "
                         f"exact ({exact / hot:.2f}x < min_speedup {config.min_speedup:g}; "
-                        f"{'CUDA graphs' if graphs else 'default mode, host time included'})")
+                        f"{mode})")
 
 
 def rewrite_joint_graph(graph: Graph, config, params: Optional[Set[Node]] = None,
@@ -329,6 +342,8 @@ def _e4m3_gx_refusal(s: LinearSite, config) -> Optional[str]:
     computes it."""
     if config.exact_gx_gemm != "e4m3" or s.gx_exact is None:
         return "exact_gx_gemm='bf16', or not an exact_gx site"
+    if s.gx_e4m3_refusal:
+        return s.gx_e4m3_refusal
     g = s.grad.meta.get("val")
     if not isinstance(g, torch.Tensor):
         return "no fake value for g"
