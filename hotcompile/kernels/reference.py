@@ -565,13 +565,13 @@ def grad_uniforms(seed, rows: int, cols: int, device=None) -> torch.Tensor:
     return uniform8(seed, rows, cols, device=device)
 
 
-def grad_e4m3(g: torch.Tensor, seed=0, scale: torch.Tensor | None = None):
+def grad_e4m3(g: torch.Tensor, seed=0):
     """g (L, C) -> (stochastic scaled e4m3 (L, C), fp32 (L,) scales ``grad_e4m3_scale``):
     the g_x GEMM's A operand of a layer whose g_x takes no Hadamard
     (``exact_gx_gemm="e4m3"``). Unbiased like every stochastic operand here; a scale per
     token, so a row's small entries keep their own e4m3 binade (3 mantissa bits) down to
     its max * 2**-12.8 and reach the subnormals below."""
-    s = grad_e4m3_scale(g) if scale is None else scale
+    s = grad_e4m3_scale(g)
     u = grad_uniforms(seed, g.shape[0], g.shape[1], device=g.device)
     return quantize_e4m3(g, per_row=True, stochastic=True, u=u, scale=s)
 
