@@ -32,6 +32,7 @@ so HLA's token blocks never straddle ranks; the script warns otherwise.
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import gc
 import os
@@ -227,6 +228,7 @@ def run_pair(engine, backend_name, args, rank, world, device) -> dict:
         before, after = rep.saved_bytes()
         rec.update(hot_sites_rewritten=len(rep.rewritten), hot_sites_total=len(rep.layers),
                    hot_exact=sorted({f"{r.name}: {r.reason}" for r in rep.exact}),
+                   hot_forward=dict(collections.Counter(r.forward for r in rep.rewritten)),
                    hot_errors=list(rep.errors), hot_saved_x_before=before,
                    hot_saved_x_after=after, hot_graphs=len({r.graph for r in rep.layers}))
     counters = torch._dynamo.utils.counters
@@ -262,6 +264,9 @@ def summarize(records, env, args) -> str:
         sites = "-"
         if "hot_sites_total" in rs[0]:
             sites = f"{rs[0]['hot_sites_rewritten']}/{rs[0]['hot_sites_total']}"
+            fwd = rs[0].get("hot_forward") or {}
+            if fwd:
+                sites += " (forward " + ", ".join(f"{k} {v}" for k, v in sorted(fwd.items())) + ")"
         rows.append([engine, backend, C.fmt(step), C.fmt(min(r["tokens_per_s"] for r in rs), 0),
                      speed, mems, C.fmt(max(r["compile_s"] for r in rs), 1), sites,
                      str(rs[0]["graph_breaks"]), C.fmt(rs[0]["final_loss"], 3)])
@@ -275,7 +280,8 @@ def summarize(records, env, args) -> str:
              "Step time: median over the timed steps, the slowest rank. Memory: peak over the "
              "timed steps on each rank (params, grads, AdamW state, activations). hot sites: "
              "linear layers rewritten / found in the graphs rank 0 compiled (the head stays "
-             "exact by default; identical blocks that share one compiled graph count once). "
+             "exact by default; identical blocks that share one compiled graph count once), "
+             "and the forward GEMM format of the rewritten ones. "
              "Graph breaks: Dynamo's count, the engine's own included."]
     exact = sorted({e for r in records for e in r.get("hot_exact", [])})
     if exact:
