@@ -268,21 +268,12 @@ def test_default_head_gate_at_the_benchmark_shapes():
     assert HOTConfig().min_speedup == 1.0 and HOTConfig().exact_gx == ("head", "lm_head")
 
 
-class WithHead(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a = torch.nn.Linear(64, 64)
-        self.head = torch.nn.Linear(64, 64)
-
-    def forward(self, x):
-        return self.head(torch.relu(self.a(x)))
-
-
 def test_exact_gx_gemm_e4m3_is_priced_by_the_gate(monkeypatch):
-    """``exact_gx_gemm="e4m3"`` puts the head's g_x on FP8: the gate prices it (the exact
-    side gains the bf16 g_x GEMM, HOT's side the per-token kernel, the W kernel and the FP8
-    GEMM). Where that does not pay but the g_W alone does, the head keeps its g_x exact,
-    its g_W HOT's, and the report gives the gate's reason; where it pays, g_x goes on FP8."""
+    """``exact_gx_gemm="e4m3"`` puts an exact_gx layer's g_x (here ``b``, as a head) on FP8:
+    the gate prices it (the exact side gains the bf16 g_x GEMM, HOT's side the per-token
+    kernel, the W kernel and the FP8 GEMM). Where that does not pay but the g_W alone does,
+    the layer keeps its g_x exact, its g_W HOT's, and the report gives the gate's reason;
+    where it pays, g_x goes on FP8."""
     gx_side = ("hq_g_token", "hq_w", "hq_cublas")
 
     def table(gx_slope):
@@ -301,13 +292,13 @@ def test_exact_gx_gemm_e4m3_is_priced_by_the_gate(monkeypatch):
         monkeypatch.setattr(cost, "model_for", lambda device: table(gx_slope))
         torch._dynamo.reset()
         be = hotcompile.backend(HOTConfig(min_features=0, exclude=(), kernels="reference",
-                                          exact_gx_gemm="e4m3"))
-        torch.compile(WithHead(), backend=be)(torch.randn(2, 32, 64)).sum().backward()
-        return {r.name: r for r in be.report.layers}["head"]
+                                          exact_gx=("b",), exact_gx_gemm="e4m3"))
+        torch.compile(Two(), backend=be)(torch.randn(2, 32, 64)).sum().backward()
+        return {r.name: r for r in be.report.layers}["b"]
 
     dear = head(1e-6)
     assert dear.reason is None and dear.gw_path.startswith("HLA"), dear
-    assert dear.gx_path.startswith("exact (exact_gx pattern 'head'; exact_gx_gemm='e4m3' not "
+    assert dear.gx_path.startswith("exact (exact_gx pattern 'b'; exact_gx_gemm='e4m3' not "
                                    "applied: cost gate: predicted backward"), dear.gx_path
     exact, hot = dear.predicted_ms                 # the prediction of what runs: g_W alone
     assert exact > hot and hot < 1e-3
