@@ -365,9 +365,9 @@ def hot_summary(be) -> dict:
             "hot_forward_fp8": sum(r.forward.startswith("fp8") for r in rep.rewritten),
             "hot_forward_reasons": sorted({r.forward_reason for r in rep.rewritten
                                            if r.forward_reason}),
-            # the g_x of rewritten sites that do not take HQ (exact_gx: the head), by name
+            # the g_x of rewritten exact_gx sites (the head: exact, or FP8 without HQ), by name
             "hot_gx_not_hq": {r.name: r.gx_path for r in rep.rewritten
-                              if not r.gx_path.startswith("HQ")},
+                              if r.gx_path.startswith(("exact", "FP8"))},
             # saved_activations="fp8": per graph, what the kept activations became
             "hot_saved_activations": {str(g): d for g, d in rep.saved.items()}}
 

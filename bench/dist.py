@@ -13,7 +13,7 @@ traced on torch 2.13, so parameters are all-gathered outside the compiled graphs
 ``inductor`` (the honest baseline) and ``hot`` (``HOTConfig`` defaults, ``head`` exact).
 
 Model: a GPT (common.GPT: learned positions, pre-norm, GELU MLP) with ``--layers`` blocks,
-``--d`` 2048, ``--seq`` 2048, ``--batch`` sequences per rank. Precision: DDP keeps fp32
+``--width`` 2048, ``--seq`` 2048, ``--batch`` sequences per rank. Precision: DDP keeps fp32
 parameters under bf16 autocast; FSDP2 uses ``MixedPrecisionPolicy(param_dtype=bf16,
 reduce_dtype=fp32)`` (the usual setup of each). A step is forward + cross-entropy +
 backward (gradient all-reduce / reduce-scatter included) + AdamW.
@@ -59,6 +59,8 @@ import torch.nn.functional as F  # noqa: E402
 import common as C  # noqa: E402
 
 ENGINES = ("ddp", "fsdp")
+# the full run's sizes (--tiny has its own)
+FULL = dict(layers=4, d=2048, heads=16, seq=2048, batch=4, vocab=32768, steps=10, warmup=5)
 BACKENDS = ("inductor", "hot")
 
 
@@ -70,16 +72,17 @@ def parse_args(argv=None):
     p.add_argument("--backends", default=",".join(BACKENDS))
     p.add_argument("--tiny", action="store_true",
                    help="small config for a CPU smoke check (default on a machine without CUDA)")
-    p.add_argument("--layers", type=int, default=4)
+    # sizes default to None and are filled in after parsing: the full run's, or --tiny's
+    p.add_argument("--layers", type=int)
     # "--width" first: torchrun's own parser takes "--d" for an abbreviation of its options
     # ("ambiguous option: --d could match --duplicate-stdout-filters", torch 2.11)
-    p.add_argument("--width", "--d", dest="d", type=int, default=2048, help="model width")
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--batch", type=int, default=4, help="sequences per rank")
-    p.add_argument("--vocab", type=int, default=32768)
-    p.add_argument("--steps", type=int, default=10, help="timed steps")
-    p.add_argument("--warmup", type=int, default=5, help="untimed steps (compile, LQS)")
+    p.add_argument("--width", "--d", dest="d", type=int, help="model width")
+    p.add_argument("--heads", type=int)
+    p.add_argument("--seq", type=int)
+    p.add_argument("--batch", type=int, help="sequences per rank")
+    p.add_argument("--vocab", type=int)
+    p.add_argument("--steps", type=int, help="timed steps")
+    p.add_argument("--warmup", type=int, help="untimed steps (compile, LQS)")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default=None,
                    help="compute dtype (default bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket size")
@@ -91,15 +94,13 @@ def parse_args(argv=None):
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         a.tiny = True
-    if a.tiny:
-        # small enough for two gloo processes on a laptop; d=256 keeps every block linear
-        # above HOTConfig's default min_features=256
-        given = {s.split("=")[0] for s in (argv if argv is not None else sys.argv[1:])}
-        flags = dict(d=("--d", "--width"))
-        for k, v in dict(layers=2, d=256, heads=4, seq=64, batch=2, vocab=512, steps=3,
-                         warmup=2).items():
-            if not given & set(flags.get(k, (f"--{k}",))):
-                setattr(a, k, v)
+    # small enough for two gloo processes on a laptop; d=256 keeps every block linear above
+    # HOTConfig's default min_features=256
+    sizes = (dict(layers=2, d=256, heads=4, seq=64, batch=2, vocab=512, steps=3, warmup=2)
+             if a.tiny else FULL)
+    for k, v in sizes.items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
     return a
 
 
@@ -228,7 +229,7 @@ def run_pair(engine, backend_name, args, rank, world, device) -> dict:
         before, after = rep.saved_bytes()
         rec.update(hot_sites_rewritten=len(rep.rewritten), hot_sites_total=len(rep.layers),
                    hot_exact=sorted({f"{r.name}: {r.reason}" for r in rep.exact}),
-                   hot_forward=dict(collections.Counter(r.forward for r in rep.rewritten)),
+                   hot_forward_counts=dict(collections.Counter(r.forward for r in rep.rewritten)),
                    hot_errors=list(rep.errors), hot_saved_x_before=before,
                    hot_saved_x_after=after, hot_graphs=len({r.graph for r in rep.layers}))
     counters = torch._dynamo.utils.counters
@@ -264,7 +265,7 @@ def summarize(records, env, args) -> str:
         sites = "-"
         if "hot_sites_total" in rs[0]:
             sites = f"{rs[0]['hot_sites_rewritten']}/{rs[0]['hot_sites_total']}"
-            fwd = rs[0].get("hot_forward") or {}
+            fwd = rs[0].get("hot_forward_counts") or {}
             if fwd:
                 sites += " (forward " + ", ".join(f"{k} {v}" for k, v in sorted(fwd.items())) + ")"
         rows.append([engine, backend, C.fmt(step), C.fmt(min(r["tokens_per_s"] for r in rs), 0),

@@ -85,7 +85,8 @@ class HOTConfig:
     whose read of g also gives the HLA operand's bound), W^T rounded to e4m3 per column,
     the FP8 GEMM with fp32 accumulation (``reference.e4m3_gx_backward``), where the GPU and
     shapes allow it (``formats.e4m3_gx_fused``) and the cost gate predicts the site faster
-    with it (else its g_W alone is HOT's, where that pays; the report says per site). Not the default: beside the FP8
+    with it than exact and than with its g_W alone beside a bf16 g_x (else its g_W alone
+    is HOT's, where that pays; the report says per site). Not the default: beside the FP8
     forward it made Llama d4096 1.339x Inductor against 1.324x without it and torchao's
     1.328x (H200, one call), but the byte-level GPT's final loss read +1.31% (s.e. 0.52)
     over Inductor's across 6 seeds, against +0.49% (0.50) for the FP8 forward alone

@@ -271,20 +271,20 @@ def test_default_head_gate_at_the_benchmark_shapes():
 def test_exact_gx_gemm_e4m3_is_priced_by_the_gate(monkeypatch):
     """``exact_gx_gemm="e4m3"`` puts an exact_gx layer's g_x (here ``b``, as a head) on FP8:
     the gate prices it (the exact side gains the bf16 g_x GEMM, HOT's side the per-token
-    kernel, the W kernel and the FP8 GEMM). Where that does not pay but the g_W alone does,
-    the layer keeps its g_x exact, its g_W HOT's, and the report gives the gate's reason;
-    where it pays, g_x goes on FP8."""
+    kernel, the W kernel and the FP8 GEMM) against exact and against HOT's g_W alone beside
+    the bf16 g_x. Where either is predicted faster, the layer keeps its g_x exact, its g_W
+    HOT's, and the report gives the gate's reason; where neither is, g_x goes on FP8."""
     gx_side = ("hq_g_token", "hq_w", "hq_cublas")
 
-    def table(gx_slope):
+    def table(gx_slope):   # ms per byte / FLOP: bf16 GEMMs 1e-6, HOT's g_W side ~free
         return cost.CostModel(name="stand-in", host_hot_ms=0.0, host_exact_ms=0.0,
                               kernels={k: (0.0, gx_slope if k in gx_side else
-                                           1e-9 if "bf16" in k else 1e-15)
+                                           1e-6 if "bf16" in k else 1e-12)
                                        for k in cost.KERNELS})
 
-    e, h = table(1e-6).predict(1024, 512, 512, 16, 16, False, True, 1.0, True,
+    e, h = table(1e-3).predict(1024, 512, 512, 16, 16, False, True, 1.0, True,
                                gx_e4m3=True)
-    e0, h0 = table(1e-6).predict(1024, 512, 512, 16, 16, False, True, 1.0, True)
+    e0, h0 = table(1e-3).predict(1024, 512, 512, 16, 16, False, True, 1.0, True)
     assert e == pytest.approx(2 * e0) and h > 1000 * h0     # both GEMMs exact; HQ's kernels
     assert cost.site_kernels(False, True, gx_e4m3=True) == gx_side + cost.site_kernels(False, True)
 
@@ -296,12 +296,19 @@ def test_exact_gx_gemm_e4m3_is_priced_by_the_gate(monkeypatch):
         torch.compile(Two(), backend=be)(torch.randn(2, 32, 64)).sum().backward()
         return {r.name: r for r in be.report.layers}["b"]
 
-    dear = head(1e-6)
-    assert dear.reason is None and dear.gw_path.startswith("HLA"), dear
-    assert dear.gx_path.startswith("exact (exact_gx pattern 'b'; exact_gx_gemm='e4m3' not "
-                                   "applied: cost gate: predicted backward"), dear.gx_path
-    exact, hot = dear.predicted_ms                 # the prediction of what runs: g_W alone
-    assert exact > hot and hot < 1e-3
-    cheap = head(1e-15)
+    # b: 64 tokens, 64 -> 64: each bf16 GEMM 2 * 64**3 FLOPs = 0.524 ms; HQ's three kernels
+    # 548864 units of work: at 1e-3 ms each far slower than exact (dear), at 1.5e-6 0.823 ms:
+    # faster than exact (1.049 ms) but slower than the bf16 g_x beside HOT's g_W (0.524 ms)
+    gemm = 2 * 64 ** 3 * 1e-6
+    for slope, why in ((1e-3, "vs 1.049 ms exact"), (1.5e-6, "vs 0.524 ms with HOT's g_W alone")):
+        kept = head(slope)
+        assert kept.reason is None and kept.gw_path.startswith("HLA"), kept
+        assert kept.gx_path.startswith("exact (exact_gx pattern 'b'; exact_gx_gemm='e4m3' not "
+                                       "applied: cost gate: predicted backward"), kept.gx_path
+        assert why in kept.gx_path, kept.gx_path
+        exact, hot = kept.predicted_ms              # the prediction of what runs: g_W alone
+        assert exact == pytest.approx(gemm, rel=1e-3) and hot < 1e-3
+    cheap = head(1e-12)
     assert cheap.reason is None and cheap.gx_path.startswith("FP8 e4m3 g/W"), cheap.gx_path
-    assert cheap.predicted_ms[0] == pytest.approx(2 * exact)
+    assert cheap.predicted_ms[0] == pytest.approx(2 * gemm, rel=1e-3)
+    assert cheap.predicted_ms[1] < 1e-3

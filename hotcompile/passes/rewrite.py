@@ -140,17 +140,22 @@ def _cost_gate(sites: List[LinearSite], groups, config) -> None:
             rebuild_x=s.key in rebuilt, gx_e4m3=gx_e4m3)
         mode = 'CUDA graphs' if graphs else 'default mode, host time included'
         fails = lambda e, h: config.min_speedup > 0 and e < config.min_speedup * h  # noqa: E731
+        exact, hot = price(False)
         if s.gx is None and s.gw is not None and _e4m3_gx_refusal(s, config) is None:
-            # exact_gx_gemm="e4m3": priced with its FP8 g_x; where that does not pay but
-            # the g_W alone does, the site keeps g_x exact (rewrite reads s.gx_e4m3_refusal)
-            exact, hot = price(True)
-            if fails(exact, hot):
-                s.gx_e4m3_refusal = (f"cost gate: predicted backward {hot:.3f} ms with it vs "
-                                     f"{exact:.3f} ms exact ({exact / hot:.2f}x < min_speedup "
-                                     f"{config.min_speedup:g}; {mode})")
-                exact, hot = price(False)
-        else:
-            exact, hot = price(False)
+            # exact_gx_gemm="e4m3": the site priced with its FP8 g_x, against exact and
+            # against its g_W alone beside a bf16 g_x (exact_e - exact: that GEMM's time);
+            # where either is predicted faster, g_x stays exact (rewrite reads the refusal)
+            exact_e, hot_e = price(True)
+            gw_alone = exact_e - exact + hot
+            if fails(exact_e, hot_e):
+                s.gx_e4m3_refusal = (f"cost gate: predicted backward {hot_e:.3f} ms with it vs "
+                                     f"{exact_e:.3f} ms exact ({exact_e / hot_e:.2f}x < "
+                                     f"min_speedup {config.min_speedup:g}; {mode})")
+            elif config.min_speedup > 0 and gw_alone < hot_e:
+                s.gx_e4m3_refusal = (f"cost gate: predicted backward {hot_e:.3f} ms with it vs "
+                                     f"{gw_alone:.3f} ms with HOT's g_W alone ({mode})")
+            else:
+                exact, hot = exact_e, hot_e
         s.cost = (exact, hot, model.name)
         if fails(exact, hot):
             s.reason = (f"cost gate: predicted backward {hot:.3f} ms with HOT vs {exact:.3f} ms "
