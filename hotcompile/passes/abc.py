@@ -83,10 +83,12 @@ def saved_format(config, x: Node) -> str:
 
 
 def compress_inputs(graph: Graph, groups: Dict[tuple, List[LinearSite]], config, fake_mode,
-                    layout_args) -> Dict[str, Tuple[Node, Node]]:
+                    layout_args, gx_on_fp8=lambda s: False) -> Dict[str, Tuple[Node, Node]]:
     """Insert one abc_compress per group; group key -> (levels, scale).
 
-    ``layout_args(group, anchor, tag)`` gives the op's (rank, seq_len, seq_first) for the group."""
+    ``layout_args(group, anchor, tag)`` gives the op's (rank, seq_len, seq_first) for the group.
+    ``gx_on_fp8(site)``: whether an exact_gx site's g_x mm becomes part of its backward op
+    (``exact_gx_gemm="e4m3"`` applied: ``rewrite._e4m3_gx_refusal``)."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     buffers: Dict[str, Tuple[Node, Node]] = {}
     for group in groups.values():
@@ -104,10 +106,10 @@ def compress_inputs(graph: Graph, groups: Dict[tuple, List[LinearSite]], config,
             tag = "is_forward"
         else:
             # before the group's first backward mm (a site's whole backward is one op,
-            # placed before the first of its g_x and g_W mms; with exact_gx_gemm="e4m3",
-            # an exact_gx site's g_x mm too: its op may replace it)
-            e4m3 = config.exact_gx_gemm == "e4m3"
-            anchor = min((n for s in group for n in (s.gx, s.gw, s.gx_exact if e4m3 else None)
+            # placed before the first of its g_x and g_W mms; where exact_gx_gemm="e4m3"
+            # puts an exact_gx site's g_x on FP8, that g_x mm too: its op replaces it)
+            anchor = min((n for s in group
+                          for n in (s.gx, s.gw, s.gx_exact if gx_on_fp8(s) else None)
                           if n is not None),
                          key=order.__getitem__)
             tag = "is_backward"

@@ -206,7 +206,8 @@ def rewrite_joint_graph(graph: Graph, config, params: Optional[Set[Node]] = None
         seq_args[group[0].key] = (rank, seq, bool(layered and lay.seq_first))
         return seq_args[group[0].key]
 
-    buffers = compress_inputs(graph, groups, config, fake_mode, layout_args)
+    buffers = compress_inputs(graph, groups, config, fake_mode, layout_args,
+                              lambda s: s.gx is None and _e4m3_gx_refusal(s, config) is None)
     order = {n: i for i, n in enumerate(graph.nodes)}   # the original mms keep their order
     for group in groups.values():
         lead = group[0]
