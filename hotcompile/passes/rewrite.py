@@ -141,12 +141,12 @@ def _cost_gate(sites: List[LinearSite], groups, config) -> None:
         mode = 'CUDA graphs' if graphs else 'default mode, host time included'
         fails = lambda e, h: config.min_speedup > 0 and e < config.min_speedup * h  # noqa: E731
         exact, hot = price(False)
-        if s.gx is None and s.gw is not None and _e4m3_gx_refusal(s, config) is None:
+        if s.gw is not None and _gx_on_fp8(s, config):
             # exact_gx_gemm="e4m3": the site priced with its FP8 g_x, against exact and
-            # against its g_W alone beside a bf16 g_x (exact_e - exact: that GEMM's time);
-            # where either is predicted faster, g_x stays exact (rewrite reads the refusal)
+            # against its g_W alone beside the bf16 g_x GEMM; where either is predicted
+            # faster, g_x stays exact (the refusal is read by _e4m3_gx_refusal)
             exact_e, hot_e = price(True)
-            gw_alone = exact_e - exact + hot
+            gw_alone = hot + model.kernel_ms("gx_bf16", *dims, rank, config.block)
             if fails(exact_e, hot_e):
                 s.gx_e4m3_refusal = (f"cost gate: predicted backward {hot_e:.3f} ms with it vs "
                                      f"{exact_e:.3f} ms exact ({exact_e / hot_e:.2f}x < "
@@ -207,7 +207,7 @@ def rewrite_joint_graph(graph: Graph, config, params: Optional[Set[Node]] = None
         return seq_args[group[0].key]
 
     buffers = compress_inputs(graph, groups, config, fake_mode, layout_args,
-                              lambda s: s.gx is None and _e4m3_gx_refusal(s, config) is None)
+                              lambda s: _gx_on_fp8(s, config))
     order = {n: i for i, n in enumerate(graph.nodes)}   # the original mms keep their order
     for group in groups.values():
         lead = group[0]
@@ -362,6 +362,12 @@ def _e4m3_gx_refusal(s: LinearSite, config) -> Optional[str]:
     if not e4m3_gx_fused(g.device, g.dtype, s.O, s.I):
         return "needs FP8 tensor cores, bf16 g, and O and I multiples of 16"
     return None
+
+
+def _gx_on_fp8(s: LinearSite, config) -> bool:
+    """Whether an exact_gx site's kept g_x goes on FP8 (``exact_gx_gemm="e4m3"``, nothing
+    refusing it): the gate prices it, ABC is placed before its mm, the rewrite takes it."""
+    return s.gx is None and _e4m3_gx_refusal(s, config) is None
 
 
 def _replace(graph: Graph, old: Node, new: Node, transposed: bool, fake_mode) -> None:
