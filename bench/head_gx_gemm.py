@@ -64,7 +64,7 @@ def main() -> None:
     xq, xs = F.abc_compress(x, 16, "1d", 8, seq_len=S, fmt="e4m3")
     seed = torch.tensor(11, device=dev)
     _, m, r = R.weight_cast(w.float(), torch.bfloat16, row_max=True)
-    wq, ws = F.weight_operands(w, m, r, "fp8_rowwise", hq=False)[:2]
+    wq, ws = F.weight_operands([(w, m, r)], "fp8_rowwise", hq=False)[0][:2]
     exact = g.double() @ w.double()
     err = lambda v: ((v.double() - exact).norm() / exact.norm()).item()  # noqa: E731
     lines = [f"# The head's backward, g_x exact vs e4m3 ({C.device_name(dev)})", "",
@@ -98,9 +98,9 @@ def main() -> None:
                                        fast_accum=fast)
         row(f"g_x GEMM FP8 row-wise, fast_accum={fast}", f, f())
     row("W kernel: HQ operand + row-wise forward W",
-        lambda: F.weight_operands(w, m, r, "fp8_rowwise"))
+        lambda: F.weight_operands([(w, m, r)], "fp8_rowwise"))
     row("W kernel: plain operand + row-wise forward W",
-        lambda: F.weight_operands(w, m, r, "fp8_rowwise", hq=False))
+        lambda: F.weight_operands([(w, m, r)], "fp8_rowwise", hq=False))
     lines += ["", f"Site: {a_ms / b_ms:.3f}x ({a_ms - b_ms:+.3f} ms saved per step)."]
     text = "\n".join(lines) + "\n"
     print(lines[-1])

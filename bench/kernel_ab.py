@@ -16,7 +16,8 @@ the site's HQ kernel writes them; ``g_pair``, g's HQ and HLA operands with a bou
 git history: commit 6d1b2cf), ``abc_x`` (the forward's compressed input: e4m3 row-major;
 also written K-major directly, against row-major + ``transpose_padded``), ``hq_w`` (W's HQ
 operand: e4m3), ``weight_cast`` (W's owned copy and maxima), ``weight_operands`` (HQ's W
-and the FP8 forward's W from one read of the copy), ``hq_g`` / ``hq_g_sweep`` (g's per-token HQ operand at forced tiles:
+and the FP8 forward's W from one read of the copy), ``weight_group`` (a Llama layer's seven
+weights through both: one launch per weight against the slotted kernels' one for all), ``hq_g`` / ``hq_g_sweep`` (g's per-token HQ operand at forced tiles:
 Llama's and ViT's widths, or every width the models have), ``other_paths`` (the
 stochastic kernels off Hopper's default: int8 HLA operand, grad_out pair, per-tensor HQ).
 Old and new need not be bit-identical (a numerics change): the mismatch column says how
@@ -292,16 +293,32 @@ def bench_weight_cast(old, new, rows):
             row_max = tile.startswith("default")
             with env(**({} if row_max else {"HOT_WCAST_TILE": tile})):
                 try:
-                    out = new.hadamard.weight_cast(ps[0], torch.bfloat16, row_max)
+                    out = _casts(new, ps[:1], row_max)[0]
                     res[f"new tile={tile} ok"] = all(torch.equal(a, b) for a, b in zip(
                         out, ref if row_max else ref[:2]))
                     res[f"new tile={tile}"] = time_ms(
-                        lambda p: new.hadamard.weight_cast(p, torch.bfloat16, row_max), ps)
+                        lambda p: _casts(new, [p], row_max)[0], ps)
                 except Exception as e:  # noqa: BLE001  (a tile that does not compile)
                     res[f"new tile={tile}"] = f"failed: {type(e).__name__}: {str(e)[:120]}"
         rows.append(dict(kernel="weight_cast", shape=label, O=O, I=I,
                          copy_ms=copy_ms(6 * O * I), **res))
         print(json.dumps(rows[-1]), flush=True)
+
+
+def _casts(mod, ps, row_max):
+    """Each fp32 parameter's owned copy and maxima, by ``mod``'s kernels: one launch per
+    ``WEIGHT_SLOTS`` (``fused.weight_casts``), or one each where ``mod`` predates it."""
+    if hasattr(mod.fused, "weight_casts"):
+        return mod.fused.weight_casts(ps, torch.bfloat16, row_max)
+    return [mod.hadamard.weight_cast(p, torch.bfloat16, row_max) for p in ps]
+
+
+def _operands(mod, calls, forward, hq=True):
+    """``fused.weight_operands`` of each (w, col_max, fwd_max) by ``mod``'s kernels: one
+    launch per ``WEIGHT_SLOTS`` copies, or one each where ``mod`` predates it."""
+    if "calls" in inspect.signature(mod.fused.weight_operands).parameters:
+        return mod.fused.weight_operands(calls, forward, hq)
+    return [mod.fused.weight_operands(*c, forward, hq) for c in calls]
 
 
 def bench_weight_operands(old, new, rows):
@@ -322,22 +339,50 @@ def bench_weight_operands(old, new, rows):
 
             def before(w, cast=cast, rowwise=rowwise):
                 m, r = maxima[id(w)]
-                return (*old.hadamard.hq_weight_quant(w, 8, fp8=True, e4m3=True,
-                                                      scale_mul=1 / 16, col_max=m),
+                return (*_operands(old, [(w, m, None)], "bf16")[0][:2],
                         *cast(w, r if rowwise else m))
 
             def after(w, forward=forward, rowwise=rowwise):
                 m, r = maxima[id(w)]
-                return new.fused.weight_operands(w, m, r if rowwise else m, forward, True)
+                return _operands(new, [(w, m, r if rowwise else m)], forward)[0]
             res[f"{forward} mismatch"] = mismatch(after(ws[0]), before(ws[0]))
             res[f"{forward} W kernel + Inductor cast"] = time_ms(before, ws)
             res[f"{forward} weight_operands"] = time_ms(after, ws)
-        res["W kernel alone (old)"] = time_ms(lambda w: old.hadamard.hq_weight_quant(
-            w, 8, fp8=True, e4m3=True, scale_mul=1 / 16, col_max=maxima[id(w)][0]), ws)
+        res["W kernel alone (old)"] = time_ms(
+            lambda w: _operands(old, [(w, maxima[id(w)][0], None)], "bf16")[0][:2], ws)
         worst = max(v for k, v in res.items() if k.endswith("mismatch"))
         rows.append(dict(kernel="weight_operands", shape=label, O=O, I=I, mismatch_vs_old=worst,
                          copy_ms=copy_ms(4 * O * I), **res))
         print(json.dumps(rows[-1]), flush=True)
+
+
+LLAMA_LAYER = ((4096, 4096),) * 4 + ((11008, 4096),) * 2 + ((4096, 11008),)
+
+
+def bench_weight_group(old, new, rows):
+    """A Llama d4096 layer's seven weights through the forward's two W kernels as a spliced
+    step runs them (the row-wise FP8 forward): old = ``--rev``, one launch per weight each
+    (before the slotted kernels: 14 launches); new = one launch of each for all seven.
+    Both timed from one CUDA graph per call; the outputs must be bit-equal (NaN aside:
+    none here)."""
+    sets = [[torch.randn(O, I, device="cuda") * 0.02 for O, I in LLAMA_LAYER] for _ in range(2)]
+
+    def step(mod):
+        def run(ps):
+            casts = _casts(mod, ps, True)
+            return [t for c in casts for t in c] + \
+                [t for o in _operands(mod, [(w, m, r) for w, m, r in casts], "fp8_rowwise")
+                 for t in o]
+        return run
+    res = {"mismatch": mismatch(step(new)(sets[0]), step(old)(sets[0]))}
+    for name, mod in (("old", old), ("new", new)):
+        res[f"casts + operands {name}"] = time_ms(step(mod), sets)
+        res[f"casts alone {name}"] = time_ms(lambda ps, m=mod: _casts(m, ps, True), sets)
+    n = sum(O * I for O, I in LLAMA_LAYER)
+    # bytes: p (4) -> copy (2) in the cast; copy (2) -> HQ W (1) + forward W (1) in the operands
+    rows.append(dict(kernel="weight_group", shape="llama d4096 layer (7 weights)", O=0, I=0,
+                     mismatch_vs_old=res.pop("mismatch"), copy_ms=copy_ms(10 * n), **res))
+    print(json.dumps(rows[-1]), flush=True)
 
 
 def bench_other_paths(old, new, rows):
@@ -403,6 +448,7 @@ def main(argv=None) -> int:
     for k in a.kernels.split(","):
         {"hla_g": bench_hla_g, "abc_x": bench_abc, "hq_w": bench_hq_w,
          "weight_cast": bench_weight_cast, "weight_operands": bench_weight_operands,
+         "weight_group": bench_weight_group,
          "hq_g": bench_hq_g, "hq_g_sweep": bench_hq_g_sweep,
          "other_paths": bench_other_paths}[k](old, new, rows)
     git = git_commit() or os.environ.get("HOT_GIT", "?")

@@ -127,11 +127,11 @@ def kernels_for(L: int, I: int, O: int, rank: int):
                           INTERPRET=False, ROW_MAX=True, PLAIN=plain), warps))
     rows.append(("hla g bound", hla._block_bound_kernel, {"m_ptr": "*fp32", "out_ptr": "*i32"},
                  dict(BB=64), 4))
-    for row_max in (False, True):
+    for row_max in (False, True):     # one weight in the slotted kernel (the others unused)
         rows.append((f"W cast{' + row maxima' if row_max else ''}", H._weight_cast_kernel,
-                     {"p_ptr": "*fp32", "w_ptr": "*bf16", "amax_ptr": "*i32",
-                      "rmax_ptr": "*i32" if row_max else "*fp32"},
-                     dict(zip(("ROWS", "BO", "BI"), H.cast_tile(False)[:3]), BF16=True,
+                     {"p0": "*fp32", "w0": "*bf16", "c0": "*i32",
+                      "r0": "*i32" if row_max else "*fp32"},
+                     dict(zip(("ROWS", "BO", "BI"), H.cast_tile(False)[:3]), N=1, BF16=True,
                           ROW_MAX=row_max), H.cast_tile(False)[3]))
     bc, _ = H.column_tile(o_pad, max_tile=512)
     wbi, wbo, wwarps = H.weight_tile(o_pad, False)
@@ -142,24 +142,24 @@ def kernels_for(L: int, I: int, O: int, rank: int):
                      dict(PHASE=phase, BR=max(1, 4096 // bc), BC=bc, Q=7, FP8=False,
                           INTERPRET=False), 8))
         # W levels (INT8 GEMM) or scaled e4m3 (cuBLAS FP8); W bf16, or the fp32 parameter
-        # rounded to bf16 as it is read (recompute_operands); e4m3 with the row-wise FP8
-        # forward's W operand written too (weight_operands; its one phase)
-        for e4m3, param, fwd in ((False, False, 0), (True, False, 0), (True, True, 0),
-                                 (True, False, 2)):
-            if fwd and phase == 1:
-                continue
+        # rounded to bf16 as it is read (recompute_operands)
+        for e4m3, param in ((False, False), (True, False), (True, True)):
             w_type = "*fp32" if param else "*bf16"
             rows.append((f"hq W{' e4m3' if e4m3 else ''}{' fp32->bf16' if param else ''}"
-                         f"{' + FP8 forward W' if fwd else ''} p{phase}", H._hq_weight_kernel,
+                         f" p{phase}", H._hq_weight_kernel,
                          {"w_ptr": w_type, "q_ptr": "*fp8e4nv" if e4m3 else "*i8",
-                          "s_ptr": "*fp32", "amax_ptr": "*i32",
-                          "f_ptr": "*fp8e4nv" if fwd else w_type,
-                          "fs_ptr": "*fp32" if fwd else w_type,
-                          "fmax_ptr": "*i32" if fwd else w_type},
+                          "s_ptr": "*fp32", "amax_ptr": "*i32"},
                          dict(PHASE=phase, BI=wbi, BO=wbo,
                               Q=448 if e4m3 else 127, FP8=False, E4M3=e4m3, INTERPRET=False,
-                              ROUND=H.tl.bfloat16 if param else None, FWD=fwd, ROTATE=True),
+                              ROUND=H.tl.bfloat16 if param else None, ROTATE=True),
                          wwarps))
+    # the forward's W operands (weight_operands: HQ's e4m3 W and the row-wise FP8 forward's
+    # W from one read), one weight in the slotted kernel
+    ebi, ebo, ewarps = H.weight_tile(o_pad, False, True)
+    rows.append(("W operands e4m3 + FP8 forward W", H._weight_operands_kernel,
+                 {"w0": "*bf16", "q0": "*fp8e4nv", "s0": "*fp32", "a0": "*i32",
+                  "f0": "*fp8e4nv", "fs0": "*fp32", "fm0": "*i32"},
+                 dict(N=1, BI=ebi, BO=ebo, Q=28, INTERPRET=False, FWD=2, ROTATE=True), ewarps))
     for what, C, stochastic in (("hla g", O, True), ("abc x", I, False)):
         for e4m3 in (False, True):     # int8 levels (INT8 GEMM) or scaled e4m3 (cuBLAS FP8)
             rp = hla._pow2_at_least(rank)

@@ -43,6 +43,7 @@ HOT_KERNELS = {
     "_grad_out_kernel": "hot: combined g_y pass",
     "_block_bound_kernel": "hot: g's HLA bound",
     "_weight_cast_kernel": "hot: W cast + column maxima",
+    "_weight_operands_kernel": "hot: W operands (HQ W + FP8 forward W)",
 }
 
 

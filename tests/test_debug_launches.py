@@ -77,7 +77,7 @@ def test_comments_kernel_sources_and_names_are_read_as_the_wrapper_runs_them():
 def test_hot_kernel_names_are_the_package_kernels():
     names = hot_kernel_names()
     assert {"_hq_token_kernel", "_hq_weight_kernel", "_hla_kernel", "_block_bound_kernel",
-            "_weight_cast_kernel", "_scaled_mm_kernel"} <= names, names
+            "_weight_cast_kernel", "_weight_operands_kernel", "_scaled_mm_kernel"} <= names, names
     from hotcompile.kernels import hadamard
     assert not any(n.startswith("fwht") for n in names)      # helpers are not kernels
     assert "fwht16" in vars(hadamard)

@@ -281,13 +281,13 @@ def test_spliced_sites_launch_from_inductor_and_match_the_ops_bit_for_bit():
     counts = _launches("\n".join(codes))
     print("launches in the spliced step's output code:", counts)
     assert counts["hot_ops"] == 0, counts
-    # per site: W's copy with its column maxima 1 (forward, in place of autocast's cast),
-    # ABC 1 (forward, its scale from max |x|, writing the K-major buffer the g_W GEMM
-    # reads), HQ g 1 (writing g's row maxima, zeroing the bound's word), the bound 1 (the
-    # largest block sum of those maxima), W 1 (its e4m3 scale from the column maxima), HLA
-    # g 1 (its scale from the bound); 4 sites
+    # the forward's W kernels, one launch each for the 4 weights: their copies with their
+    # maxima (in place of autocast's casts), their operands (HQ's e4m3 W, the FP8 forward's
+    # W); per site: ABC 1 (forward, its scale from max |x|, writing the K-major buffer the
+    # g_W GEMM reads), HQ g 1 (writing g's row maxima, zeroing the bound's word), the bound
+    # 1 (the largest block sum of those maxima), HLA g 1 (its scale from the bound); 4 sites
     assert counts["hot"] == {"_hla_kernel": 2 * 4, "_hq_token_kernel": 4,
-                             "_hq_weight_kernel": 4, "_weight_cast_kernel": 4,
+                             "_weight_operands_kernel": 1, "_weight_cast_kernel": 1,
                              "_block_bound_kernel": 4}, counts
     repeats = [name for c in codes for name in _repeated_definitions(c)]
     assert not repeats, repeats
@@ -295,7 +295,7 @@ def test_spliced_sites_launch_from_inductor_and_match_the_ops_bit_for_bit():
 
 
 def test_autocast_weight_casts_are_ours_and_change_no_bit(monkeypatch):
-    """Under bf16 autocast each site's W copy and its column maxima come from one
+    """Under bf16 autocast the sites' W copies and their column maxima come from one
     ``_weight_cast_kernel`` launch Inductor makes (``passes/weight_cast.py``), no hot:: op is
     left, W's e4m3 operand reads those maxima (no reduction of W of its own), and every
     gradient is bit-equal to the same step with autocast's cast left to Inductor."""
@@ -319,7 +319,7 @@ def test_autocast_weight_casts_are_ours_and_change_no_bit(monkeypatch):
     counts = _launches("\n".join(codes))
     print("launches with our weight casts:", counts)
     assert counts["hot_ops"] == 0, counts
-    assert counts["hot"].get("_weight_cast_kernel") == 4, counts
+    assert counts["hot"].get("_weight_cast_kernel") == 1, counts
     assert all(r.w_operand == "hot::weight_cast copy" for r in be.report.rewritten)
     monkeypatch.setattr(RW, "own_weight_casts", lambda *a, **k: [])
     (_, theirs), codes = run_and_get_code(run)
@@ -385,4 +385,6 @@ def test_exact_gx_gemm_e4m3_spliced_matches_the_op_bit_for_bit():
     assert counts["hot_ops"] == 0, counts
     assert counts["hot"]["_hla_kernel"] == 2 * 4 and counts["hot"]["_hq_token_kernel"] == 4
     assert counts["hot"]["_block_bound_kernel"] == 4, counts   # fc2's from its copy's maxima
-    assert counts["hot"]["_hq_weight_kernel"] == 4, counts     # fc2's: the plain operand
+    # the W operands: fc2's plain one in a launch of its own (another configuration)
+    assert counts["hot"]["_weight_operands_kernel"] == 2, counts
+    assert "_hq_weight_kernel" not in counts["hot"], counts

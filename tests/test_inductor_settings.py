@@ -224,7 +224,7 @@ def test_hot_kernels_launch_statically_from_a_cold_compile_with_the_same_gradien
         seen[var] = dict(eval(lines[-1][5:]))
         grads[var] = torch.load(out)
     print(seen)
-    hot = {"_hla_kernel", "_hq_token_kernel", "_hq_weight_kernel", "_weight_cast_kernel",
+    hot = {"_hla_kernel", "_hq_token_kernel", "_weight_operands_kernel", "_weight_cast_kernel",
            "_block_bound_kernel"}
     assert hot <= set(seen[""]) and all(seen[""].values()), seen
     assert hot <= set(seen["0"]) and not any(seen["0"].values()), seen

@@ -210,7 +210,7 @@ def test_weight_cast_is_autocasts_copy_with_its_maxima(poison, dtype, O, I, row_
     if row_max:
         assert r.view(torch.float32)[3].isnan() and r.view(torch.float32)[2] == float("inf")
         assert r.view(torch.float32)[1] == float("inf")
-    q, sc = H.hq_weight_quant(w, 8, e4m3=True, col_max=m)
+    q, sc = H.hq_weight_operands([w], [m])[0]
     qr, scr = H.hq_weight_quant(w, 8, e4m3=True)
     assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
     assert torch.allclose(sc, scr, rtol=0, atol=0, equal_nan=True)
@@ -259,7 +259,7 @@ def test_weight_operands_write_hqs_and_the_forwards_w_from_one_read(poison, forw
     reference's."""
     w, m, r = _weight_copy(O, I)
     fwd_max = {"fp8": m, "fp8_rowwise": r}.get(forward)
-    got = F.weight_operands(w, m, fwd_max, forward)
+    got = F.weight_operands([(w, m, fwd_max)], forward)[0]
     _operands_equal(got, R.weight_operands(w, m, fwd_max, forward))
     _operands_equal(got[:2], H.hq_weight_quant(w, 8, fp8=True, e4m3=True, scale_mul=1 / 16))
     assert got[2].numel() == (0 if forward == "bf16" else O * I)
@@ -268,10 +268,50 @@ def test_weight_operands_write_hqs_and_the_forwards_w_from_one_read(poison, forw
     w[3, 2] = float("nan")
     _, m, r = R.weight_cast(w.float(), torch.bfloat16, row_max=True)
     fwd_max = {"fp8": m, "fp8_rowwise": r}[forward]
-    got = F.weight_operands(w, m, fwd_max, forward)
+    got = F.weight_operands([(w, m, fwd_max)], forward)[0]
     _operands_equal(got, R.weight_operands(w, m, fwd_max, forward))
     nan = got[2].float().isnan()
     assert nan[:, 3].all() and nan.all() == (forward == "fp8")
+
+
+@cpu
+@pytest.mark.parametrize("forward", ["bf16", "fp8", "fp8_rowwise"])
+@pytest.mark.parametrize("hq", [True, False])
+def test_one_launch_serves_many_weights_as_each_alone(poison, monkeypatch, forward, hq):
+    """The forward's W kernels take up to ``WEIGHT_SLOTS`` weights per launch: twelve
+    weights of eight shapes give, bit for bit, each weight's cast and operands made alone
+    (and the references'), every output written (poison). Casts: 8 + 4 per launch. The W
+    kernel's tile depends on O (16 outputs wide for O <= 16 here, else 64): 8 + 2 wide and
+    2 narrow."""
+    if not hq and forward == "fp8":
+        pytest.skip("the plain operand serves the row-wise forward only (e4m3_gx sites)")
+    shapes = [(40, 24), (9, 130), (48, 16), (300, 5), (40, 24), (80, 48), (48, 16), (33, 7),
+              (40, 24), (16, 40), (64, 8), (40, 24)]
+    if not hq:      # the plain operand: O a multiple of 16 (formats.e4m3_gx_fused)
+        shapes = [(-(-O // 16) * 16, I) for O, I in shapes]
+    ps = [_randn(O, I) * torch.rand(O, 1) for O, I in shapes]
+    ps[3][2, 1] = float("nan")
+    rows = forward == "fp8_rowwise"
+    launched = []
+    real = H.launch
+    monkeypatch.setattr(H, "launch", lambda k, grid, *a, **m: (launched.append((k, m.get("N"))),
+                                                                real(k, grid, *a, **m)))
+    casts = F.weight_casts(ps, torch.bfloat16, rows)
+    assert launched == [(H._weight_cast_kernel, 8), (H._weight_cast_kernel, 4)], launched
+    for p, got in zip(ps, casts):
+        want = R.weight_cast(p, torch.bfloat16, rows)
+        assert torch.equal(got[0].isnan(), want[0].isnan())
+        assert torch.equal(torch.nan_to_num(got[0].float()), torch.nan_to_num(want[0].float()))
+        _same_maxima(got[1], want[1])
+        _same_maxima(got[2], want[2])
+    launched.clear()
+    calls = [(w, m, {"fp8": m, "fp8_rowwise": r}.get(forward)) for w, m, r in casts]
+    got = F.weight_operands(calls, forward, hq)
+    assert sorted(n for _, n in launched) == [2, 2, 8], launched
+    assert {k for k, _ in launched} == {H._weight_operands_kernel}
+    for call, g in zip(calls, got):
+        _operands_equal(g, R.weight_operands(*call, forward, hq))
+        _operands_equal(g, F.weight_operands([call], forward, hq)[0])
 
 
 @cpu
@@ -382,7 +422,7 @@ def test_plain_w_operand_is_its_twin(poison, forward, O, I):
     read (``e4m3_gx_backward`` under ``recompute_operands``); a NaN column's scale is NaN."""
     w, m, r = _weight_copy(O, I)
     fwd_max = r if forward == "fp8_rowwise" else None
-    got = F.weight_operands(w, m, fwd_max, forward, hq=False)
+    got = F.weight_operands([(w, m, fwd_max)], forward, hq=False)[0]
     _operands_equal(got, R.weight_operands(w, m, fwd_max, forward, hq=False))
     q, s = R.plain_weight_e4m3(w)
     _operands_equal(got[:2], (q, s))
@@ -988,7 +1028,7 @@ def test_gpu_weight_cast_is_autocasts_copy_with_its_maxima(O, I):
     _same_maxima(m, mr)
     _same_maxima(r, rr)
     assert torch.equal(H.weight_cast(p, torch.bfloat16)[1], m)
-    q, s = H.hq_weight_quant(w, 8, e4m3=True, col_max=m)
+    q, s = H.hq_weight_operands([w], [m])[0]
     qr, sr = H.hq_weight_quant(w, 8, e4m3=True)
     assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
     assert torch.allclose(s, sr, rtol=0, atol=0, equal_nan=True)
@@ -1012,7 +1052,7 @@ def test_gpu_weight_operands_are_the_compiled_casts(forward, O, I):
     w, m, r = _weight_copy(O, I, device="cuda")
     rowwise = forward == "fp8_rowwise"
     fwd_max = r if rowwise else m
-    got = F.weight_operands(w, m, fwd_max, forward)
+    got = F.weight_operands([(w, m, fwd_max)], forward)[0]
     _operands_equal(got[:2], H.hq_weight_quant(w, 8, fp8=True, e4m3=True, scale_mul=1 / 16))
     cast = torch.compile(lambda w, b: F8.weight_operand(w.t(), rowwise, max_bits=b),
                          backend="inductor", fullgraph=True)
@@ -1022,6 +1062,29 @@ def test_gpu_weight_operands_are_the_compiled_casts(forward, O, I):
     a, b = got[2].float(), eager[2].float()
     assert ((a - b).abs() <= (b.abs() * 2 ** -3).clamp_min(2 ** -9)).all()   # one e4m3 step
     assert (a != b).float().mean() < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("forward", ["bf16", "fp8", "fp8_rowwise"])
+def test_gpu_a_layers_weights_in_one_launch_are_each_alone(forward):
+    """On the GPU: a Llama d4096 layer's seven weights and a 1000 x 777 one (eight slots,
+    two W tiles) through the slotted kernels, bit-equal to each weight's own launch, NaN
+    payloads included."""
+    torch.manual_seed(7)
+    shapes = [(4096, 4096)] * 4 + [(11008, 4096)] * 2 + [(4096, 11008), (1000, 784)]
+    ps = [_randn(O, I, device="cuda") * 0.02 for O, I in shapes]
+    ps[2][3, 2] = float("nan")
+    rows = forward == "fp8_rowwise"
+    casts = F.weight_casts(ps, torch.bfloat16, rows)
+    for p, got in zip(ps, casts):
+        for a, b in zip(got, F.weight_casts([p], torch.bfloat16, rows)[0]):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    calls = [(w, m, {"fp8": m, "fp8_rowwise": r}.get(forward)) for w, m, r in casts]
+    for call, got in zip(calls, F.weight_operands(calls, forward)):
+        _operands_equal(got, F.weight_operands([call], forward)[0])
+        _operands_equal(got[:2], H.hq_weight_quant(call[0], 8, fp8=True, e4m3=True,
+                                                   scale_mul=1 / 16))
 
 
 @pytest.mark.gpu

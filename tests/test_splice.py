@@ -350,10 +350,11 @@ def test_a_weight_cast_and_its_operands_splice_into_the_sites_kernels(hopper, fo
     gm.graph.lint()
     kernels = _nodes(gm, {WRAPPER})
     names = sorted(_kernel_name(k) for k in kernels)
-    assert names.count("_weight_cast_kernel") == 1 and names.count("_hq_weight_kernel") == 1
+    assert names.count("_weight_cast_kernel") == 1 and names.count("_weight_operands_kernel") == 1
+    assert "_hq_weight_kernel" not in names     # the site's op makes no W operand of its own
     cast = next(k for k in kernels if _kernel_name(k) == "_weight_cast_kernel")
-    wk = next(k for k in kernels if _kernel_name(k) == "_hq_weight_kernel")
-    src = wk.kwargs["kwargs"]["amax_ptr"]       # the W kernel's maxima: the cast kernel's
+    wk = next(k for k in kernels if _kernel_name(k) == "_weight_operands_kernel")
+    src = wk.kwargs["kwargs"]["a0"]             # the W kernel's maxima: the cast kernel's
     while src.target is not WRAPPER:
         src = src.args[0]
     assert src is cast
@@ -376,3 +377,58 @@ def _kernel_name(node) -> str:
     from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
     k = kernel_side_table.get_kernel(node.kwargs["kernel_idx"])
     return getattr(k, "__name__", None) or k.fn.__name__
+
+
+def _weights_graph(shapes, rows):
+    """A forward holding one ``hot::weight_cast`` and one ``hot::weight_operands`` per weight
+    (fp32 parameters of ``shapes``, row maxima where ``rows[i]``), in the rewrite's order:
+    each weight's cast, then its operands, then a use of them (the forward GEMM's place)."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    ps = [_fakes(mode, s, dtype=torch.float32)[0] for s in shapes]
+
+    def f(*ps):
+        outs = []
+        for p, r in zip(ps, rows):
+            w, col_max, row_max = hot.weight_cast(p, torch.bfloat16, "auto", r)
+            q, s, fq, fs = hot.weight_operands(w, col_max, row_max if r else None,
+                                               "fp8_rowwise" if r else "bf16", "auto")
+            outs += [q.float().sum() + s.sum(), fq, fs]
+        return outs
+
+    with mode:
+        gm = make_fx(f, tracing_mode="fake")(*ps)
+    for n in gm.graph.nodes:
+        n.meta["partitioner_tag"] = "is_forward"
+    return gm, mode
+
+
+@compiled
+def test_a_layers_weights_take_one_launch_of_each_w_kernel(hopper, monkeypatch):
+    """Consecutive W ops of one configuration splice as one body each kind: three weights'
+    casts are one ``_weight_cast_kernel`` node and their operands one
+    ``_weight_operands_kernel`` node, every op's outputs where its users read them (shapes,
+    strides, dtypes as the ops'). A weight of another configuration (no row maxima), or past
+    ``GROUP_ELEMENTS``, starts a group of its own."""
+    shapes = [(512, 384), (384, 512), (256, 384), (512, 384)]
+
+    def splice(rows):
+        gm, mode = _weights_graph(shapes, rows)
+        want = [(tuple(n.meta["val"].shape), n.meta["val"].stride(), n.meta["val"].dtype)
+                for n in gm.graph.output_node().args[0]]
+        how = SP.splice_ops(gm.graph, _nodes(gm, SP.BODIES), mode)
+        assert set(how.values()) == {"Inductor"} and len(how) == 8, how
+        gm.graph.eliminate_dead_code()
+        gm.graph.lint()
+        got = [(tuple(n.meta["val"].shape), n.meta["val"].stride(), n.meta["val"].dtype)
+               for n in gm.graph.output_node().args[0]]
+        assert got == want
+        assert not _nodes(gm, SP.BODIES)
+        kernels = _nodes(gm, {WRAPPER})
+        return [(_kernel_name(k), k.kwargs["kwargs"]["N"]) for k in kernels]
+
+    assert splice([True] * 4) == [("_weight_cast_kernel", 4), ("_weight_operands_kernel", 4)]
+    cast, operands = "_weight_cast_kernel", "_weight_operands_kernel"     # in graph order:
+    assert splice([True, True, False, True]) == [(cast, 2), (operands, 2), (cast, 1),
+                                                 (operands, 1), (cast, 1), (operands, 1)]
+    monkeypatch.setattr(SP, "GROUP_ELEMENTS", 2 * 512 * 384)
+    assert splice([True] * 4) == [(cast, 2), (operands, 2), (cast, 2), (operands, 2)]

@@ -86,32 +86,45 @@ def _gx(g, w, bits: int, w_bits: int, per_token: bool, seed, gq=None, path=None,
     return gemm.scaled_mm(qg, qw, sg, sw, 1.0 / 16, g.dtype)
 
 
-def weight_cast(p: torch.Tensor, dtype: torch.dtype, row_max: bool = False):
-    """The forward's copy of an fp32 parameter and its maxima (``reference.weight_cast``)
-    in one kernel (``hadamard.weight_cast``); the reference for anything else."""
-    if p.dtype != torch.float32 or dtype not in (torch.bfloat16, torch.float16) \
-            or p.dim() != 2 or p.numel() == 0:
-        return ref.weight_cast(p, dtype, row_max)
-    return hadamard.weight_cast(p, dtype, row_max)
+def _castable(p: torch.Tensor, dtype: torch.dtype) -> bool:
+    return p.dtype == torch.float32 and dtype in (torch.bfloat16, torch.float16) \
+        and p.dim() == 2 and p.numel() > 0
 
 
-def weight_operands(w: torch.Tensor, col_max: torch.Tensor, fwd_max, forward: str,
-                    hq: bool = True):
-    """``reference.weight_operands``: one read of W (``hadamard.hq_weight_quant``) writes
-    HQ's scaled-e4m3 W operand (or with ``hq=False`` the plain one) and, under an FP8
-    forward, that forward's W operand."""
+def weight_casts(ps: list, dtype: torch.dtype, row_max: bool = False) -> list:
+    """The forward's copies of fp32 parameters and their maxima (``reference.weight_cast``
+    of each), one kernel launch per ``hadamard.WEIGHT_SLOTS`` of them
+    (``hadamard.weight_casts``); the reference for any other parameter."""
+    fused = [i for i, p in enumerate(ps) if _castable(p, dtype)]
+    outs = [None] * len(ps)
+    for i, out in zip(fused, hadamard.weight_casts([ps[i] for i in fused], dtype, row_max)):
+        outs[i] = out
+    return [out if out is not None else ref.weight_cast(p, dtype, row_max)
+            for p, out in zip(ps, outs)]
+
+
+def weight_operands(calls: list, forward: str, hq: bool = True) -> list:
+    """``reference.weight_operands`` of each (w, col_max, fwd_max) of ``calls``: one read of
+    each copy writes HQ's scaled-e4m3 W operand (or with ``hq=False`` the plain one) and,
+    under an FP8 ``forward``, that forward's W operand, one launch per
+    ``hadamard.WEIGHT_SLOTS`` copies (``hadamard.hq_weight_operands``)."""
     rowwise = forward == "fp8_rowwise"
-    if w.dtype not in (torch.bfloat16, torch.float16) or w.numel() == 0:
-        return ref.weight_operands(w, col_max, fwd_max, forward, hq)
+    fused = [i for i, (w, _, _) in enumerate(calls)
+             if w.dtype in (torch.bfloat16, torch.float16) and w.numel() > 0]
+    ws = [calls[i][0].contiguous() for i in fused]
     fwd = None
     if forward != "bf16":
-        fwd = (fwd_max if rowwise else torch.amax(fwd_max, 0), rowwise)
-    out = hadamard.hq_weight_quant(w, 8, fp8=True, e4m3=True, scale_mul=1.0 / 16 if hq else 1.0,
-                                   col_max=col_max, forward=fwd, rotate=hq)
-    if fwd is None:
-        none = w.new_empty((0,), dtype=torch.float8_e4m3fn)
-        return (*out, none, none.float())
-    return out
+        fwd = [(calls[i][2] if rowwise else torch.amax(calls[i][2], 0), rowwise) for i in fused]
+    made = hadamard.hq_weight_operands(ws, [calls[i][1] for i in fused], fwd,
+                                       scale_mul=1.0 / 16 if hq else 1.0, rotate=hq)
+    outs = [None] * len(calls)
+    for i, out in zip(fused, made):
+        if fwd is None:
+            none = out[0].new_empty((0,), dtype=torch.float8_e4m3fn)
+            out = (*out, none, none.float())
+        outs[i] = out
+    return [out if out is not None else ref.weight_operands(*call, forward, hq)
+            for call, out in zip(calls, outs)]
 
 
 def abc_compress(x: torch.Tensor, rank: int, select: str = "1d", bits: int = 8,

@@ -511,11 +511,11 @@ def _store_forward_weight(f_ptr, fs_ptr, fmax_ptr, x, ins, o0, O, I, first,
 
 
 @triton.jit
-def _hq_weight_kernel(w_ptr, q_ptr, s_ptr, amax_ptr, f_ptr, fs_ptr, fmax_ptr, scale_mul, O, I,
-                      O_pad, stride_wo, stride_wi, ldq, PHASE: tl.constexpr, BI: tl.constexpr,
-                      BO: tl.constexpr, Q: tl.constexpr, FP8: tl.constexpr, E4M3: tl.constexpr,
-                      INTERPRET: tl.constexpr, ROUND: tl.constexpr, FWD: tl.constexpr,
-                      ROTATE: tl.constexpr):
+def _hq_weight_program(pid, w_ptr, q_ptr, s_ptr, amax_ptr, f_ptr, fs_ptr, fmax_ptr, scale_mul, O, I,
+                       O_pad, stride_wo, stride_wi, ldq, PHASE: tl.constexpr, BI: tl.constexpr,
+                       BO: tl.constexpr, Q: tl.constexpr, FP8: tl.constexpr, E4M3: tl.constexpr,
+                       INTERPRET: tl.constexpr, ROUND: tl.constexpr, FWD: tl.constexpr,
+                       ROTATE: tl.constexpr):
     """The W side of HQ (reference.hq_weight): q[i, :] = RTN(H along O of W[:, i] / s_i),
     levels (Q = 2**(bits-1) - 1) or, with E4M3, scaled FP8 (Q = 448, ``to_e4m3``).
     The stored scale is s_i * scale_mul (a power of two: exact). FWD (1: tensor-wise,
@@ -530,9 +530,6 @@ def _hq_weight_kernel(w_ptr, q_ptr, s_ptr, amax_ptr, f_ptr, fs_ptr, fmax_ptr, sc
     E4M3 runs phase 2 alone: ``amax_ptr[i]`` holds max |W[:, i]| (``input_amax_bits``) and
     Q = 28 (``reference.e4m3_bound_scale``).
     """
-    pid = tl.program_id(0)
-    if PHASE == 2:
-        pid = tl.num_programs(0) - 1 - pid
     n_ot = tl.cdiv(O_pad, BO)
     ins = (pid // n_ot) * BI + tl.arange(0, BI)
     o0 = (pid % n_ot) * BO
@@ -575,10 +572,87 @@ def _hq_weight_kernel(w_ptr, q_ptr, s_ptr, amax_ptr, f_ptr, fs_ptr, fmax_ptr, sc
             tl.store(s_ptr + ins, s * scale_mul, mask=ins < I)
 
 
+
 @triton.jit
-def _weight_cast_kernel(p_ptr, w_ptr, amax_ptr, rmax_ptr, O, I, stride_po, stride_pi,
-                        ROWS: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr,
-                        BF16: tl.constexpr, ROW_MAX: tl.constexpr):
+def _hq_weight_kernel(w_ptr, q_ptr, s_ptr, amax_ptr, scale_mul, O, I, O_pad, stride_wo,
+                      stride_wi, ldq, PHASE: tl.constexpr, BI: tl.constexpr, BO: tl.constexpr,
+                      Q: tl.constexpr, FP8: tl.constexpr, E4M3: tl.constexpr,
+                      INTERPRET: tl.constexpr, ROUND: tl.constexpr, ROTATE: tl.constexpr):
+    """One weight's W operand for a g_x that makes its own (``hq_weight_quant``): levels in
+    two phases, or scaled e4m3 in one; phase 2 walks the tiles in reverse (W mostly from L2
+    after phase 1)."""
+    pid = tl.program_id(0)
+    if PHASE == 2:
+        pid = tl.num_programs(0) - 1 - pid
+    _hq_weight_program(pid, w_ptr, q_ptr, s_ptr, amax_ptr, w_ptr, w_ptr, w_ptr, scale_mul, O, I,
+                       O_pad, stride_wo, stride_wi, ldq, PHASE, BI, BO, Q, FP8, E4M3, INTERPRET,
+                       ROUND, 0, ROTATE)
+
+
+@triton.jit
+def _operands_slot(pid, first, end, w_ptr, q_ptr, s_ptr, amax_ptr, f_ptr, fs_ptr, fmax_ptr,
+                   scale_mul, O, I, BI: tl.constexpr, BO: tl.constexpr, Q: tl.constexpr,
+                   INTERPRET: tl.constexpr, FWD: tl.constexpr, ROTATE: tl.constexpr):
+    """Programs [first, end) of a ``_weight_operands_kernel`` launch: one contiguous (O, I)
+    copy's scaled-e4m3 operands (its q rows padded to O_pad = O rounded up to 16)."""
+    if (pid >= first) & (pid < end):
+        O_pad = tl.cdiv(O, 16) * 16
+        _hq_weight_program(pid - first, w_ptr, q_ptr, s_ptr, amax_ptr, f_ptr, fs_ptr, fmax_ptr,
+                           scale_mul, O, I, O_pad, I, 1, O_pad, 2, BI, BO, Q, True, True,
+                           INTERPRET, None, FWD, ROTATE)
+
+
+@triton.jit
+def _weight_operands_kernel(w0, q0, s0, a0, f0, fs0, fm0, O0, I0, e0,
+                            w1, q1, s1, a1, f1, fs1, fm1, O1, I1, e1,
+                            w2, q2, s2, a2, f2, fs2, fm2, O2, I2, e2,
+                            w3, q3, s3, a3, f3, fs3, fm3, O3, I3, e3,
+                            w4, q4, s4, a4, f4, fs4, fm4, O4, I4, e4,
+                            w5, q5, s5, a5, f5, fs5, fm5, O5, I5, e5,
+                            w6, q6, s6, a6, f6, fs6, fm6, O6, I6, e6,
+                            w7, q7, s7, a7, f7, fs7, fm7, O7, I7, e7,
+                            scale_mul, N: tl.constexpr, BI: tl.constexpr, BO: tl.constexpr,
+                            Q: tl.constexpr, INTERPRET: tl.constexpr, FWD: tl.constexpr,
+                            ROTATE: tl.constexpr):
+    """The forward's W operands of up to 8 weight copies (``WEIGHT_SLOTS``) in one launch:
+    slot k (k < N) owns programs [e(k-1), e(k)) and runs ``_hq_weight_program``'s scaled
+    e4m3 phase on its (O_k, I_k) copy: HQ's operand (``ROTATE``; else the plain W^T) and,
+    with FWD, the FP8 forward's W operand from the same read (``hq_weight_operands``).
+
+    Why slots: a layer's seven weights took seven launches here and seven in the cast
+    (issue 11 item 3: at most one HOT kernel per site in the forward). Triton has no array
+    of pointers a traced launch can pass (``wrap_triton`` takes tensors), so each weight
+    has its own arguments; slots past N are compiled out (N is a constant)."""
+    pid = tl.program_id(0)
+    _operands_slot(pid, 0, e0, w0, q0, s0, a0, f0, fs0, fm0, scale_mul, O0, I0, BI, BO, Q,
+                   INTERPRET, FWD, ROTATE)
+    if N > 1:
+        _operands_slot(pid, e0, e1, w1, q1, s1, a1, f1, fs1, fm1, scale_mul, O1, I1, BI, BO, Q,
+                       INTERPRET, FWD, ROTATE)
+    if N > 2:
+        _operands_slot(pid, e1, e2, w2, q2, s2, a2, f2, fs2, fm2, scale_mul, O2, I2, BI, BO, Q,
+                       INTERPRET, FWD, ROTATE)
+    if N > 3:
+        _operands_slot(pid, e2, e3, w3, q3, s3, a3, f3, fs3, fm3, scale_mul, O3, I3, BI, BO, Q,
+                       INTERPRET, FWD, ROTATE)
+    if N > 4:
+        _operands_slot(pid, e3, e4, w4, q4, s4, a4, f4, fs4, fm4, scale_mul, O4, I4, BI, BO, Q,
+                       INTERPRET, FWD, ROTATE)
+    if N > 5:
+        _operands_slot(pid, e4, e5, w5, q5, s5, a5, f5, fs5, fm5, scale_mul, O5, I5, BI, BO, Q,
+                       INTERPRET, FWD, ROTATE)
+    if N > 6:
+        _operands_slot(pid, e5, e6, w6, q6, s6, a6, f6, fs6, fm6, scale_mul, O6, I6, BI, BO, Q,
+                       INTERPRET, FWD, ROTATE)
+    if N > 7:
+        _operands_slot(pid, e6, e7, w7, q7, s7, a7, f7, fs7, fm7, scale_mul, O7, I7, BI, BO, Q,
+                       INTERPRET, FWD, ROTATE)
+
+
+@triton.jit
+def _cast_program(pid, p_ptr, w_ptr, amax_ptr, rmax_ptr, O, I, stride_po, stride_pi,
+                  ROWS: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr,
+                  BF16: tl.constexpr, ROW_MAX: tl.constexpr):
     """Autocast's copy of an fp32 parameter (O, I), plus its column maxima: w = p rounded
     to w's type (contiguous), and max |w[:, i]| atomically maxed into ``amax_ptr[i]``
     (zeroed; int32 bits, ``abs_bits``: NaN wins), the e4m3 W kernel's scale input. With
@@ -589,7 +663,6 @@ def _weight_cast_kernel(p_ptr, w_ptr, amax_ptr, rmax_ptr, O, I, stride_po, strid
     Why one kernel: the copy is written anyway (the forward GEMM reads it), and Inductor
     fuses a column max into that cast only when the weight has enough columns not to split
     the reduction (bench/colmax_fusion.py); otherwise the max was a whole extra read of W."""
-    pid = tl.program_id(0)
     n_it = tl.cdiv(I, BI)
     r0 = (pid // n_it) * ROWS
     ins = (pid % n_it) * BI + tl.arange(0, BI)
@@ -610,6 +683,49 @@ def _weight_cast_kernel(p_ptr, w_ptr, amax_ptr, rmax_ptr, O, I, stride_po, strid
         if ROW_MAX:
             tl.atomic_max(rmax_ptr + o, tl.max(bits, axis=1), mask=o < O)
     tl.atomic_max(amax_ptr + ins, m, mask=ins < I)
+
+
+@triton.jit
+def _cast_slot(pid, first, end, p_ptr, w_ptr, amax_ptr, rmax_ptr, O, I, stride_po, stride_pi,
+               ROWS: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr, BF16: tl.constexpr,
+               ROW_MAX: tl.constexpr):
+    """Programs [first, end) of a ``_weight_cast_kernel`` launch: one parameter's cast."""
+    if (pid >= first) & (pid < end):
+        _cast_program(pid - first, p_ptr, w_ptr, amax_ptr, rmax_ptr, O, I, stride_po, stride_pi,
+                      ROWS, BO, BI, BF16, ROW_MAX)
+
+
+@triton.jit
+def _weight_cast_kernel(p0, w0, c0, r0, O0, I0, sp0, si0, e0,
+                        p1, w1, c1, r1, O1, I1, sp1, si1, e1,
+                        p2, w2, c2, r2, O2, I2, sp2, si2, e2,
+                        p3, w3, c3, r3, O3, I3, sp3, si3, e3,
+                        p4, w4, c4, r4, O4, I4, sp4, si4, e4,
+                        p5, w5, c5, r5, O5, I5, sp5, si5, e5,
+                        p6, w6, c6, r6, O6, I6, sp6, si6, e6,
+                        p7, w7, c7, r7, O7, I7, sp7, si7, e7,
+                        N: tl.constexpr, ROWS: tl.constexpr, BO: tl.constexpr,
+                        BI: tl.constexpr, BF16: tl.constexpr, ROW_MAX: tl.constexpr):
+    """Autocast's copies of up to 8 fp32 parameters (``WEIGHT_SLOTS``) and their maxima in
+    one launch: slot k (k < N) owns programs [e(k-1), e(k)) and runs ``_cast_program`` on
+    its parameter (p, its copy w, column maxima c, row maxima r, shape, strides). Slots
+    past N are compiled out; why slots: ``_weight_operands_kernel``."""
+    pid = tl.program_id(0)
+    _cast_slot(pid, 0, e0, p0, w0, c0, r0, O0, I0, sp0, si0, ROWS, BO, BI, BF16, ROW_MAX)
+    if N > 1:
+        _cast_slot(pid, e0, e1, p1, w1, c1, r1, O1, I1, sp1, si1, ROWS, BO, BI, BF16, ROW_MAX)
+    if N > 2:
+        _cast_slot(pid, e1, e2, p2, w2, c2, r2, O2, I2, sp2, si2, ROWS, BO, BI, BF16, ROW_MAX)
+    if N > 3:
+        _cast_slot(pid, e2, e3, p3, w3, c3, r3, O3, I3, sp3, si3, ROWS, BO, BI, BF16, ROW_MAX)
+    if N > 4:
+        _cast_slot(pid, e3, e4, p4, w4, c4, r4, O4, I4, sp4, si4, ROWS, BO, BI, BF16, ROW_MAX)
+    if N > 5:
+        _cast_slot(pid, e4, e5, p5, w5, c5, r5, O5, I5, sp5, si5, ROWS, BO, BI, BF16, ROW_MAX)
+    if N > 6:
+        _cast_slot(pid, e5, e6, p6, w6, c6, r6, O6, I6, sp6, si6, ROWS, BO, BI, BF16, ROW_MAX)
+    if N > 7:
+        _cast_slot(pid, e6, e7, p7, w7, c7, r7, O7, I7, sp7, si7, ROWS, BO, BI, BF16, ROW_MAX)
 
 
 # =========================================================================== launchers
@@ -850,21 +966,44 @@ def weight_tile(O_pad: int, interp: bool, e4m3: bool = False) -> tuple[int, int,
     return bi, min(bo, _pow2_at_least(O_pad)), warps
 
 
-def weight_cast(p: torch.Tensor, dtype: torch.dtype, row_max: bool = False):
-    """``reference.weight_cast``: (p.to(dtype), max |that| per column as int32 bits, per
-    row with ``row_max`` (else an empty tensor)) for an fp32 parameter p (O, I), in one
-    launch (``_weight_cast_kernel``; tile: ``cast_tile``)."""
-    O, I = p.shape
-    w = torch.empty((O, I), dtype=dtype, device=p.device)
-    amax = torch.zeros((I,), dtype=torch.int32, device=p.device)
-    rmax = torch.zeros((O if row_max else 0,), dtype=torch.int32, device=p.device)
+WEIGHT_SLOTS = 8     # weights one launch of the forward's W kernels serves (their slots)
+
+
+def _slotted(slots: list, per_slot: int) -> list:
+    """The arguments of a slotted launch: the used slots' ``slots`` (``per_slot`` values
+    each), then slot 0's repeated for the rest. Those are never read: the kernel's N
+    compiles them out, so a tensor repeated there is not written through (Triton's mutation
+    analysis, which ``wrap_triton`` runs on the compiled code, sees no store to it)."""
+    used = len(slots) // per_slot
+    return slots + slots[:per_slot] * (WEIGHT_SLOTS - used)
+
+
+def weight_casts(ps: list, dtype: torch.dtype, row_max: bool = False) -> list:
+    """``reference.weight_cast`` of each fp32 parameter p (O, I) of ``ps``: [(p.to(dtype),
+    max |that| per column as int32 bits, per row with ``row_max`` (else an empty tensor))],
+    one ``_weight_cast_kernel`` launch per ``WEIGHT_SLOTS`` parameters (tile: ``cast_tile``)."""
     rows, bo, bi, warps = cast_tile(interpreting())
-    # without row maxima the kernel never touches rmax_ptr: p stands in (read-only, so no
-    # written argument is aliased, and never a null pointer for an empty tensor)
-    launch(_weight_cast_kernel, (triton.cdiv(O, rows) * triton.cdiv(I, bi),), p, w, amax,
-           rmax if row_max else p, O, I, p.stride(0), p.stride(1), ROWS=rows, BO=bo, BI=bi,
-           BF16=dtype == torch.bfloat16, ROW_MAX=row_max, num_warps=warps)
-    return w, amax, rmax
+    outs = []
+    for start in range(0, len(ps), WEIGHT_SLOTS):
+        slots, end = [], 0
+        for p in ps[start:start + WEIGHT_SLOTS]:
+            O, I = p.shape
+            w = torch.empty((O, I), dtype=dtype, device=p.device)
+            amax = torch.zeros((I,), dtype=torch.int32, device=p.device)
+            rmax = torch.zeros((O if row_max else 0,), dtype=torch.int32, device=p.device)
+            outs.append((w, amax, rmax))
+            end += triton.cdiv(O, rows) * triton.cdiv(I, bi)
+            # without row maxima the kernel never touches rmax_ptr: p stands in (read-only,
+            # so no written argument is aliased, and never a null pointer for an empty tensor)
+            slots += [p, w, amax, rmax if row_max else p, O, I, p.stride(0), p.stride(1), end]
+        launch(_weight_cast_kernel, (end,), *_slotted(slots, 9), N=len(slots) // 9, ROWS=rows,
+               BO=bo, BI=bi, BF16=dtype == torch.bfloat16, ROW_MAX=row_max, num_warps=warps)
+    return outs
+
+
+def weight_cast(p: torch.Tensor, dtype: torch.dtype, row_max: bool = False):
+    """``weight_casts`` of one parameter."""
+    return weight_casts([p], dtype, row_max)[0]
 
 
 def cast_tile(interp: bool) -> tuple[int, int, int, int]:
@@ -887,9 +1026,9 @@ def cast_tile(interp: bool) -> tuple[int, int, int, int]:
 
 def hq_weight_quant(w: torch.Tensor, bits: int, fp8: bool = False, e4m3: bool = False,
                     scale_mul: float = 1.0, round_to: Optional[torch.dtype] = None,
-                    amax: Optional[torch.Tensor] = None, col_max: Optional[torch.Tensor] = None,
-                    forward: Optional[tuple] = None, rotate: bool = True):
-    """reference.hq_weight: W (O, I) -> (levels (I, O_pad), per-in-feature fp32 scale (I,)).
+                    amax: Optional[torch.Tensor] = None, rotate: bool = True):
+    """reference.hq_weight: W (O, I) -> (levels (I, O_pad), per-in-feature fp32 scale (I,)),
+    for a g_x that makes W's operand itself (the forward's are ``hq_weight_operands``).
 
     ``fp8``: the levels stored as e4m3; ``e4m3``: scaled FP8 instead of levels (``bits``
     unused). The returned scale is multiplied by ``scale_mul``, a power of two: the cuBLAS
@@ -898,15 +1037,10 @@ def hq_weight_quant(w: torch.Tensor, bits: int, fp8: bool = False, e4m3: bool = 
     had been passed: an fp32 parameter stands for autocast's copy of it, which then need
     not be kept for backward (``HOTConfig.recompute_operands``). ``amax`` (levels only): a
     zeroed (I,) int32 workspace the caller made with others in one launch (default: its
-    own). In e4m3 the scale comes from W's column maxima (``reference.e4m3_bound_scale``):
-    ``col_max`` when the caller has them (int32 bits, ``weight_cast``'s), else a torch
-    reduction; the kernel runs once. ``forward`` = (maxima, rowwise): the same read of W also
-    writes the FP8 forward's W operand (``_store_forward_weight``; maxima as int32 bits:
-    W's row maxima (O,) row-wise, else a 1-element max of W), returned after the two as
-    (the column-major (I, O) e4m3 view of a row-major (O, I) buffer, fp32 scale: (1, O)
-    row-wise, else 0-d), the operand and scale ``fp8_forward.weight_operand`` gives.
-    ``rotate=False`` (e4m3 only): no transform, s = max |W[:, i]| / 448
-    (``reference.plain_weight_e4m3``: the g_x operand of ``exact_gx_gemm="e4m3"``)."""
+    own). In e4m3 the scale comes from W's column maxima (``reference.e4m3_bound_scale``),
+    a torch reduction; the kernel runs once. ``rotate=False`` (e4m3 only): no transform,
+    s = max |W[:, i]| / 448 (``reference.plain_weight_e4m3``: the g_x operand of
+    ``exact_gx_gemm="e4m3"``)."""
     if not rotate and not e4m3:
         raise ValueError("hq_weight_quant: rotate=False needs e4m3")
     O, I = w.shape
@@ -915,28 +1049,74 @@ def hq_weight_quant(w: torch.Tensor, bits: int, fp8: bool = False, e4m3: bool = 
     q = torch.empty((I, O_pad), dtype=level_dtype(fp8 or e4m3), device=dev)
     s = torch.empty((I,), dtype=torch.float32, device=dev)
     if e4m3:
-        amax = input_amax_bits(w, dim=0) if col_max is None else col_max
+        amax = input_amax_bits(w, dim=0)
     elif amax is None:
         amax = torch.zeros((I,), dtype=torch.int32, device=dev)
     interp = interpreting()
     bi, bo, warps = weight_tile(O_pad, interp, e4m3)
     grid = (triton.cdiv(I, bi) * triton.cdiv(O_pad, bo),)
-    fwd = 0
-    f = fs = fmax = w            # read-only stand-ins: the kernel never touches them
-    if forward is not None:
-        fmax, rowwise = forward
-        fwd = 2 if rowwise else 1
-        f = torch.empty((O, I), dtype=torch.float8_e4m3fn, device=dev)
-        fs = torch.empty((O,) if rowwise else (), dtype=torch.float32, device=dev)
-    args = (w, q, s, amax, f, fs, fmax, float(scale_mul), O, I, O_pad, w.stride(0), w.stride(1),
-            O_pad)
+    args = (w, q, s, amax, float(scale_mul), O, I, O_pad, w.stride(0), w.stride(1), O_pad)
     rnd = _TL_DTYPES.get(round_to) if w.dtype == torch.float32 else None   # never an upcast
     q_max = (int(E4M3_BOUND_Q) if rotate else int(E4M3_MAX)) if e4m3 else qmax(bits)
-    meta = dict(BI=bi, BO=bo, Q=q_max, FP8=fp8, E4M3=e4m3, INTERPRET=interp, ROUND=rnd, FWD=fwd,
+    meta = dict(BI=bi, BO=bo, Q=q_max, FP8=fp8, E4M3=e4m3, INTERPRET=interp, ROUND=rnd,
                 ROTATE=rotate, num_warps=warps)     # all named: wrap_triton fills no defaults
     if not e4m3:
         launch(_hq_weight_kernel, grid, *args, PHASE=1, **meta)
     launch(_hq_weight_kernel, grid, *args, PHASE=2, **meta)
-    if forward is None:
-        return q, s
-    return q, s, f.t(), fs.view(1, O) if fwd == 2 else fs
+    return q, s
+
+
+def hq_weight_operands(ws: list, col_maxes: list, forward: Optional[list] = None,
+                       scale_mul: float = 1.0, rotate: bool = True) -> list:
+    """The forward's scaled-e4m3 W operands of owned weight copies (``passes/weight_cast.py``),
+    one ``_weight_operands_kernel`` launch per ``WEIGHT_SLOTS`` copies of a tile: for each
+    contiguous w (O, I) of ``ws`` with its column maxima (int32 bits, ``weight_casts``'),
+    (q (I, O_pad) e4m3, fp32 scale (I,) times ``scale_mul``) as ``hq_weight_quant(w, 8,
+    e4m3=True, scale_mul=, rotate=)`` gives, bit for bit.
+
+    ``forward`` = [(maxima, rowwise)] per weight: the same read also writes the FP8
+    forward's W operand (``_store_forward_weight``; maxima as int32 bits: W's row maxima
+    (O,) row-wise, else a 1-element max of W), returned after the two as (the column-major
+    (I, O) e4m3 view of a row-major (O, I) buffer, fp32 scale: (1, O) row-wise, else 0-d),
+    the operand and scale ``fp8_forward.weight_operand`` gives. All weights of one call
+    share ``forward``'s kind (row-wise, tensor-wise or none). ``rotate=False`` (the plain
+    W^T of ``exact_gx_gemm="e4m3"``) takes O a multiple of 16 only."""
+    interp = interpreting()
+    kinds = {rowwise for _, rowwise in forward} if forward is not None else {None}
+    if len(kinds) != 1:
+        raise ValueError("hq_weight_operands: the weights disagree on the forward's scale kind")
+    fwd = {None: 0, False: 1, True: 2}[kinds.pop()]
+    q_max = int(E4M3_BOUND_Q) if rotate else int(E4M3_MAX)
+    outs: list = [None] * len(ws)
+    chunks: dict = {}           # tile -> the weights it serves, in order
+    for i, w in enumerate(ws):
+        if not w.is_contiguous():
+            raise ValueError("hq_weight_operands: the copies are contiguous (weight_casts')")
+        if not rotate and w.shape[0] % 16:
+            raise ValueError("hq_weight_operands: the plain operand (rotate=False) needs O a "
+                             "multiple of 16 (the FP8 g_x GEMM's K)")
+        chunks.setdefault(weight_tile(-(-w.shape[0] // 16) * 16, interp, True), []).append(i)
+    for (bi, bo, warps), idx in chunks.items():
+        for start in range(0, len(idx), WEIGHT_SLOTS):
+            slots, end = [], 0
+            for i in idx[start:start + WEIGHT_SLOTS]:
+                w = ws[i]
+                O, I = w.shape
+                O_pad = -(-O // 16) * 16
+                dev = w.device
+                q = torch.empty((I, O_pad), dtype=torch.float8_e4m3fn, device=dev)
+                s = torch.empty((I,), dtype=torch.float32, device=dev)
+                f = fs = fmax = w        # read-only stand-ins: the kernel never touches them
+                if fwd:
+                    fmax = forward[i][0]
+                    f = torch.empty((O, I), dtype=torch.float8_e4m3fn, device=dev)
+                    fs = torch.empty((O,) if fwd == 2 else (), dtype=torch.float32, device=dev)
+                    outs[i] = (q, s, f.t(), fs.view(1, O) if fwd == 2 else fs)
+                else:
+                    outs[i] = (q, s)
+                end += triton.cdiv(I, bi) * triton.cdiv(O_pad, bo)
+                slots += [w, q, s, col_maxes[i], f, fs, fmax, O, I, end]
+            launch(_weight_operands_kernel, (end,), *_slotted(slots, 10), float(scale_mul),
+                   N=len(slots) // 10, BI=bi, BO=bo, Q=q_max, INTERPRET=interp, FWD=fwd,
+                   ROTATE=rotate, num_warps=warps)
+    return outs

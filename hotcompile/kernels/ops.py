@@ -309,9 +309,18 @@ def weight_cast_body(p: Tensor, dtype: torch.dtype, kernels: str,
     ``reference.weight_cast``: put in place of autocast's cast of a rewritten site's W
     (``passes/weight_cast.py``), so neither the e4m3 W operand's scale nor the FP8
     forward's costs a read of W of its own."""
-    if triton_usable(p, kernels):
-        return _fused().weight_cast(p, dtype, row_max)
-    return ref.weight_cast(p, dtype, row_max)
+    return weight_cast_group_body([(p, dtype, kernels, row_max)])[0]
+
+
+def weight_cast_group_body(calls: list) -> list:
+    """``weight_cast_body`` of each call (its arguments, which agree on all but ``p``): the
+    spliced form of several ``hot::weight_cast`` ops, one kernel launch for up to
+    ``hadamard.WEIGHT_SLOTS`` of them (``passes/splice.py``)."""
+    _, dtype, kernels, row_max = calls[0]
+    ps = [c[0] for c in calls]
+    if all(triton_usable(p, kernels) for p in ps):
+        return _fused().weight_casts(ps, dtype, row_max)
+    return [ref.weight_cast(p, dtype, row_max) for p in ps]
 
 
 weight_cast = torch.library.custom_op("hot::weight_cast", mutates_args=())(weight_cast_body)
@@ -329,9 +338,17 @@ def weight_operands_body(w: Tensor, col_max: Tensor, fwd_max: Optional[Tensor], 
     scaled-e4m3 W (``hq``; else the plain e4m3 W^T of ``e4m3_gx_backward``) and the FP8
     forward's W (``forward``) from one read of the copy on the GPU, so W's FP8 cast for
     the forward GEMM is no pass of its own (``passes/weight_cast.py``)."""
-    if triton_usable(w, kernels):
-        return _fused().weight_operands(w, col_max, fwd_max, forward, hq)
-    return ref.weight_operands(w, col_max, fwd_max, forward, hq)
+    return weight_operands_group_body([(w, col_max, fwd_max, forward, kernels, hq)])[0]
+
+
+def weight_operands_group_body(calls: list) -> list:
+    """``weight_operands_body`` of each call (agreeing on ``forward``, ``kernels``, ``hq``),
+    the spliced form of several ``hot::weight_operands`` ops: one kernel launch for up to
+    ``hadamard.WEIGHT_SLOTS`` copies of a tile (``passes/splice.py``)."""
+    _, _, _, forward, kernels, hq = calls[0]
+    if all(triton_usable(c[0], kernels) for c in calls):
+        return _fused().weight_operands([c[:3] for c in calls], forward, hq)
+    return [ref.weight_operands(*c[:4], hq) for c in calls]
 
 
 weight_operands = torch.library.custom_op("hot::weight_operands", mutates_args=())(

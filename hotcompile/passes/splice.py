@@ -18,6 +18,11 @@ LQS picking a site's scaling (``gx_scale="lqs"``), a rank calibration measuring 
 come from sizes). A trace that would mutate one of the op's inputs (Triton's mutation
 analysis failing on a kernel) is refused too: functionalisation would copy the input back.
 The op stays the fallback: the graph is correct either way.
+
+The forward's W ops (``hot::weight_cast``, ``hot::weight_operands``: one of each per weight)
+are spliced in groups: consecutive ops of one kind and configuration become one traced
+body whose kernels serve up to ``hadamard.WEIGHT_SLOTS`` weights per launch (``GROUPS``,
+``weight_groups``), so a layer's seven weights take two launches instead of fourteen.
 """
 from __future__ import annotations
 
@@ -29,6 +34,7 @@ from torch._inductor import inductor_prims  # noqa: F401  registers force_stride
 from torch.fx import Graph, Node
 
 from ..kernels import ops
+from ..kernels.hadamard import WEIGHT_SLOTS
 from ..kernels.launch import recording
 from .graph_utils import stamp
 from .kernel_access import memoized_kernel_access
@@ -44,6 +50,15 @@ BODIES: Dict[object, Callable] = {
     torch.ops.hot.weight_cast.default: ops.weight_cast_body,
     torch.ops.hot.weight_operands.default: ops.weight_operands_body,
 }
+# ops spliced in groups: op -> the body taking a list of their argument tuples
+GROUPS: Dict[object, Callable] = {
+    torch.ops.hot.weight_cast.default: ops.weight_cast_group_body,
+    torch.ops.hot.weight_operands.default: ops.weight_operands_group_body,
+}
+# at most this many weight elements per group: a group's copies are made before the first
+# of its sites runs (Llama d4096's seven layer weights are 2.0e8; its 32000 x 4096 head,
+# which follows them, starts a group of its own)
+GROUP_ELEMENTS = 1 << 28
 
 
 def _inputs(node: Node) -> list:
@@ -86,25 +101,20 @@ def refusal(node: Node) -> Optional[str]:
     return None
 
 
-def trace_body(node: Node, fake_mode) -> torch.fx.GraphModule:
-    """The op's fused body traced on its arguments' fake values: aten ops and one
+def _rebuild(node: Node, tensors) -> tuple:
+    """The op's (args, kwargs) with its Node inputs (``_inputs`` order) replaced by ``tensors``."""
+    args, kwargs, it = list(node.args), dict(node.kwargs), iter(tensors)
+    args = [next(it) if isinstance(a, Node) else a for a in args]
+    kwargs = {k: next(it) if isinstance(v, Node) else v for k, v in kwargs.items()}
+    return args, kwargs
+
+
+def _trace(run, nodes, fake_mode) -> torch.fx.GraphModule:
+    """``run`` traced on the fake values of ``nodes``' inputs: aten ops and one
     ``triton_kernel_wrapper_functional`` per kernel launch."""
-    slots = [i for i, a in enumerate(node.args) if isinstance(a, Node)]
-    kslots = [k for k, v in node.kwargs.items() if isinstance(v, Node)]
-    consts = list(node.args)
-    body = BODIES[node.target]
-
-    def run(*tensors):
-        args, kwargs = list(consts), dict(node.kwargs)
-        for i, t in zip(slots, tensors):
-            args[i] = t
-        for k, t in zip(kslots, tensors[len(slots):]):
-            kwargs[k] = t
-        return body(*args, **kwargs)
-
     from torch._inductor.decomposition import select_decomp_table
     from torch.fx.experimental.proxy_tensor import make_fx
-    fakes = [n.meta["val"] for n in _inputs(node)]
+    fakes = [n.meta["val"] for node in nodes for n in _inputs(node)]
     with recording(), fake_mode:    # decomposed as AOT decomposes the rest for Inductor
         gm = make_fx(torch.func.functionalize(run), decomposition_table=select_decomp_table(),
                      tracing_mode="fake")(*fakes)
@@ -117,6 +127,38 @@ def trace_body(node: Node, fake_mode) -> torch.fx.GraphModule:
         # kernels): as aten ops Inductor could re-associate its float math
         raise RuntimeError("no fused kernel for this configuration (the op runs the reference)")
     return gm
+
+
+def trace_body(node: Node, fake_mode) -> torch.fx.GraphModule:
+    """The op's fused body traced on its arguments' fake values."""
+    body = BODIES[node.target]
+
+    def run(*tensors):
+        args, kwargs = _rebuild(node, tensors)
+        return body(*args, **kwargs)
+    return _trace(run, [node], fake_mode)
+
+
+def _defaults(node: Node) -> list:
+    """The schema's defaults of the positional arguments ``node`` leaves out."""
+    return [a.default_value for a in node.target._schema.arguments[len(node.args):]
+            if not a.kwarg_only]
+
+
+def trace_group(nodes: list, fake_mode) -> torch.fx.GraphModule:
+    """The group body (``GROUPS``) of ``nodes`` (one op, arguments agreeing but for their
+    tensors, no keyword arguments; each call given whole, defaults filled in) traced on their inputs, returning all their outputs in
+    order (``n_out`` per node)."""
+    body = GROUPS[nodes[0].target]
+    counts = [len(_inputs(n)) for n in nodes]
+
+    def run(*tensors):
+        calls, at = [], 0
+        for n, c in zip(nodes, counts):
+            calls.append(tuple(_rebuild(n, tensors[at:at + c])[0]) + tuple(_defaults(n)))
+            at += c
+        return tuple(t for out in body(calls) for t in out)
+    return _trace(run, nodes, fake_mode)
 
 
 def _realized(graph: Graph, arg: Node, node: Node, fake_mode) -> Node:
@@ -140,39 +182,91 @@ def _realized(graph: Graph, arg: Node, node: Node, fake_mode) -> Node:
 
 
 def splice(graph: Graph, node: Node, fake_mode) -> None:
-    """Replace ``node`` by its traced body: the new nodes carry its partitioner tag,
-    provenance and (forward ABC) its save policy; its users read the body's outputs."""
-    tuple_out = isinstance(node.meta["val"], (tuple, list))
-    if tuple_out and any(u.target is not operator.getitem for u in node.users):
-        raise RuntimeError("a user other than getitem reads the op's outputs")
-    gm = trace_body(node, fake_mode)
-    before = node.prev
-    slots = [_realized(graph, a, node, fake_mode) for a in _inputs(node)]
+    """Replace ``node`` by its traced body (``splice_group`` of one)."""
+    splice_group(graph, [node], fake_mode)
+
+
+def splice_group(graph: Graph, nodes: list, fake_mode) -> None:
+    """Replace ``nodes`` (one node, or a ``weight_groups`` group) by one traced body, put
+    where the first of them was: the new nodes carry its partitioner tag, provenance and
+    (forward ABC) save policy; each node's users read its outputs from the body."""
+    for node in nodes:
+        tuple_out = isinstance(node.meta["val"], (tuple, list))
+        if tuple_out and any(u.target is not operator.getitem for u in node.users):
+            raise RuntimeError("a user other than getitem reads the op's outputs")
+        if len(nodes) > 1 and not tuple_out:
+            raise RuntimeError("a group of ops with one output each")
+    first = nodes[0]
+    gm = trace_body(first, fake_mode) if len(nodes) == 1 else trace_group(nodes, fake_mode)
+    before = first.prev
+    slots = [_realized(graph, a, first, fake_mode) for node in nodes for a in _inputs(node)]
     places = [n for n in gm.graph.nodes if n.op == "placeholder"]
     val_map = dict(zip(places, slots))
-    with graph.inserting_before(node):
+    with graph.inserting_before(first):
         out = graph.graph_copy(gm.graph, val_map)
-    extra = {k: node.meta[k] for k in ("recompute", "ac_graph_id") if k in node.meta}
+    extra = {k: first.meta[k] for k in ("recompute", "ac_graph_id") if k in first.meta}
     n = before.next
-    while n is not node:
-        stamp(n, node.meta.get("partitioner_tag", "is_backward"), node, extra)
+    while n is not first:
+        stamp(n, first.meta.get("partitioner_tag", "is_backward"), first, extra)
         n = n.next
-    outs = out if isinstance(out, (tuple, list)) else (out,)
-    if tuple_out:
-        for user in list(node.users):
-            user.replace_all_uses_with(outs[user.args[1]])
-            graph.erase_node(user)
-    else:
-        node.replace_all_uses_with(outs[0])
-    graph.erase_node(node)
+    outs = list(out) if isinstance(out, (tuple, list)) else [out]
+    for node in nodes:
+        if isinstance(node.meta["val"], (tuple, list)):
+            mine, outs = outs[:len(node.meta["val"])], outs[len(node.meta["val"]):]
+            for user in list(node.users):
+                user.replace_all_uses_with(mine[user.args[1]])
+                graph.erase_node(user)
+        else:
+            node.replace_all_uses_with(outs.pop(0))
+        graph.erase_node(node)
+
+
+def _elements(node: Node) -> int:
+    v = node.args[0].meta.get("val")
+    return v.numel() if isinstance(v, torch.Tensor) else GROUP_ELEMENTS
+
+
+def weight_groups(graph: Graph, nodes: list) -> list:
+    """``nodes`` (ops of one ``GROUPS`` kind) cut into groups spliced as one body each:
+    consecutive in graph order, the same non-tensor arguments, at most ``WEIGHT_SLOTS`` ops
+    and ``GROUP_ELEMENTS`` weight elements, and every input defined before the group's
+    first op (where its body goes)."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    groups: list = []
+    for node in sorted(nodes, key=order.__getitem__):
+        key = [a for a in node.args if not isinstance(a, Node)] + _defaults(node)
+        g = groups[-1] if groups else None
+        if g is not None and g["key"] == key and not node.kwargs and len(g["nodes"]) < WEIGHT_SLOTS \
+                and g["elements"] + _elements(node) <= GROUP_ELEMENTS \
+                and all(order[a] < order[g["nodes"][0]] for a in _inputs(node)):
+            g["nodes"].append(node)
+            g["elements"] += _elements(node)
+        else:
+            groups.append({"key": key if not node.kwargs else None, "nodes": [node],
+                           "elements": _elements(node)})
+    return [g["nodes"] for g in groups]
 
 
 def splice_ops(graph: Graph, nodes, fake_mode) -> Dict[Node, str]:
     """Splice every node of ``nodes`` that ``refusal`` allows; node -> how it launches
-    ("Inductor", or "hot:: op (<reason>)"). A failed trace leaves the op, with the error."""
+    ("Inductor", or "hot:: op (<reason>)"). A failed trace leaves the op, with the error.
+    The forward's W ops go first, in groups (``weight_groups``; a group whose trace fails is
+    spliced op by op): the operands' groups are cut after the casts' bodies are in place,
+    where their inputs then are."""
     how: Dict[Node, str] = {}
+    todo = list(nodes)
     with memoized_kernel_access():      # the sites repeat a few launches: analyse each once
-        for node in nodes:
+        for kind in GROUPS:
+            mine = [n for n in todo if n.target is kind and refusal(n) is None]
+            for group in weight_groups(graph, mine):
+                if len(group) > 1:
+                    try:
+                        splice_group(graph, group, fake_mode)
+                        how.update((n, "Inductor") for n in group)
+                    except Exception:  # noqa: BLE001 - op by op below, each with its reason
+                        pass
+            todo = [n for n in todo if n not in how]
+        for node in todo:
             why = refusal(node)
             if why is None:
                 try:
