@@ -590,16 +590,44 @@ def _hq_weight_kernel(w_ptr, q_ptr, s_ptr, amax_ptr, scale_mul, O, I, O_pad, str
 
 
 @triton.jit
-def _operands_slot(pid, first, end, w_ptr, q_ptr, s_ptr, amax_ptr, f_ptr, fs_ptr, fmax_ptr,
-                   scale_mul, O, I, BI: tl.constexpr, BO: tl.constexpr, Q: tl.constexpr,
-                   INTERPRET: tl.constexpr, FWD: tl.constexpr, ROTATE: tl.constexpr):
-    """Programs [first, end) of a ``_weight_operands_kernel`` launch: one contiguous (O, I)
-    copy's scaled-e4m3 operands (its q rows padded to O_pad = O rounded up to 16)."""
-    if (pid >= first) & (pid < end):
-        O_pad = tl.cdiv(O, 16) * 16
-        _hq_weight_program(pid - first, w_ptr, q_ptr, s_ptr, amax_ptr, f_ptr, fs_ptr, fmax_ptr,
-                           scale_mul, O, I, O_pad, I, 1, O_pad, 2, BI, BO, Q, True, True,
-                           INTERPRET, None, FWD, ROTATE)
+def _slot_of(pid, e0, e1, e2, e3, e4, e5, e6, N: tl.constexpr):
+    """The slot program ``pid`` of a slotted launch works for: how many slot ends (e0 < e1 <
+    ... cumulative program counts; only the first N - 1 are real) are at or below it."""
+    k = (pid >= e0).to(tl.int32)
+    if N > 2:
+        k += (pid >= e1).to(tl.int32)
+    if N > 3:
+        k += (pid >= e2).to(tl.int32)
+    if N > 4:
+        k += (pid >= e3).to(tl.int32)
+    if N > 5:
+        k += (pid >= e4).to(tl.int32)
+    if N > 6:
+        k += (pid >= e5).to(tl.int32)
+    if N > 7:
+        k += (pid >= e6).to(tl.int32)
+    return k
+
+
+@triton.jit
+def _pick(k, v0, v1, v2, v3, v4, v5, v6, v7, N: tl.constexpr):
+    """Slot k's value of one argument (a pointer or a scalar) among the first N slots'."""
+    v = v0
+    if N > 1:
+        v = tl.where(k == 1, v1, v)
+    if N > 2:
+        v = tl.where(k == 2, v2, v)
+    if N > 3:
+        v = tl.where(k == 3, v3, v)
+    if N > 4:
+        v = tl.where(k == 4, v4, v)
+    if N > 5:
+        v = tl.where(k == 5, v5, v)
+    if N > 6:
+        v = tl.where(k == 6, v6, v)
+    if N > 7:
+        v = tl.where(k == 7, v7, v)
+    return v
 
 
 @triton.jit
@@ -616,37 +644,32 @@ def _weight_operands_kernel(w0, q0, s0, a0, f0, fs0, fm0, O0, I0, e0,
                             ROTATE: tl.constexpr):
     """The forward's W operands of up to 8 weight copies (``WEIGHT_SLOTS``) in one launch:
     slot k (k < N) owns programs [e(k-1), e(k)) and runs ``_hq_weight_program``'s scaled
-    e4m3 phase on its (O_k, I_k) copy: HQ's operand (``ROTATE``; else the plain W^T) and,
-    with FWD, the FP8 forward's W operand from the same read (``hq_weight_operands``).
+    e4m3 phase on its contiguous (O_k, I_k) copy (q rows padded to O_pad = O_k rounded up
+    to 16): HQ's operand (``ROTATE``; else the plain W^T) and, with FWD, the FP8 forward's
+    W operand from the same read (``hq_weight_operands``). The slots share a dtype.
 
     Why slots: a layer's seven weights took seven launches here and seven in the cast
     (issue 11 item 3: at most one HOT kernel per site in the forward). Triton has no array
     of pointers a traced launch can pass (``wrap_triton`` takes tensors), so each weight
-    has its own arguments; slots past N are compiled out (N is a constant)."""
+    has its own arguments, and a program picks its slot's with a few scalar selects
+    (``_slot_of``, ``_pick``): one copy of the body, so the kernel compiles as fast as a
+    one-weight kernel (an inlined body per slot took the cold compile of Llama d4096 from
+    1.60x Inductor's to 2.16x, H200, thirty-ninth stop). Slots past N are never read."""
     pid = tl.program_id(0)
-    _operands_slot(pid, 0, e0, w0, q0, s0, a0, f0, fs0, fm0, scale_mul, O0, I0, BI, BO, Q,
-                   INTERPRET, FWD, ROTATE)
-    if N > 1:
-        _operands_slot(pid, e0, e1, w1, q1, s1, a1, f1, fs1, fm1, scale_mul, O1, I1, BI, BO, Q,
-                       INTERPRET, FWD, ROTATE)
-    if N > 2:
-        _operands_slot(pid, e1, e2, w2, q2, s2, a2, f2, fs2, fm2, scale_mul, O2, I2, BI, BO, Q,
-                       INTERPRET, FWD, ROTATE)
-    if N > 3:
-        _operands_slot(pid, e2, e3, w3, q3, s3, a3, f3, fs3, fm3, scale_mul, O3, I3, BI, BO, Q,
-                       INTERPRET, FWD, ROTATE)
-    if N > 4:
-        _operands_slot(pid, e3, e4, w4, q4, s4, a4, f4, fs4, fm4, scale_mul, O4, I4, BI, BO, Q,
-                       INTERPRET, FWD, ROTATE)
-    if N > 5:
-        _operands_slot(pid, e4, e5, w5, q5, s5, a5, f5, fs5, fm5, scale_mul, O5, I5, BI, BO, Q,
-                       INTERPRET, FWD, ROTATE)
-    if N > 6:
-        _operands_slot(pid, e5, e6, w6, q6, s6, a6, f6, fs6, fm6, scale_mul, O6, I6, BI, BO, Q,
-                       INTERPRET, FWD, ROTATE)
-    if N > 7:
-        _operands_slot(pid, e6, e7, w7, q7, s7, a7, f7, fs7, fm7, scale_mul, O7, I7, BI, BO, Q,
-                       INTERPRET, FWD, ROTATE)
+    k = _slot_of(pid, e0, e1, e2, e3, e4, e5, e6, N)
+    first = _pick(k, 0, e0, e1, e2, e3, e4, e5, e6, N)
+    O = _pick(k, O0, O1, O2, O3, O4, O5, O6, O7, N)
+    I = _pick(k, I0, I1, I2, I3, I4, I5, I6, I7, N)
+    O_pad = tl.cdiv(O, 16) * 16
+    _hq_weight_program(pid - first, _pick(k, w0, w1, w2, w3, w4, w5, w6, w7, N),
+                       _pick(k, q0, q1, q2, q3, q4, q5, q6, q7, N),
+                       _pick(k, s0, s1, s2, s3, s4, s5, s6, s7, N),
+                       _pick(k, a0, a1, a2, a3, a4, a5, a6, a7, N),
+                       _pick(k, f0, f1, f2, f3, f4, f5, f6, f7, N),
+                       _pick(k, fs0, fs1, fs2, fs3, fs4, fs5, fs6, fs7, N),
+                       _pick(k, fm0, fm1, fm2, fm3, fm4, fm5, fm6, fm7, N),
+                       scale_mul, O, I, O_pad, I, 1, O_pad, 2, BI, BO, Q, True, True,
+                       INTERPRET, None, FWD, ROTATE)
 
 
 @triton.jit
@@ -686,16 +709,6 @@ def _cast_program(pid, p_ptr, w_ptr, amax_ptr, rmax_ptr, O, I, stride_po, stride
 
 
 @triton.jit
-def _cast_slot(pid, first, end, p_ptr, w_ptr, amax_ptr, rmax_ptr, O, I, stride_po, stride_pi,
-               ROWS: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr, BF16: tl.constexpr,
-               ROW_MAX: tl.constexpr):
-    """Programs [first, end) of a ``_weight_cast_kernel`` launch: one parameter's cast."""
-    if (pid >= first) & (pid < end):
-        _cast_program(pid - first, p_ptr, w_ptr, amax_ptr, rmax_ptr, O, I, stride_po, stride_pi,
-                      ROWS, BO, BI, BF16, ROW_MAX)
-
-
-@triton.jit
 def _weight_cast_kernel(p0, w0, c0, r0, O0, I0, sp0, si0, e0,
                         p1, w1, c1, r1, O1, I1, sp1, si1, e1,
                         p2, w2, c2, r2, O2, I2, sp2, si2, e2,
@@ -708,24 +721,20 @@ def _weight_cast_kernel(p0, w0, c0, r0, O0, I0, sp0, si0, e0,
                         BI: tl.constexpr, BF16: tl.constexpr, ROW_MAX: tl.constexpr):
     """Autocast's copies of up to 8 fp32 parameters (``WEIGHT_SLOTS``) and their maxima in
     one launch: slot k (k < N) owns programs [e(k-1), e(k)) and runs ``_cast_program`` on
-    its parameter (p, its copy w, column maxima c, row maxima r, shape, strides). Slots
-    past N are compiled out; why slots: ``_weight_operands_kernel``."""
+    its parameter (p, its copy w, column maxima c, row maxima r, shape, strides). Why slots,
+    and why picked, not inlined: ``_weight_operands_kernel``."""
     pid = tl.program_id(0)
-    _cast_slot(pid, 0, e0, p0, w0, c0, r0, O0, I0, sp0, si0, ROWS, BO, BI, BF16, ROW_MAX)
-    if N > 1:
-        _cast_slot(pid, e0, e1, p1, w1, c1, r1, O1, I1, sp1, si1, ROWS, BO, BI, BF16, ROW_MAX)
-    if N > 2:
-        _cast_slot(pid, e1, e2, p2, w2, c2, r2, O2, I2, sp2, si2, ROWS, BO, BI, BF16, ROW_MAX)
-    if N > 3:
-        _cast_slot(pid, e2, e3, p3, w3, c3, r3, O3, I3, sp3, si3, ROWS, BO, BI, BF16, ROW_MAX)
-    if N > 4:
-        _cast_slot(pid, e3, e4, p4, w4, c4, r4, O4, I4, sp4, si4, ROWS, BO, BI, BF16, ROW_MAX)
-    if N > 5:
-        _cast_slot(pid, e4, e5, p5, w5, c5, r5, O5, I5, sp5, si5, ROWS, BO, BI, BF16, ROW_MAX)
-    if N > 6:
-        _cast_slot(pid, e5, e6, p6, w6, c6, r6, O6, I6, sp6, si6, ROWS, BO, BI, BF16, ROW_MAX)
-    if N > 7:
-        _cast_slot(pid, e6, e7, p7, w7, c7, r7, O7, I7, sp7, si7, ROWS, BO, BI, BF16, ROW_MAX)
+    k = _slot_of(pid, e0, e1, e2, e3, e4, e5, e6, N)
+    _cast_program(pid - _pick(k, 0, e0, e1, e2, e3, e4, e5, e6, N),
+                  _pick(k, p0, p1, p2, p3, p4, p5, p6, p7, N),
+                  _pick(k, w0, w1, w2, w3, w4, w5, w6, w7, N),
+                  _pick(k, c0, c1, c2, c3, c4, c5, c6, c7, N),
+                  _pick(k, r0, r1, r2, r3, r4, r5, r6, r7, N),
+                  _pick(k, O0, O1, O2, O3, O4, O5, O6, O7, N),
+                  _pick(k, I0, I1, I2, I3, I4, I5, I6, I7, N),
+                  _pick(k, sp0, sp1, sp2, sp3, sp4, sp5, sp6, sp7, N),
+                  _pick(k, si0, si1, si2, si3, si4, si5, si6, si7, N),
+                  ROWS, BO, BI, BF16, ROW_MAX)
 
 
 # =========================================================================== launchers

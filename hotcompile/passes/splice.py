@@ -228,15 +228,17 @@ def _elements(node: Node) -> int:
 
 def weight_groups(graph: Graph, nodes: list) -> list:
     """``nodes`` (ops of one ``GROUPS`` kind) cut into groups spliced as one body each:
-    consecutive in graph order, the same non-tensor arguments, at most ``WEIGHT_SLOTS`` ops
-    and ``GROUP_ELEMENTS`` weight elements, and every input defined before the group's
-    first op (where its body goes)."""
+    consecutive in graph order, the same non-tensor arguments and tensor dtypes (a launch's
+    slots share them), at most ``WEIGHT_SLOTS`` ops and ``GROUP_ELEMENTS`` weight elements,
+    and every input defined before the group's first op (where its body goes)."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     groups: list = []
     for node in sorted(nodes, key=order.__getitem__):
-        key = [a for a in node.args if not isinstance(a, Node)] + _defaults(node)
+        key = [getattr(a.meta.get("val"), "dtype", None) if isinstance(a, Node) else a
+               for a in node.args] + _defaults(node)
         g = groups[-1] if groups else None
-        if g is not None and g["key"] == key and not node.kwargs and len(g["nodes"]) < WEIGHT_SLOTS \
+        if g is not None and g["key"] == key and not node.kwargs \
+                and len(g["nodes"]) < WEIGHT_SLOTS \
                 and g["elements"] + _elements(node) <= GROUP_ELEMENTS \
                 and all(order[a] < order[g["nodes"][0]] for a in _inputs(node)):
             g["nodes"].append(node)
