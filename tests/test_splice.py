@@ -407,8 +407,10 @@ def test_a_layers_weights_take_one_launch_of_each_w_kernel(hopper, monkeypatch):
     """Consecutive W ops of one configuration splice as one body each kind: three weights'
     casts are one ``_weight_cast_kernel`` node and their operands one
     ``_weight_operands_kernel`` node, every op's outputs where its users read them (shapes,
-    strides, dtypes as the ops'). A weight of another configuration (no row maxima), or past
-    ``GROUP_ELEMENTS``, starts a group of its own."""
+    strides, dtypes as the ops'), and only the used slots' outputs counted as written (a
+    slot past N repeats slot 0's tensors: counted written, it came back from the functional
+    node as an untouched clone of slot 0's output). A weight of another configuration (no
+    row maxima), or past ``GROUP_ELEMENTS``, starts a group of its own."""
     shapes = [(512, 384), (384, 512), (256, 384), (512, 384)]
 
     def splice(rows):
@@ -424,6 +426,13 @@ def test_a_layers_weights_take_one_launch_of_each_w_kernel(hopper, monkeypatch):
         assert got == want
         assert not _nodes(gm, SP.BODIES)
         kernels = _nodes(gm, {WRAPPER})
+        for k in kernels:       # only the used slots' outputs are written (cloned)
+            n, name = k.kwargs["kwargs"]["N"], _kernel_name(k)
+            kw = k.kwargs["kwargs"]
+            roles = (("w", "c") + ("r",) * kw["ROW_MAX"] if name == "_weight_cast_kernel"
+                     else ("q", "s") + ("f", "fs") * (kw["FWD"] != 0))
+            assert sorted(k.kwargs["tensors_to_clone"]) == sorted(
+                f"{r}{i}" for r in roles for i in range(n)), (name, k.kwargs["tensors_to_clone"])
         return [(_kernel_name(k), k.kwargs["kwargs"]["N"]) for k in kernels]
 
     assert splice([True] * 4) == [("_weight_cast_kernel", 4), ("_weight_operands_kernel", 4)]

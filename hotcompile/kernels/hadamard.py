@@ -590,47 +590,6 @@ def _hq_weight_kernel(w_ptr, q_ptr, s_ptr, amax_ptr, scale_mul, O, I, O_pad, str
 
 
 @triton.jit
-def _slot_of(pid, e0, e1, e2, e3, e4, e5, e6, N: tl.constexpr):
-    """The slot program ``pid`` of a slotted launch works for: how many slot ends (e0 < e1 <
-    ... cumulative program counts; only the first N - 1 are real) are at or below it."""
-    k = (pid >= e0).to(tl.int32)
-    if N > 2:
-        k += (pid >= e1).to(tl.int32)
-    if N > 3:
-        k += (pid >= e2).to(tl.int32)
-    if N > 4:
-        k += (pid >= e3).to(tl.int32)
-    if N > 5:
-        k += (pid >= e4).to(tl.int32)
-    if N > 6:
-        k += (pid >= e5).to(tl.int32)
-    if N > 7:
-        k += (pid >= e6).to(tl.int32)
-    return k
-
-
-@triton.jit
-def _pick(k, v0, v1, v2, v3, v4, v5, v6, v7, N: tl.constexpr):
-    """Slot k's value of one argument (a pointer or a scalar) among the first N slots'."""
-    v = v0
-    if N > 1:
-        v = tl.where(k == 1, v1, v)
-    if N > 2:
-        v = tl.where(k == 2, v2, v)
-    if N > 3:
-        v = tl.where(k == 3, v3, v)
-    if N > 4:
-        v = tl.where(k == 4, v4, v)
-    if N > 5:
-        v = tl.where(k == 5, v5, v)
-    if N > 6:
-        v = tl.where(k == 6, v6, v)
-    if N > 7:
-        v = tl.where(k == 7, v7, v)
-    return v
-
-
-@triton.jit
 def _weight_operands_kernel(w0, q0, s0, a0, f0, fs0, fm0, O0, I0, e0,
                             w1, q1, s1, a1, f1, fs1, fm1, O1, I1, e1,
                             w2, q2, s2, a2, f2, fs2, fm2, O2, I2, e2,
@@ -651,25 +610,63 @@ def _weight_operands_kernel(w0, q0, s0, a0, f0, fs0, fm0, O0, I0, e0,
     Why slots: a layer's seven weights took seven launches here and seven in the cast
     (issue 11 item 3: at most one HOT kernel per site in the forward). Triton has no array
     of pointers a traced launch can pass (``wrap_triton`` takes tensors), so each weight
-    has its own arguments, and a program picks its slot's with a few scalar selects
-    (``_slot_of``, ``_pick``): one copy of the body, so the kernel compiles as fast as a
-    one-weight kernel (an inlined body per slot took the cold compile of Llama d4096 from
-    1.60x Inductor's to 2.16x, H200, thirty-ninth stop). Slots past N are never read."""
+    has its own arguments, and a program takes its slot's with scalar selects, slot after
+    slot: one copy of the body, which compiles as fast as a one-weight kernel (a body
+    inlined per slot took 11.3 s to compile for seven slots against 1.4 s, sm_90 on this
+    package's CPU box; Llama d4096's cold first step read 2.16x Inductor's with it, H200).
+
+    Slots past N are compiled out: nothing refers to their arguments (the launcher repeats
+    slot 0's there). Not even a call may take them: Inductor's mutation analysis reads the
+    TTIR before inlining and counts every tensor passed to a call whose result is stored
+    through as written; a written tensor repeated in a later argument then came back from
+    the functional kernel node as that argument's untouched clone (wrong gradients)."""
     pid = tl.program_id(0)
-    k = _slot_of(pid, e0, e1, e2, e3, e4, e5, e6, N)
-    first = _pick(k, 0, e0, e1, e2, e3, e4, e5, e6, N)
-    O = _pick(k, O0, O1, O2, O3, O4, O5, O6, O7, N)
-    I = _pick(k, I0, I1, I2, I3, I4, I5, I6, I7, N)
+    first, O, I, w, q, s, a, f, fs, fm = 0, O0, I0, w0, q0, s0, a0, f0, fs0, fm0
+    if N > 1:
+        on = pid >= e0
+        first, O, I = tl.where(on, e0, first), tl.where(on, O1, O), tl.where(on, I1, I)
+        w, q, s = tl.where(on, w1, w), tl.where(on, q1, q), tl.where(on, s1, s)
+        a, f = tl.where(on, a1, a), tl.where(on, f1, f)
+        fs, fm = tl.where(on, fs1, fs), tl.where(on, fm1, fm)
+    if N > 2:
+        on = pid >= e1
+        first, O, I = tl.where(on, e1, first), tl.where(on, O2, O), tl.where(on, I2, I)
+        w, q, s = tl.where(on, w2, w), tl.where(on, q2, q), tl.where(on, s2, s)
+        a, f = tl.where(on, a2, a), tl.where(on, f2, f)
+        fs, fm = tl.where(on, fs2, fs), tl.where(on, fm2, fm)
+    if N > 3:
+        on = pid >= e2
+        first, O, I = tl.where(on, e2, first), tl.where(on, O3, O), tl.where(on, I3, I)
+        w, q, s = tl.where(on, w3, w), tl.where(on, q3, q), tl.where(on, s3, s)
+        a, f = tl.where(on, a3, a), tl.where(on, f3, f)
+        fs, fm = tl.where(on, fs3, fs), tl.where(on, fm3, fm)
+    if N > 4:
+        on = pid >= e3
+        first, O, I = tl.where(on, e3, first), tl.where(on, O4, O), tl.where(on, I4, I)
+        w, q, s = tl.where(on, w4, w), tl.where(on, q4, q), tl.where(on, s4, s)
+        a, f = tl.where(on, a4, a), tl.where(on, f4, f)
+        fs, fm = tl.where(on, fs4, fs), tl.where(on, fm4, fm)
+    if N > 5:
+        on = pid >= e4
+        first, O, I = tl.where(on, e4, first), tl.where(on, O5, O), tl.where(on, I5, I)
+        w, q, s = tl.where(on, w5, w), tl.where(on, q5, q), tl.where(on, s5, s)
+        a, f = tl.where(on, a5, a), tl.where(on, f5, f)
+        fs, fm = tl.where(on, fs5, fs), tl.where(on, fm5, fm)
+    if N > 6:
+        on = pid >= e5
+        first, O, I = tl.where(on, e5, first), tl.where(on, O6, O), tl.where(on, I6, I)
+        w, q, s = tl.where(on, w6, w), tl.where(on, q6, q), tl.where(on, s6, s)
+        a, f = tl.where(on, a6, a), tl.where(on, f6, f)
+        fs, fm = tl.where(on, fs6, fs), tl.where(on, fm6, fm)
+    if N > 7:
+        on = pid >= e6
+        first, O, I = tl.where(on, e6, first), tl.where(on, O7, O), tl.where(on, I7, I)
+        w, q, s = tl.where(on, w7, w), tl.where(on, q7, q), tl.where(on, s7, s)
+        a, f = tl.where(on, a7, a), tl.where(on, f7, f)
+        fs, fm = tl.where(on, fs7, fs), tl.where(on, fm7, fm)
     O_pad = tl.cdiv(O, 16) * 16
-    _hq_weight_program(pid - first, _pick(k, w0, w1, w2, w3, w4, w5, w6, w7, N),
-                       _pick(k, q0, q1, q2, q3, q4, q5, q6, q7, N),
-                       _pick(k, s0, s1, s2, s3, s4, s5, s6, s7, N),
-                       _pick(k, a0, a1, a2, a3, a4, a5, a6, a7, N),
-                       _pick(k, f0, f1, f2, f3, f4, f5, f6, f7, N),
-                       _pick(k, fs0, fs1, fs2, fs3, fs4, fs5, fs6, fs7, N),
-                       _pick(k, fm0, fm1, fm2, fm3, fm4, fm5, fm6, fm7, N),
-                       scale_mul, O, I, O_pad, I, 1, O_pad, 2, BI, BO, Q, True, True,
-                       INTERPRET, None, FWD, ROTATE)
+    _hq_weight_program(pid - first, w, q, s, a, f, fs, fm, scale_mul, O, I, O_pad, I, 1, O_pad,
+                       2, BI, BO, Q, True, True, INTERPRET, None, FWD, ROTATE)
 
 
 @triton.jit
@@ -722,19 +719,52 @@ def _weight_cast_kernel(p0, w0, c0, r0, O0, I0, sp0, si0, e0,
     """Autocast's copies of up to 8 fp32 parameters (``WEIGHT_SLOTS``) and their maxima in
     one launch: slot k (k < N) owns programs [e(k-1), e(k)) and runs ``_cast_program`` on
     its parameter (p, its copy w, column maxima c, row maxima r, shape, strides). Why slots,
-    and why picked, not inlined: ``_weight_operands_kernel``."""
+    taken by selects, and why nothing refers to those past N: ``_weight_operands_kernel``."""
     pid = tl.program_id(0)
-    k = _slot_of(pid, e0, e1, e2, e3, e4, e5, e6, N)
-    _cast_program(pid - _pick(k, 0, e0, e1, e2, e3, e4, e5, e6, N),
-                  _pick(k, p0, p1, p2, p3, p4, p5, p6, p7, N),
-                  _pick(k, w0, w1, w2, w3, w4, w5, w6, w7, N),
-                  _pick(k, c0, c1, c2, c3, c4, c5, c6, c7, N),
-                  _pick(k, r0, r1, r2, r3, r4, r5, r6, r7, N),
-                  _pick(k, O0, O1, O2, O3, O4, O5, O6, O7, N),
-                  _pick(k, I0, I1, I2, I3, I4, I5, I6, I7, N),
-                  _pick(k, sp0, sp1, sp2, sp3, sp4, sp5, sp6, sp7, N),
-                  _pick(k, si0, si1, si2, si3, si4, si5, si6, si7, N),
-                  ROWS, BO, BI, BF16, ROW_MAX)
+    first, O, I, sp, si, p, w, c, r = 0, O0, I0, sp0, si0, p0, w0, c0, r0
+    if N > 1:
+        on = pid >= e0
+        first, O, I = tl.where(on, e0, first), tl.where(on, O1, O), tl.where(on, I1, I)
+        sp, si = tl.where(on, sp1, sp), tl.where(on, si1, si)
+        p, w = tl.where(on, p1, p), tl.where(on, w1, w)
+        c, r = tl.where(on, c1, c), tl.where(on, r1, r)
+    if N > 2:
+        on = pid >= e1
+        first, O, I = tl.where(on, e1, first), tl.where(on, O2, O), tl.where(on, I2, I)
+        sp, si = tl.where(on, sp2, sp), tl.where(on, si2, si)
+        p, w = tl.where(on, p2, p), tl.where(on, w2, w)
+        c, r = tl.where(on, c2, c), tl.where(on, r2, r)
+    if N > 3:
+        on = pid >= e2
+        first, O, I = tl.where(on, e2, first), tl.where(on, O3, O), tl.where(on, I3, I)
+        sp, si = tl.where(on, sp3, sp), tl.where(on, si3, si)
+        p, w = tl.where(on, p3, p), tl.where(on, w3, w)
+        c, r = tl.where(on, c3, c), tl.where(on, r3, r)
+    if N > 4:
+        on = pid >= e3
+        first, O, I = tl.where(on, e3, first), tl.where(on, O4, O), tl.where(on, I4, I)
+        sp, si = tl.where(on, sp4, sp), tl.where(on, si4, si)
+        p, w = tl.where(on, p4, p), tl.where(on, w4, w)
+        c, r = tl.where(on, c4, c), tl.where(on, r4, r)
+    if N > 5:
+        on = pid >= e4
+        first, O, I = tl.where(on, e4, first), tl.where(on, O5, O), tl.where(on, I5, I)
+        sp, si = tl.where(on, sp5, sp), tl.where(on, si5, si)
+        p, w = tl.where(on, p5, p), tl.where(on, w5, w)
+        c, r = tl.where(on, c5, c), tl.where(on, r5, r)
+    if N > 6:
+        on = pid >= e5
+        first, O, I = tl.where(on, e5, first), tl.where(on, O6, O), tl.where(on, I6, I)
+        sp, si = tl.where(on, sp6, sp), tl.where(on, si6, si)
+        p, w = tl.where(on, p6, p), tl.where(on, w6, w)
+        c, r = tl.where(on, c6, c), tl.where(on, r6, r)
+    if N > 7:
+        on = pid >= e6
+        first, O, I = tl.where(on, e6, first), tl.where(on, O7, O), tl.where(on, I7, I)
+        sp, si = tl.where(on, sp7, sp), tl.where(on, si7, si)
+        p, w = tl.where(on, p7, p), tl.where(on, w7, w)
+        c, r = tl.where(on, c7, c), tl.where(on, r7, r)
+    _cast_program(pid - first, p, w, c, r, O, I, sp, si, ROWS, BO, BI, BF16, ROW_MAX)
 
 
 # =========================================================================== launchers

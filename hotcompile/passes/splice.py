@@ -155,7 +155,8 @@ def trace_group(nodes: list, fake_mode) -> torch.fx.GraphModule:
     def run(*tensors):
         calls, at = [], 0
         for n, c in zip(nodes, counts):
-            calls.append(tuple(_rebuild(n, tensors[at:at + c])[0]) + tuple(_defaults(n)))
+            args = _rebuild(n, tensors[at:at + c])[0]
+            calls.append(tuple(args) + tuple(_defaults(n)))
             at += c
         return tuple(t for out in body(calls) for t in out)
     return _trace(run, nodes, fake_mode)
