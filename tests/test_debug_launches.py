@@ -1,8 +1,9 @@
 """``hotcompile.debug.launches``: what a compiled graph launches, from Inductor's output code.
 
 The fixtures are the output code of one Llama d4096 training step under ``backend="hot"``
-(2 layers, 15 sites), as the H100 compiled it (torch 2.11, thirty-second stop, call 113):
-they pin the counts docs/BENCHMARKS.md gives for issue 11 item 3.
+(2 layers, 15 sites, the defaults: row-wise FP8 forward), as an H200 compiled it (torch 2.11,
+thirty-ninth stop, call 160): they pin the counts docs/BENCHMARKS.md gives for issue 11
+item 3.
 """
 import gzip
 import os
@@ -18,25 +19,31 @@ DATA = os.path.join(os.path.dirname(__file__), "data")
 
 
 def _fixture(graph: str) -> str:
-    with gzip.open(os.path.join(DATA, f"output_code_llama_d4096_hot_{graph}_h100.py.gz"),
+    with gzip.open(os.path.join(DATA, f"output_code_llama_d4096_hot_{graph}_h200.py.gz"),
                    "rt") as f:
         return f.read()
 
 
-def test_the_llama_step_on_the_h100_launches_five_per_site_in_the_backward():
-    """14 layer sites and the head (its g_W only). Forward: W's cast and HQ W per site, ABC
-    per group sharing x (q/k/v, gate/up, down, the head; o_proj's is in the backward).
-    Backward: HQ g, the bound, HLA g and two FP8 GEMMs per site (the head: HLA g and one),
-    o_proj's two ABC, the head's exact g_x (one mm), the graph's one seed draw."""
+def test_the_llama_step_launches_under_one_hot_kernel_per_site_forward_and_five_backward():
+    """14 layer sites and the head (its g_W only). Forward: the layer's seven weights' casts
+    in one launch and their operands (HQ's W, the FP8 forward's W) in one, per layer; ABC
+    per group sharing x (q/k/v, gate/up, down, the head; o_proj's is in the backward): 11
+    HOT kernels over 15 sites. Each site's forward GEMM is one FP8 ``_scaled_mm`` in place of
+    its bf16 ``mm`` (the head's stays). Backward: HQ g, the bound, HLA g and two FP8 GEMMs
+    per site (the head: HLA g and one), o_proj's two ABC, the head's exact g_x (one mm), the
+    graph's one seed draw."""
     fw, bw = launches(_fixture("forward")), launches(_fixture("backward"))
-    assert fw == {"hot": {"_weight_cast_kernel": 14, "_hq_weight_kernel": 14, "_hla_kernel": 7},
-                  "inductor": 27, "extern": {"mm": 16},
+    assert fw == {"hot": {"_weight_cast_kernel": 2, "_weight_operands_kernel": 2,
+                          "_hla_kernel": 7},
+                  "inductor": 32, "extern": {"mm": 1, "_scaled_mm": 15},
                   "ops": {"aten._scaled_dot_product_cudnn_attention": 2}}, fw
     assert bw == {"hot": {"_hq_token_kernel": 14, "_block_bound_kernel": 14, "_hla_kernel": 17},
                   "inductor": 20, "extern": {"mm": 1, "_scaled_mm": 29},
                   "ops": {"hot.draw_seeds": 1,
                           "aten._scaled_dot_product_cudnn_attention_backward": 2}}, bw
     assert site_op_calls(fw) == site_op_calls(bw) == 0      # every site spliced
+    sites = 15
+    assert sum(fw["hot"].values()) <= sites                 # issue 11 item 3: <= 1 per site
     # per layer site: 5 backward launches (HQ g, bound, HLA g, 2 GEMMs) + o_proj's 2 ABC
     layer = 14
     assert bw["hot"]["_hq_token_kernel"] == bw["hot"]["_block_bound_kernel"] == layer
