@@ -24,6 +24,10 @@ row-wise one, so its cast is one pointwise read of the copy, not a reduction and
 The same holds for a ``hot::e4m3_gx_backward`` site (``exact_gx_gemm="e4m3"``): its
 ``hot::weight_operands(hq=False)`` writes the plain e4m3 W^T its FP8 g_x reads.
 
+The pass puts one op of each kind per weight; ``splice.py`` launches consecutive ones
+together (up to ``hadamard.WEIGHT_SLOTS`` weights per kernel launch: a layer's seven take two
+launches, not fourteen).
+
 A cast is taken over only where that is all it changes: the site's backward is one
 ``hot::linear_backward`` (or ``hot::e4m3_gx_backward``) op reading the copy through views
 that keep its (O, I) layout, and
