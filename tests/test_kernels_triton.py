@@ -315,6 +315,22 @@ def test_one_launch_serves_many_weights_as_each_alone(poison, monkeypatch, forwa
 
 
 @cpu
+@pytest.mark.parametrize("forward", ["bf16", "fp8", "fp8_rowwise"])
+def test_weights_the_kernels_do_not_take_fall_back_to_the_reference(poison, forward):
+    """A copy the W kernel does not take (fp32, or empty) gets the reference's operands, also
+    when no weight of the call goes to the kernel; the others still take it. Weights of two
+    dtypes in one slotted launch are refused with a clear error."""
+    w, m, r = _weight_copy(40, 24)
+    fwd_max = {"fp8": m, "fp8_rowwise": r}.get(forward)
+    for calls in ([(w.float(), m, fwd_max)], [(w.float(), m, fwd_max), (w, m, fwd_max)]):
+        got = F.weight_operands(calls, forward)
+        for call, g in zip(calls, got):
+            _operands_equal(g, R.weight_operands(*call, forward))
+    with pytest.raises(ValueError, match="dtype"):
+        H.hq_weight_operands([w, w.half()], [m, m])
+
+
+@cpu
 @pytest.mark.parametrize("e4m3", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_hq_weight_rounds_an_fp32_parameter_as_it_reads(poison, e4m3, dtype):

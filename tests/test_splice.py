@@ -379,12 +379,14 @@ def _kernel_name(node) -> str:
     return getattr(k, "__name__", None) or k.fn.__name__
 
 
-def _weights_graph(shapes, rows):
+def _weights_graph(shapes, rows, devices=None):
     """A forward holding one ``hot::weight_cast`` and one ``hot::weight_operands`` per weight
-    (fp32 parameters of ``shapes``, row maxima where ``rows[i]``), in the rewrite's order:
-    each weight's cast, then its operands, then a use of them (the forward GEMM's place)."""
+    (fp32 parameters of ``shapes`` on ``devices``, row maxima where ``rows[i]``), in the
+    rewrite's order: each weight's cast, then its operands, then a use of them (the forward
+    GEMM's place)."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    ps = [_fakes(mode, s, dtype=torch.float32)[0] for s in shapes]
+    devices = devices or ["cuda"] * len(shapes)
+    ps = [_fakes(mode, s, dtype=torch.float32, device=d)[0] for s, d in zip(shapes, devices)]
 
     def f(*ps):
         outs = []
@@ -410,11 +412,11 @@ def test_a_layers_weights_take_one_launch_of_each_w_kernel(hopper, monkeypatch):
     strides, dtypes as the ops'), and only the used slots' outputs counted as written (a
     slot past N repeats slot 0's tensors: counted written, it came back from the functional
     node as an untouched clone of slot 0's output). A weight of another configuration (no
-    row maxima), or past ``GROUP_ELEMENTS``, starts a group of its own."""
+    row maxima) or device, or past ``GROUP_ELEMENTS``, starts a group of its own."""
     shapes = [(512, 384), (384, 512), (256, 384), (512, 384)]
 
-    def splice(rows):
-        gm, mode = _weights_graph(shapes, rows)
+    def splice(rows, devices=None):
+        gm, mode = _weights_graph(shapes, rows, devices)
         want = [(tuple(n.meta["val"].shape), n.meta["val"].stride(), n.meta["val"].dtype)
                 for n in gm.graph.output_node().args[0]]
         how = SP.splice_ops(gm.graph, _nodes(gm, SP.BODIES), mode)
@@ -439,5 +441,7 @@ def test_a_layers_weights_take_one_launch_of_each_w_kernel(hopper, monkeypatch):
     cast, operands = "_weight_cast_kernel", "_weight_operands_kernel"     # in graph order:
     assert splice([True, True, False, True]) == [(cast, 2), (operands, 2), (cast, 1),
                                                  (operands, 1), (cast, 1), (operands, 1)]
+    assert splice([True] * 4, ["cuda:0", "cuda:0", "cuda:1", "cuda:1"]) == [
+        (cast, 2), (operands, 2), (cast, 2), (operands, 2)]     # one launch, one device
     monkeypatch.setattr(SP, "GROUP_ELEMENTS", 2 * 512 * 384)
     assert splice([True] * 4) == [(cast, 2), (operands, 2), (cast, 2), (operands, 2)]

@@ -526,9 +526,10 @@ def _hq_weight_program(pid, w_ptr, q_ptr, s_ptr, amax_ptr, f_ptr, fs_ptr, fmax_p
     Output row i (in-feature i) needs the amax over all of O, and W is small next to g,
     so levels use the two-phase scheme of ``_hq_tensor_kernel`` on a 2-D grid of
     (BI in-features, BO outputs) tiles: phase 1 atomically maxes each row's tile amax into
-    ``amax_ptr[i]`` (zeroed), phase 2 quantizes (tiles in reverse order, W mostly from L2).
-    E4M3 runs phase 2 alone: ``amax_ptr[i]`` holds max |W[:, i]| (``input_amax_bits``) and
-    Q = 28 (``reference.e4m3_bound_scale``).
+    ``amax_ptr[i]`` (zeroed), phase 2 quantizes (``_hq_weight_kernel`` walks its tiles in
+    reverse order then: W mostly from L2). E4M3 runs phase 2 alone: ``amax_ptr[i]`` holds
+    max |W[:, i]| (``input_amax_bits``) and Q = 28 (``reference.e4m3_bound_scale``). ``pid``
+    is the program's tile within this weight.
     """
     n_ot = tl.cdiv(O_pad, BO)
     ins = (pid // n_ot) * BI + tl.arange(0, BI)
@@ -615,11 +616,12 @@ def _weight_operands_kernel(w0, q0, s0, a0, f0, fs0, fm0, O0, I0, e0,
     inlined per slot took 11.3 s to compile for seven slots against 1.4 s, sm_90 on this
     package's CPU box; Llama d4096's cold first step read 2.16x Inductor's with it, H200).
 
-    Slots past N are compiled out: nothing refers to their arguments (the launcher repeats
-    slot 0's there). Not even a call may take them: Inductor's mutation analysis reads the
-    TTIR before inlining and counts every tensor passed to a call whose result is stored
-    through as written; a written tensor repeated in a later argument then came back from
-    the functional kernel node as that argument's untouched clone (wrong gradients)."""
+    Slots past N are compiled out: nothing refers to their arguments (``_slotted`` passes
+    slot 0's read-only input there). Not even a call may take them: Inductor's mutation
+    analysis reads the TTIR before inlining and counts every tensor passed to a call whose
+    result is stored through as written; slot 0's output, repeated in a later slot, then
+    came back from the functional kernel node as that slot's untouched clone (wrong
+    gradients, thirty-ninth stop)."""
     pid = tl.program_id(0)
     first, O, I, w, q, s, a, f, fs, fm = 0, O0, I0, w0, q0, s0, a0, f0, fs0, fm0
     if N > 1:
@@ -1010,17 +1012,26 @@ WEIGHT_SLOTS = 8     # weights one launch of the forward's W kernels serves (the
 
 def _slotted(slots: list, per_slot: int) -> list:
     """The arguments of a slotted launch: the used slots' ``slots`` (``per_slot`` values
-    each), then slot 0's repeated for the rest. Those are never read: the kernel's N
-    compiles them out, so a tensor repeated there is not written through (Triton's mutation
-    analysis, which ``wrap_triton`` runs on the compiled code, sees no store to it)."""
+    each, slot 0's first value a tensor the kernel only reads), then for each unused slot
+    slot 0's values with every tensor replaced by that read-only one. The kernel's N compiles
+    those slots out (nothing refers to them), and were one ever referred to, it could only be
+    read: no written buffer is passed twice."""
     used = len(slots) // per_slot
-    return slots + slots[:per_slot] * (WEIGHT_SLOTS - used)
+    idle = [slots[0] if isinstance(v, torch.Tensor) else v for v in slots[:per_slot]]
+    return slots + idle * (WEIGHT_SLOTS - used)
+
+
+def _one_device(ts: list, what: str) -> None:
+    """A slotted launch's tensors live on one device (one launch cannot span two)."""
+    if len({t.device for t in ts}) > 1:
+        raise ValueError(f"{what}: the weights of one launch must be on one device")
 
 
 def weight_casts(ps: list, dtype: torch.dtype, row_max: bool = False) -> list:
     """``reference.weight_cast`` of each fp32 parameter p (O, I) of ``ps``: [(p.to(dtype),
     max |that| per column as int32 bits, per row with ``row_max`` (else an empty tensor))],
     one ``_weight_cast_kernel`` launch per ``WEIGHT_SLOTS`` parameters (tile: ``cast_tile``)."""
+    _one_device(ps, "weight_casts")
     rows, bo, bi, warps = cast_tile(interpreting())
     outs = []
     for start in range(0, len(ps), WEIGHT_SLOTS):
@@ -1118,8 +1129,14 @@ def hq_weight_operands(ws: list, col_maxes: list, forward: Optional[list] = None
     (O,) row-wise, else a 1-element max of W), returned after the two as (the column-major
     (I, O) e4m3 view of a row-major (O, I) buffer, fp32 scale: (1, O) row-wise, else 0-d),
     the operand and scale ``fp8_forward.weight_operand`` gives. All weights of one call
-    share ``forward``'s kind (row-wise, tensor-wise or none). ``rotate=False`` (the plain
-    W^T of ``exact_gx_gemm="e4m3"``) takes O a multiple of 16 only."""
+    share ``forward``'s kind (row-wise, tensor-wise or none), a dtype and a device.
+    ``rotate=False`` (the plain W^T of ``exact_gx_gemm="e4m3"``) takes O a multiple of 16
+    only (``formats.e4m3_gx_fused`` asks it of that path anyway)."""
+    if not ws:
+        return []
+    _one_device(ws, "hq_weight_operands")
+    if len({w.dtype for w in ws}) > 1:
+        raise ValueError("hq_weight_operands: the copies of one call must share a dtype")
     interp = interpreting()
     kinds = {rowwise for _, rowwise in forward} if forward is not None else {None}
     if len(kinds) != 1:

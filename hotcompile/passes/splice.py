@@ -26,6 +26,7 @@ body whose kernels serve up to ``hadamard.WEIGHT_SLOTS`` weights per launch (``G
 """
 from __future__ import annotations
 
+import logging
 import operator
 from typing import Callable, Dict, Optional
 
@@ -40,6 +41,7 @@ from .graph_utils import stamp
 from .kernel_access import memoized_kernel_access
 
 aten = torch.ops.aten
+log = logging.getLogger(__name__)
 WRAPPER = torch.ops.higher_order.triton_kernel_wrapper_functional
 BODIES: Dict[object, Callable] = {
     torch.ops.hot.linear_backward.default: ops.linear_backward_body,
@@ -55,9 +57,10 @@ GROUPS: Dict[object, Callable] = {
     torch.ops.hot.weight_cast.default: ops.weight_cast_group_body,
     torch.ops.hot.weight_operands.default: ops.weight_operands_group_body,
 }
-# at most this many weight elements per group: a group's copies are made before the first
-# of its sites runs (Llama d4096's seven layer weights are 2.0e8; its 32000 x 4096 head,
-# which follows them, starts a group of its own)
+# at most this many weight elements per group: a group's copies and forward operands are
+# made before the first of its sites runs (2 + 1 bytes per element under the row-wise FP8
+# forward, at most 768 MiB for a group; Inductor keeps the freed copies' buffers for the
+# next group). Llama d4096's 14 layer weights (2.0e8 per layer) go as 8 + 6.
 GROUP_ELEMENTS = 1 << 28
 
 
@@ -199,6 +202,10 @@ def splice_group(graph: Graph, nodes: list, fake_mode) -> None:
             raise RuntimeError("a group of ops with one output each")
     first = nodes[0]
     gm = trace_body(first, fake_mode) if len(nodes) == 1 else trace_group(nodes, fake_mode)
+    if len(nodes) > 1:      # checked before the graph changes
+        outs = gm.graph.output_node().args[0]
+        if len(outs) != sum(len(n.meta["val"]) for n in nodes):
+            raise RuntimeError("the group's body returns another number of outputs")
     before = first.prev
     slots = [_realized(graph, a, first, fake_mode) for node in nodes for a in _inputs(node)]
     places = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -229,14 +236,17 @@ def _elements(node: Node) -> int:
 
 def weight_groups(graph: Graph, nodes: list) -> list:
     """``nodes`` (ops of one ``GROUPS`` kind) cut into groups spliced as one body each:
-    consecutive in graph order, the same non-tensor arguments and tensor dtypes (a launch's
-    slots share them), at most ``WEIGHT_SLOTS`` ops and ``GROUP_ELEMENTS`` weight elements,
-    and every input defined before the group's first op (where its body goes)."""
+    consecutive in graph order, the same non-tensor arguments, tensor dtypes and devices (a
+    launch's slots share them) and graph metadata (the body takes the first op's tag and
+    save policy), at most ``WEIGHT_SLOTS`` ops and ``GROUP_ELEMENTS`` weight elements, and
+    every input defined before the group's first op (where its body goes)."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     groups: list = []
     for node in sorted(nodes, key=order.__getitem__):
-        key = [getattr(a.meta.get("val"), "dtype", None) if isinstance(a, Node) else a
-               for a in node.args] + _defaults(node)
+        key = [(getattr(a.meta.get("val"), "dtype", None),
+                getattr(a.meta.get("val"), "device", None)) if isinstance(a, Node) else a
+               for a in node.args] + _defaults(node) \
+            + [node.meta.get(k) for k in ("partitioner_tag", "recompute", "ac_graph_id")]
         g = groups[-1] if groups else None
         if g is not None and g["key"] == key and not node.kwargs \
                 and len(g["nodes"]) < WEIGHT_SLOTS \
@@ -266,8 +276,9 @@ def splice_ops(graph: Graph, nodes, fake_mode) -> Dict[Node, str]:
                     try:
                         splice_group(graph, group, fake_mode)
                         how.update((n, "Inductor") for n in group)
-                    except Exception:  # noqa: BLE001 - op by op below, each with its reason
-                        pass
+                    except Exception as e:  # noqa: BLE001 - op by op below, each its reason
+                        log.warning("hotcompile: %d %s ops spliced one by one, not as one "
+                                    "launch: %s: %s", len(group), kind, type(e).__name__, e)
             todo = [n for n in todo if n not in how]
         for node in todo:
             why = refusal(node)
