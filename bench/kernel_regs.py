@@ -209,7 +209,9 @@ def site_reports(L: int, I: int, O: int, rank: int):
         w, st = warps if isinstance(warps, tuple) else (warps, 3)
         # the g side's sizes are (L, O), the x side's (L, I): C and S are the HLA kernel's
         c = I if name.startswith("abc") else O
-        sizes16 = tuple(n for n, v in (("L", L), ("O", O), ("C", c), ("S", L)) if v % 16 == 0)
+        # the slotted W kernels: slot 0's W (O, I), its row stride I
+        sizes16 = tuple(n for n, v in (("L", L), ("O", O), ("C", c), ("S", L), ("O0", O),
+                                       ("I0", I), ("sp0", I)) if v % 16 == 0)
         out.append((name, report(kernel, ptrs, const, w, st, sizes16)))
     return out
 
