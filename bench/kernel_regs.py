@@ -127,11 +127,15 @@ def kernels_for(L: int, I: int, O: int, rank: int):
                           INTERPRET=False, ROW_MAX=True, PLAIN=plain), warps))
     rows.append(("hla g bound", hla._block_bound_kernel, {"m_ptr": "*fp32", "out_ptr": "*i32"},
                  dict(BB=64), 4))
-    for row_max in (False, True):     # one weight in the slotted kernel (the others unused)
-        rows.append((f"W cast{' + row maxima' if row_max else ''}", H._weight_cast_kernel,
-                     {"p0": "*fp32", "w0": "*bf16", "c0": "*i32",
-                      "r0": "*i32" if row_max else "*fp32"},
-                     dict(zip(("ROWS", "BO", "BI"), H.cast_tile(False)[:3]), N=1, BF16=True,
+    # the slotted W kernels with one weight, and with all 8 slots (their selects live)
+    for n, row_max in ((1, False), (1, True), (8, True)):
+        ptrs = {}
+        for k in range(n):
+            ptrs.update({f"p{k}": "*fp32", f"w{k}": "*bf16", f"c{k}": "*i32",
+                         f"r{k}": "*i32" if row_max else "*fp32"})
+        rows.append((f"W cast{' + row maxima' if row_max else ''}{f' x{n}' if n > 1 else ''}",
+                     H._weight_cast_kernel, ptrs,
+                     dict(zip(("ROWS", "BO", "BI"), H.cast_tile(False)[:3]), N=n, BF16=True,
                           ROW_MAX=row_max), H.cast_tile(False)[3]))
     bc, _ = H.column_tile(o_pad, max_tile=512)
     wbi, wbo, wwarps = H.weight_tile(o_pad, False)
@@ -156,10 +160,15 @@ def kernels_for(L: int, I: int, O: int, rank: int):
     # the forward's W operands (weight_operands: HQ's e4m3 W and the row-wise FP8 forward's
     # W from one read), one weight in the slotted kernel
     ebi, ebo, ewarps = H.weight_tile(o_pad, False, True)
-    rows.append(("W operands e4m3 + FP8 forward W", H._weight_operands_kernel,
-                 {"w0": "*bf16", "q0": "*fp8e4nv", "s0": "*fp32", "a0": "*i32",
-                  "f0": "*fp8e4nv", "fs0": "*fp32", "fm0": "*i32"},
-                 dict(N=1, BI=ebi, BO=ebo, Q=28, INTERPRET=False, FWD=2, ROTATE=True), ewarps))
+    for n in (1, 8):
+        ptrs = {}
+        for k in range(n):
+            ptrs.update({f"w{k}": "*bf16", f"q{k}": "*fp8e4nv", f"s{k}": "*fp32", f"a{k}": "*i32",
+                         f"f{k}": "*fp8e4nv", f"fs{k}": "*fp32", f"fm{k}": "*i32"})
+        rows.append((f"W operands e4m3 + FP8 forward W{f' x{n}' if n > 1 else ''}",
+                     H._weight_operands_kernel, ptrs,
+                     dict(N=n, BI=ebi, BO=ebo, Q=28, INTERPRET=False, FWD=2, ROTATE=True),
+                     ewarps))
     for what, C, stochastic in (("hla g", O, True), ("abc x", I, False)):
         for e4m3 in (False, True):     # int8 levels (INT8 GEMM) or scaled e4m3 (cuBLAS FP8)
             rp = hla._pow2_at_least(rank)
@@ -209,9 +218,10 @@ def site_reports(L: int, I: int, O: int, rank: int):
         w, st = warps if isinstance(warps, tuple) else (warps, 3)
         # the g side's sizes are (L, O), the x side's (L, I): C and S are the HLA kernel's
         c = I if name.startswith("abc") else O
-        # the slotted W kernels: slot 0's W (O, I), its row stride I
-        sizes16 = tuple(n for n, v in (("L", L), ("O", O), ("C", c), ("S", L), ("O0", O),
-                                       ("I0", I), ("sp0", I)) if v % 16 == 0)
+        # the slotted W kernels: each slot's W (O, I) and row stride I (the same shape)
+        slot = tuple((f"{a}{k}", v) for k in range(8) for a, v in (("O", O), ("I", I), ("sp", I)))
+        sizes16 = tuple(n for n, v in (("L", L), ("O", O), ("C", c), ("S", L)) + slot
+                        if v % 16 == 0)
         out.append((name, report(kernel, ptrs, const, w, st, sizes16)))
     return out
 
