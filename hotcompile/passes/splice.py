@@ -150,8 +150,8 @@ def _defaults(node: Node) -> list:
 
 def trace_group(nodes: list, fake_mode) -> torch.fx.GraphModule:
     """The group body (``GROUPS``) of ``nodes`` (one op, arguments agreeing but for their
-    tensors, no keyword arguments; each call given whole, defaults filled in) traced on their inputs, returning all their outputs in
-    order (``n_out`` per node)."""
+    tensors, no keyword arguments) traced on their inputs: each call is handed over whole,
+    defaults filled in, and the body returns every node's outputs in order."""
     body = GROUPS[nodes[0].target]
     counts = [len(_inputs(n)) for n in nodes]
 
@@ -243,20 +243,19 @@ def weight_groups(graph: Graph, nodes: list) -> list:
     order = {n: i for i, n in enumerate(graph.nodes)}
     groups: list = []
     for node in sorted(nodes, key=order.__getitem__):
-        key = [(getattr(a.meta.get("val"), "dtype", None),
-                getattr(a.meta.get("val"), "device", None)) if isinstance(a, Node) else a
-               for a in node.args] + _defaults(node) \
+        key = None if node.kwargs else [    # an op called with keywords goes alone
+            (getattr(a.meta.get("val"), "dtype", None), getattr(a.meta.get("val"), "device", None))
+            if isinstance(a, Node) else a for a in node.args] + _defaults(node) \
             + [node.meta.get(k) for k in ("partitioner_tag", "recompute", "ac_graph_id")]
         g = groups[-1] if groups else None
-        if g is not None and g["key"] == key and not node.kwargs \
+        if g is not None and key is not None and g["key"] == key \
                 and len(g["nodes"]) < WEIGHT_SLOTS \
                 and g["elements"] + _elements(node) <= GROUP_ELEMENTS \
                 and all(order[a] < order[g["nodes"][0]] for a in _inputs(node)):
             g["nodes"].append(node)
             g["elements"] += _elements(node)
         else:
-            groups.append({"key": key if not node.kwargs else None, "nodes": [node],
-                           "elements": _elements(node)})
+            groups.append({"key": key, "nodes": [node], "elements": _elements(node)})
     return [g["nodes"] for g in groups]
 
 
