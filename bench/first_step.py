@@ -32,6 +32,7 @@ import argparse
 import glob
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -107,11 +108,13 @@ def profiler_lost(returncode: int, runs: List[dict], modes: str) -> bool:
             and all(r.get("status") == "ok" for r in runs))
 
 
-def per_mode_caches(args, phase: str, cache: str, scratch: str) -> dict:
+def per_mode_caches(args, phase: str, cache: str, scratch: str, reverse: bool = False) -> dict:
     """A phase with each mode in its own train.py invocation on ``cache/<mode>``: its runs
-    in the order of ``--modes``, and the binaries all of them added."""
+    in the order of ``--modes`` (reversed with ``reverse``), and the binaries all of them
+    added."""
     merged: dict = {"phase": phase, "new_binaries": {}, "runs": []}
-    for mode in C.mode_list(args.modes):
+    modes = C.mode_list(args.modes)
+    for mode in (modes[::-1] if reverse else modes):
         folder = os.path.join(cache, C.file_part(mode))
         ph = run_phase(args, phase, folder, os.path.join(scratch, C.file_part(mode)), modes=mode)
         merged["runs"] += ph["runs"]
@@ -138,6 +141,31 @@ def table(phases: List[dict]) -> str:
                        "binaries the phase compiled (all its modes)"], rows)
 
 
+def cold_medians(phases: List[dict]) -> List[str]:
+    """With several cold phases: each mode's median cold first step against Inductor's, and
+    the spread of the per-phase ratios. Why: on one H200 and one tree, two cold pairs read
+    1.34x and 2.10x (fortieth stop); one pair is not a measurement of the first compile."""
+    colds = [ph for ph in phases if ph["phase"].startswith("cold") and ph["phase"] != "cold"]
+    if len(colds) < 2:
+        return []
+    out = []
+    by = {}
+    for ph in colds:
+        for r in ph["runs"]:
+            if r.get("first_step_s"):
+                by.setdefault((r["model"], r["mode"]), {})[ph["phase"]] = r["first_step_s"]
+    for (model, mode), got in sorted(by.items()):
+        base = by.get((model, "inductor"), {})
+        if mode == "inductor" or not base:
+            continue
+        ratios = sorted(got[p] / base[p] for p in got if p in base)
+        med, med_base = statistics.median(got.values()), statistics.median(base.values())
+        out.append(f"- cold, {len(got)} phases, {model} {mode}: median {med:.2f} s against "
+                   f"Inductor's {med_base:.2f} s: **{med / med_base:.2f}x**; per phase "
+                   + ", ".join(f"{r:.2f}x" for r in ratios))
+    return out + [""] if out else []
+
+
 def compiled_lines(phases: List[dict]) -> List[str]:
     """What each phase compiled: the cold one by count (with its C modules, Triton's
     launchers among them: the thirty-first stop found six, 4.5 s of HOT's cold first step),
@@ -151,6 +179,10 @@ def compiled_lines(phases: List[dict]) -> List[str]:
                                    or "nothing")
              + (f" (`.so`: {', '.join(modules)})" if 0 < len(modules) <= 8 else "")]
     for ph in phases[1:]:
+        if ph["phase"].startswith("cold"):      # another cold phase: by count, as the first
+            lines.append(f"- {ph['phase']} compiled " + (", ".join(
+                f"{len(v)} `{k}`" for k, v in sorted(ph["new_binaries"].items())) or "nothing"))
+            continue
         for ext, names in ph["new_binaries"].items():
             lines.append(f"- {ph['phase']} compiled {len(names)} `{ext}`: "
                          + ", ".join(f"`{n}`" for n in names[:12])
@@ -163,6 +195,9 @@ def main(argv=None) -> int:
     p.add_argument("--models", default="llama_d4096")
     p.add_argument("--modes", default="inductor,hot")
     p.add_argument("--warm", type=int, default=2, help="warm processes after the cold one")
+    p.add_argument("--cold", type=int, default=1,
+                   help="cold phases, each on empty cache folders of its own, every other "
+                        "one in the reverse order of --modes; the table adds their medians")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--device", help="cuda / cpu (default: cuda when available)")
@@ -201,9 +236,15 @@ def main(argv=None) -> int:
         phases.append(run_phase(args, "prime", os.path.join(scratch, "prime_cache"), scratch,
                                 modes="inductor"))
         write_results(base, device, args, phases, complete=False)
-    names = ["cold"] + [f"warm{i}" for i in range(1, args.warm + 1)]
-    for phase in names:
-        phases.append(per_mode_caches(args, phase, cache, scratch))
+    colds = ["cold"] if args.cold == 1 else [f"cold{i}" for i in range(1, args.cold + 1)]
+    names = colds + [f"warm{i}" for i in range(1, args.warm + 1)]
+    for i, phase in enumerate(names):
+        # each cold phase on empty folders of its own (the warm phases read the last one's);
+        # every other one in the reverse order of the modes, so a drift of the machine
+        # over the call does not favour the mode that always runs first
+        folder = os.path.join(scratch, f"cache_{phase}") if i < len(colds) - 1 else cache
+        phases.append(per_mode_caches(args, phase, folder, scratch,
+                                      reverse=i < len(colds) and i % 2 == 1))
         write_results(base, device, args, phases, complete=phase == names[-1])
     with open(base + ".md") as f:
         print(f.read(), end="")
@@ -226,6 +267,7 @@ def write_results(base: str, device, args, phases: List[dict], complete: bool) -
         lines += [f"- primed: one Inductor step in a process and cache folder of its own first "
                   f"({C.fmt(first)} s), so neither backend pays the machine's first-process "
                   "costs", ""]
+    lines += cold_medians(phases)
     lines += compiled_lines(phases)
     lines += [f"- {ph['phase']}: an invocation under py-spy exited {ph['native_exit']} after "
               "train.py wrote its results (timings kept; its native profile may be missing)"

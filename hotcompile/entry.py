@@ -46,8 +46,8 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, CustomPartitioner
 from . import compile_cache
 from .config import HOTConfig
 from .debug.report import Report, SiteRecord, record_site
-from .inductor_settings import (SAVED_BACKWARD_PATCHES, graph_patches, other_kernels,
-                                start_compile_workers)
+from .inductor_settings import (SAVED_BACKWARD_PATCHES, early_kernel_compiles, graph_patches,
+                                other_kernels, start_compile_workers)
 from .kernels import ops as _ops  # noqa: F401  registers torch.ops.hot.*
 from .names import (SharedGraphNames, alias_records, compiled_root, naming_of, param_slots,
                     source_name)
@@ -414,9 +414,10 @@ def _inner_compile(*args, backward_patches: Optional[Callable[[], Optional[dict]
     on its first call, outside the backend's scope (Inductor wraps this same function to
     keep its config patches there). Unmemoized, lowering the backward re-analyses every HOT
     launch in it (Triton's mutation analysis took 4.4 s of Llama d4096's cold first step on
-    the H100, the splicing pass's memoized share included)."""
+    the H100, the splicing pass's memoized share included). HOT's kernels are also sent to
+    the compile workers as the wrapper defines them (``early_kernel_compiles``)."""
     patches = (backward_patches() if backward_patches and kwargs.get("is_backward") else None) or {}
-    with memoized_kernel_access(), torch._inductor.config.patch(patches):
+    with memoized_kernel_access(), early_kernel_compiles(), torch._inductor.config.patch(patches):
         return compile_fx_inner(*args, **kwargs)
 
 

@@ -11,11 +11,16 @@ which the backend applies after these.
   called, as Inductor's own backend starts them, with HOT's Triton kernels launched through
   Inductor's static launcher.
 - ``SAVED_BACKWARD_PATCHES``: the backward of a graph whose kept activations are compressed.
+- ``early_kernel_compiles()``: HOT's kernels go to the compile workers when Inductor's
+  wrapper defines them, as Inductor's own kernels do, not when the compiled module loads.
 """
 from __future__ import annotations
 
+import ast
+import contextlib
 import logging
 import os
+import threading
 from typing import Optional
 
 import torch
@@ -171,3 +176,107 @@ def start_compile_workers(static: bool = True) -> bool:
 # layer's GELU and qkv gradients (129 MiB a layer) alive until then: peak 4.12 GiB against
 # 3.90 with the partitioner's layer-by-layer order (H100, docs/BENCHMARKS.md, 27th stop).
 SAVED_BACKWARD_PATCHES = {"reorder_for_peak_memory": False}
+
+
+_EARLY = {"depth": 0, "original": None}
+_EARLY_LOCK = threading.Lock()
+
+
+def _kernel_source(body: str) -> Optional[tuple]:
+    """``(name, source, device)`` of the ``async_compile.triton(name, '''source''',
+    device_str=...)`` statement Inductor's wrapper writes for a kernel, as the compiled module
+    will evaluate it when it loads, or None for anything else."""
+    try:
+        tree = ast.parse(body.strip())
+    except SyntaxError:
+        return None
+    if len(tree.body) != 1 or not isinstance(tree.body[0], ast.Expr):
+        return None
+    call = tree.body[0].value
+    if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
+            and call.func.attr == "triton" and len(call.args) == 2
+            and all(isinstance(a, ast.Constant) and isinstance(a.value, str)
+                    for a in call.args)):
+        return None
+    device = next((k.value.value for k in call.keywords if k.arg == "device_str"
+                   and isinstance(k.value, ast.Constant)), "cuda")
+    return call.args[0].value, call.args[1].value, device
+
+
+def _submit_early(body: str) -> bool:
+    """Start compiling a kernel the wrapper just defined, if the workers are ready; the
+    module's own ``async_compile.triton`` call then finds it by its source. Returns whether
+    it was submitted."""
+    from torch._inductor.async_compile import AsyncCompile
+    found = _kernel_source(body)
+    if found is None or not AsyncCompile.use_process_pool():
+        return False
+    name, source, device = found
+    AsyncCompile().triton(name, source, device_str=device)
+    return True
+
+
+@contextlib.contextmanager
+def early_kernel_compiles():
+    """While the block runs, each user-defined Triton kernel (every HOT kernel spliced into a
+    graph) that Inductor's Python wrapper defines is submitted to the compile workers at
+    once, as Inductor's scheduler submits its own kernels when it generates them
+    (``codegen/triton.py``, ``define_kernel``). Re-entrant; where this torch lays the wrapper
+    out differently, or a kernel's definition cannot be read, nothing changes: the module
+    compiles it when it loads, as before.
+
+    Why: Inductor writes a user-defined kernel into the compiled module and compiles it only
+    when the module is loaded, after the whole graph's code generation, so the slowest HOT
+    kernel's compile (up to 2.5 s for an HLA variant, one CPU core) was waited on in full:
+    in Llama d4096's cold first step the backward's device thread waited 2.4 s on compile
+    futures and the forward's load 1.7 s, against Inductor's kernels compiling during code
+    generation (H200, fortieth stop). The same source is compiled either way, by the same
+    workers; only the start moves earlier."""
+    try:
+        from torch._inductor.codegen.wrapper import PythonWrapperCodegen
+    except ImportError:  # pragma: no cover
+        yield
+        return
+    with _EARLY_LOCK:
+        if _EARLY["depth"] == 0:
+            original = getattr(PythonWrapperCodegen, "define_user_defined_triton_kernel", None)
+            if original is not None:
+                _EARLY["original"] = original
+
+                def define_user_defined_triton_kernel(self, *args, **kwargs):
+                    defined = []
+                    define_kernel = self.define_kernel
+
+                    def capture(name, body, *a, **k):
+                        defined.append(body)
+                        return define_kernel(name, body, *a, **k)
+
+                    self.define_kernel = capture
+                    try:
+                        return original(self, *args, **kwargs)
+                    finally:
+                        del self.define_kernel
+                        if not _cpp_wrapper():      # a C++ wrapper embeds it otherwise
+                            for body in defined:
+                                try:
+                                    _submit_early(body)
+                                except Exception:  # noqa: BLE001 - the load compiles it
+                                    log.debug("hotcompile: early compile not submitted",
+                                              exc_info=True)
+
+                PythonWrapperCodegen.define_user_defined_triton_kernel = \
+                    define_user_defined_triton_kernel
+        _EARLY["depth"] += 1
+    try:
+        yield
+    finally:
+        with _EARLY_LOCK:
+            _EARLY["depth"] -= 1
+            if _EARLY["depth"] == 0 and _EARLY["original"] is not None:
+                PythonWrapperCodegen.define_user_defined_triton_kernel = _EARLY["original"]
+                _EARLY["original"] = None
+
+
+def _cpp_wrapper() -> bool:
+    from torch._inductor import config
+    return bool(getattr(config, "cpp_wrapper", False))

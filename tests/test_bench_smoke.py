@@ -819,6 +819,21 @@ def test_first_step_primes_the_machine_and_gives_each_mode_its_own_cache(tmp_pat
     F.main(["--models", "tiny_gpt", "--device", "cpu", "--warm", "0", "--no-prime",
             "--cache-dir", str(tmp_path / "c2"), "--out", str(tmp_path / "out2")])
     assert [c[c.index("--modes") + 1] for c in cmds] == ["inductor", "hot"]
+    # --cold 3: three cold phases, each on empty folders of its own, the middle one in the
+    # reverse order; the warm phase reads the last cold one's folders; medians in the table
+    cmds.clear()
+    F.main(["--models", "tiny_gpt", "--device", "cpu", "--warm", "1", "--no-prime", "--cold", "3",
+            "--cache-dir", str(tmp_path / "c3"), "--out", str(tmp_path / "out3")])
+    assert [c[c.index("--modes") + 1] for c in cmds] == \
+        ["inductor", "hot", "hot", "inductor", "inductor", "hot", "inductor", "hot"]
+    caches = [c[c.index("--cache-dir") + 1] for c in cmds]
+    assert len(set(caches[:6])) == 6 and caches[4:6] == caches[6:8], caches
+    assert caches[6:8] == [str(tmp_path / "c3" / "inductor"), str(tmp_path / "c3" / "hot")]
+    md = open(next(iter(glob.glob(str(tmp_path / "out3" / "first_step_*.md"))))).read()
+    assert "| cold2 | tiny_gpt | hot | 3.00 | 1.50x |" in md, md
+    assert ("- cold, 3 phases, tiny_gpt hot: median 3.00 s against Inductor's 2.00 s: "
+            "**1.50x**; per phase 1.50x, 1.50x, 1.50x") in md, md
+    assert "- cold2 compiled nothing" in md, md
 
 
 def test_first_step_keeps_the_timings_when_only_the_profiler_died(tmp_path, monkeypatch):

@@ -230,3 +230,76 @@ def test_hot_kernels_launch_statically_from_a_cold_compile_with_the_same_gradien
     assert hot <= set(seen["0"]) and not any(seen["0"].values()), seen
     for a, b in zip(grads[""], grads["0"]):
         assert torch.equal(a, b)
+
+
+def _fixture_kernels(which):
+    """``(statement, right-hand side)`` of each HOT kernel's definition in Inductor's output
+    code for Llama d4096 on the H200 (``tests/data``), as the wrapper wrote them."""
+    import gzip
+    import re
+    path = os.path.join(ROOT, "tests", "data", f"output_code_llama_d4096_hot_{which}_h200.py.gz")
+    with gzip.open(path, "rt") as f:
+        text = f.read()
+    found = re.findall(r"^(\w+ = (async_compile\.triton\('_(?:hla|hq|weight|block)\w*', '''.*?"
+                       r"''', device_str='cuda'\)))$", text, re.S | re.M)
+    assert found
+    return found
+
+
+@pytest.mark.parametrize("which", ["forward", "backward"])
+def test_a_kernel_definition_reads_back_as_the_source_its_module_compiles(which):
+    """``_kernel_source`` gives the name, source and device the compiled module's own
+    ``async_compile.triton`` call will receive (so the early submission is found by its
+    source when the module loads): checked on every HOT kernel of a real output code,
+    escapes included."""
+    for statement, rhs in _fixture_kernels(which):
+        seen = []
+
+        class Recorder:
+            def triton(self, *args, **kwargs):
+                seen.append((*args, kwargs.get("device_str")))
+
+        exec(compile(statement, "<module>", "exec"), {"async_compile": Recorder()})
+        assert S._kernel_source(rhs) == seen[0]
+    assert S._kernel_source("x = 1") is None
+    assert S._kernel_source("async_compile.triton(name, src)") is None
+    assert S._kernel_source("not python (") is None
+
+
+def test_user_kernels_are_submitted_when_the_wrapper_defines_them(monkeypatch):
+    """Inside ``early_kernel_compiles()`` a user kernel the Python wrapper defines goes to the
+    compile workers at once (when they are ready) with the source its module will ask for;
+    the wrapper still gets the definition; nothing is submitted without ready workers or
+    under a C++ wrapper; the method is restored when the outermost block ends."""
+    from torch._inductor import config
+    from torch._inductor.async_compile import AsyncCompile
+    from torch._inductor.codegen.wrapper import PythonWrapperCodegen
+    statement, rhs = _fixture_kernels("backward")[0]
+    submitted, defined = [], []
+    ready = {"on": True}
+    monkeypatch.setattr(AsyncCompile, "use_process_pool", classmethod(lambda c: ready["on"]))
+    monkeypatch.setattr(AsyncCompile, "triton",
+                        lambda self, n, src, device_str="cuda": submitted.append((n, src)))
+    monkeypatch.setattr(PythonWrapperCodegen, "define_kernel",
+                        lambda self, name, body, metadata=None, gpu=True: defined.append(name))
+    monkeypatch.setattr(PythonWrapperCodegen, "define_user_defined_triton_kernel",
+                        lambda self, kernel: self.define_kernel("_k_0", rhs, "# meta"))
+    original = PythonWrapperCodegen.define_user_defined_triton_kernel
+    wrapper = PythonWrapperCodegen.__new__(PythonWrapperCodegen)
+    with S.early_kernel_compiles():
+        with S.early_kernel_compiles():
+            assert PythonWrapperCodegen.define_user_defined_triton_kernel is not original
+        assert PythonWrapperCodegen.define_user_defined_triton_kernel is not original
+        wrapper.define_user_defined_triton_kernel(None)
+        assert defined == ["_k_0"] and submitted == [S._kernel_source(rhs)[:2]]
+        assert "define_kernel" not in vars(wrapper)               # the capture is undone
+        ready["on"] = False
+        wrapper.define_user_defined_triton_kernel(None)
+        ready["on"] = True
+        monkeypatch.setattr(config, "cpp_wrapper", True)
+        wrapper.define_user_defined_triton_kernel(None)
+        monkeypatch.setattr(config, "cpp_wrapper", False)
+        assert len(defined) == 3 and len(submitted) == 1
+    assert PythonWrapperCodegen.define_user_defined_triton_kernel is original
+    wrapper.define_user_defined_triton_kernel(None)
+    assert len(defined) == 4 and len(submitted) == 1
