@@ -5,6 +5,9 @@ import torch
 
 os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "0")
 os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "0")
+# every kernel launch with declared writes is also analysed, and a differing declaration
+# raises (hotcompile/passes/kernel_access.py): each test that splices checks them
+os.environ.setdefault("HOTCOMPILE_CHECK_WRITES", "1")
 
 
 @pytest.fixture(autouse=True)

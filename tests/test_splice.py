@@ -186,9 +186,13 @@ def test_dynamic_shapes_keep_the_op(hopper):
 
 
 @compiled
-def test_a_body_whose_kernels_cannot_be_analysed_stays_an_op(hopper, caplog):
+def test_a_body_whose_kernels_cannot_be_analysed_stays_an_op(hopper, caplog, monkeypatch):
     """Without a target Triton's mutation analysis fails and torch assumes every input is
-    written; functionalisation would copy inputs back: the op stays."""
+    written; functionalisation would copy inputs back: the op stays. (Kernels without
+    declared writes: a declaration would answer in place of the analysis under torch 2.11.)"""
+    from hotcompile.passes import kernel_access as KA
+    monkeypatch.setattr(KA, "CHECK_DECLARED", False)
+    monkeypatch.setattr(KA, "declared_writes", lambda kernel, kwargs: None)
     gm, mode = _site_graph()
     unit = _nodes(gm, {hot.linear_backward.default})[0]
 
@@ -313,6 +317,47 @@ def test_unkeyable_launches_go_to_the_original_analysis():
     assert KA._key(object(), {"n": _Sym()}, None) is None
     assert KA._key(len, {"x": torch.empty(2, dtype=torch.bfloat16), "B": 4}, None) == \
         (len, (("B", "int", 4), ("x", "tensor", torch.bfloat16)), "")
+
+
+@pytest.mark.parametrize("check", [False, True])
+def test_a_writes_only_analysis_is_answered_from_the_declaration(monkeypatch, check):
+    """Where torch's analysis answers with the written names alone (torch 2.11's
+    ``identify_mutated_tensors -> list[str]``), a launch of a kernel that declares its writes
+    gets the declaration without any analysis (no TTIR); a kernel without one, or a launch
+    the declaration cannot read, is analysed; with ``CHECK_DECLARED`` every declared launch
+    is analysed too and a differing declaration raises. Outside the block, torch's own."""
+    from torch._higher_order_ops import triton_kernel_wrap as twrap
+    from hotcompile.kernels import hadamard, hla
+    from hotcompile.passes import kernel_access as KA
+    calls = []
+
+    def identify_mutated_tensors(kernel, kwargs, tma_descriptor_metadata) -> "list[str]":
+        calls.append(kernel)
+        return ["q_ptr", "s_ptr"]
+
+    monkeypatch.delattr(twrap, "identify_accessed_tensors", raising=False)
+    monkeypatch.setattr(twrap, "identify_mutated_tensors", identify_mutated_tensors,
+                        raising=False)
+    monkeypatch.setattr(KA, "CHECK_DECLARED", check)
+    t = torch.empty(4)
+    phase2 = {"x_ptr": t, "q_ptr": t, "s_ptr": t, "amax_ptr": t, "seed_ptr": t, "PHASE": 2,
+              "C": 4096}
+    with KA.memoized_kernel_access():
+        got = twrap.identify_mutated_tensors(hla._hla_kernel, phase2, {})
+        assert got == ["q_ptr", "s_ptr"] and calls == ([hla._hla_kernel] if check else [])
+        if check:
+            with pytest.raises(AssertionError, match="declared writes"):
+                twrap.identify_mutated_tensors(hla._hla_kernel, {**phase2, "PHASE": 1}, {})
+        else:
+            assert twrap.identify_mutated_tensors(
+                hla._hla_kernel, {**phase2, "PHASE": 1}, {}) == ["amax_ptr"]
+            assert calls == []
+        calls.clear()
+        twrap.identify_mutated_tensors(hadamard._hq_tensor_kernel, phase2, {})   # undeclared
+        twrap.identify_mutated_tensors(hla._hla_kernel, {"x_ptr": t}, {})        # unreadable
+        assert calls == [hadamard._hq_tensor_kernel, hla._hla_kernel]
+    assert twrap.identify_mutated_tensors is identify_mutated_tensors
+    assert not KA._WRITES_ONLY
 
 
 @compiled
@@ -445,3 +490,38 @@ def test_a_layers_weights_take_one_launch_of_each_w_kernel(hopper, monkeypatch):
         (cast, 2), (operands, 2), (cast, 2), (operands, 2)]     # one launch, one device
     monkeypatch.setattr(SP, "GROUP_ELEMENTS", 2 * 512 * 384)
     assert splice([True] * 4) == [(cast, 2), (operands, 2), (cast, 2), (operands, 2)]
+
+
+@compiled
+@pytest.mark.parametrize("fmt,scale,measure", [("e4m3", "token", ""), ("int8", "token", ""),
+                                               ("e4m3", "tensor", ""), ("int8", "tensor", "")])
+def test_declared_writes_are_what_tritons_analysis_finds(hopper, monkeypatch, fmt, scale,
+                                                         measure):
+    """Every launch of a kernel that declares its writes (``launch.declare_writes``, which
+    stands in for Triton's mutation analysis under torch 2.11) is analysed too in the tests
+    (``kernel_access.CHECK_DECLARED``) and must agree: a site's kernels across formats and
+    scales, both phases where a kernel has two, and a layer's W kernels in groups of 1-4
+    weights with and without row maxima. A disagreement raises inside the trace, so the op
+    would stay unspliced: every op here must splice."""
+    from hotcompile.kernels.launch import declared_writes
+    from hotcompile.passes import kernel_access as KA
+    assert KA.CHECK_DECLARED
+    checked = []
+    real = KA._check
+
+    def spy(kernel, kwargs, declared, result):
+        real(kernel, kwargs, declared, result)
+        fn = getattr(kernel, "fn", kernel)
+        checked.append((fn.__name__, kwargs.get("PHASE"), declared))
+
+    monkeypatch.setattr(KA, "_check", spy)
+    gm, mode = _site_graph(scale=scale, measure=measure, fmt=fmt)
+    how = SP.splice_ops(gm.graph, _nodes(gm, SP.BODIES), mode)
+    assert set(how.values()) == {"Inductor"}, how
+    for rows in ([True], [False], [True, False, True, True]):
+        gm, mode = _weights_graph([(512, 384)] * len(rows), rows)
+        how = SP.splice_ops(gm.graph, _nodes(gm, SP.BODIES), mode)
+        assert set(how.values()) == {"Inductor"}, how
+    names = {c[0] for c in checked}
+    assert {"_hla_kernel", "_weight_cast_kernel", "_weight_operands_kernel"} <= names, checked
+    assert declared_writes(object(), {}) is None

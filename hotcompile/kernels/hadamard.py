@@ -31,7 +31,7 @@ import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
 from .fp8_forward import AMAX_FLOOR, E4M3_MAX
-from .launch import launch
+from .launch import declare_writes, launch
 from .reference import E4M3_BOUND_Q, GRAD_E4M3_FLOOR, PHILOX_ROUNDS, philox_counters
 
 _ROUNDS = tl.constexpr(PHILOX_ROUNDS)
@@ -405,6 +405,10 @@ def _hq_token_kernel(g_ptr, q_ptr, s_ptr, seed_ptr, m_ptr, z_ptr, L, O, O_pad, s
     tl.store(s_ptr + rows, s, mask=rows < L)
 
 
+declare_writes(_hq_token_kernel,
+               lambda a: ("q_ptr", "s_ptr") + ("m_ptr", "z_ptr") * bool(a["ROW_MAX"]))
+
+
 @triton.jit
 def _tile_rows_col0(t, n_ct, BR: tl.constexpr, BC: tl.constexpr):
     """Rows and first column of tile t in a row-major grid of (BR, BC) tiles, n_ct per row."""
@@ -590,6 +594,10 @@ def _hq_weight_kernel(w_ptr, q_ptr, s_ptr, amax_ptr, scale_mul, O, I, O_pad, str
                        ROUND, 0, ROTATE)
 
 
+declare_writes(_hq_weight_kernel,
+               lambda a: ("amax_ptr",) if a["PHASE"] == 1 else ("q_ptr", "s_ptr"))
+
+
 @triton.jit
 def _weight_operands_kernel(w0, q0, s0, a0, f0, fs0, fm0, O0, I0, e0,
                             w1, q1, s1, a1, f1, fs1, fm1, O1, I1, e1,
@@ -669,6 +677,10 @@ def _weight_operands_kernel(w0, q0, s0, a0, f0, fs0, fm0, O0, I0, e0,
     O_pad = tl.cdiv(O, 16) * 16
     _hq_weight_program(pid - first, w, q, s, a, f, fs, fm, scale_mul, O, I, O_pad, I, 1, O_pad,
                        2, BI, BO, Q, True, True, INTERPRET, None, FWD, ROTATE)
+
+
+declare_writes(_weight_operands_kernel, lambda a: tuple(
+    f"{role}{k}" for k in range(a["N"]) for role in ("q", "s") + ("f", "fs") * (a["FWD"] != 0)))
 
 
 @triton.jit
@@ -767,6 +779,10 @@ def _weight_cast_kernel(p0, w0, c0, r0, O0, I0, sp0, si0, e0,
         p, w = tl.where(on, p7, p), tl.where(on, w7, w)
         c, r = tl.where(on, c7, c), tl.where(on, r7, r)
     _cast_program(pid - first, p, w, c, r, O, I, sp, si, ROWS, BO, BI, BF16, ROW_MAX)
+
+
+declare_writes(_weight_cast_kernel, lambda a: tuple(
+    f"{role}{k}" for k in range(a["N"]) for role in ("w", "c") + ("r",) * bool(a["ROW_MAX"])))
 
 
 # =========================================================================== launchers

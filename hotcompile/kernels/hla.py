@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import launch
+from .launch import declare_writes, launch
 from . import reference as ref
 from .hadamard import (abs_bits, fwht16, input_amax_bits, input_max_bits, interpreting,
                        philox_uniform8, quantize, scalar_buffer, scale_from_amax_bits,
@@ -259,6 +259,9 @@ def _hla_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, seed_ptr, seed_add, scale_mul, S,
                           EVEN_C, STEP)
 
 
+declare_writes(_hla_kernel, lambda a: ("amax_ptr",) if a["PHASE"] == 1 else ("q_ptr", "s_ptr"))
+
+
 @triton.jit
 def _phase2_tiles(x_ptr, q_ptr, s, inv_s, seed, pid, n_tiles, n_ct, S, n_sblk, stride_b,
                   stride_s, C, stride_x, ldq, n_blk, groups_per_row, BT: tl.constexpr,
@@ -308,6 +311,9 @@ def _block_bound_kernel(m_ptr, out_ptr, S, n_sblk, stride_b, stride_s, n_blk, BB
     m = tl.load(m_ptr + rows, mask=(blk < n_blk)[:, None] & (pos < S), other=0.0)
     sums = tl.sum(m.to(tl.float64), axis=1).to(tl.float32)
     tl.atomic_max(out_ptr, tl.max(abs_bits(sums), axis=0))
+
+
+declare_writes(_block_bound_kernel, lambda a: ("out_ptr",))
 
 
 # =========================================================================== launcher

@@ -14,11 +14,20 @@ Why one door: the same Python bodies (``fused.py``) serve two ways of running.
 Recording is a flag of the tracing thread, not an argument: the bodies stay one function
 for both ways, and a launch outside ``recording()`` never pays ``wrap_triton``'s
 higher-order-op dispatch.
+
+Each kernel a default compile splices also declares which of its tensor arguments it writes
+(``declare_writes``, beside the kernel). Why: Inductor learns that for a recorded launch by
+generating the kernel's TTIR and walking it (``passes/kernel_access.py``), about 1.8 s of
+Llama d4096's cold first compile on the H200 (fortieth stop) for a fact that is fixed by the
+kernel's code and a few of its constexprs. The declaration stands in for that analysis where
+torch's analysis is writes-only (torch 2.11); the tests check every declaration against the
+analysis on every launch they record (``kernel_access.CHECK_DECLARED``).
 """
 from __future__ import annotations
 
 import contextlib
 import threading
+from typing import Callable, Dict, Optional, Tuple
 
 _STATE = threading.local()
 
@@ -70,3 +79,29 @@ def launch(kernel, grid, *args, **meta) -> None:
         torch.library.wrap_triton(kernel)[grid](*args, **meta)
     else:
         kernel[grid](*args, **meta)
+
+
+# kernel (the JITFunction) -> its written tensor arguments, from the launch's arguments by name
+_WRITES: Dict[object, Callable[[dict], Tuple[str, ...]]] = {}
+
+
+def declare_writes(kernel, writes: Callable[[dict], Tuple[str, ...]]) -> None:
+    """Declare the tensor arguments ``kernel`` writes (stores or atomics through), as a
+    function of its arguments by name (its constexprs decide): every one it may write, none
+    it never writes. A wrong declaration is a wrong gradient (an output read as the untouched
+    clone of its input), so each is checked against Triton's mutation analysis in the tests."""
+    _WRITES[kernel] = writes
+
+
+def declared_writes(kernel, kwargs: dict) -> Optional[Tuple[str, ...]]:
+    """The declared written arguments of a launch of ``kernel`` (a JITFunction, or the
+    autotuner torch wraps one in) with ``kwargs`` (every argument by name), in parameter
+    order; None where the kernel declares none."""
+    fn = kernel
+    while fn not in _WRITES and getattr(fn, "fn", None) is not None:
+        fn = fn.fn
+    declare = _WRITES.get(fn)
+    if declare is None:
+        return None
+    names = set(declare(kwargs))
+    return tuple(n for n in fn.arg_names if n in names)

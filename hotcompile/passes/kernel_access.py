@@ -19,15 +19,29 @@ compile (the outermost block: the memo is dropped when it ends, so nothing outli
 compile that analysed it) and restores the original function afterwards; a launch whose
 arguments it cannot key (symbolic sizes, unknown objects) goes to the original, uncached.
 Each caller gets its own copy of the result.
+
+Before any of that, a launch of a kernel that declares its writes
+(``kernels.launch.declare_writes``: every kernel a default compile splices) is answered from
+the declaration where torch's analysis gives the written arguments alone (torch 2.11's
+``identify_mutated_tensors``, a list of names): no TTIR at all. Why: in a cold first compile
+the memo still generates one TTIR per distinct launch, about 1.8 s of Llama d4096's on the
+H200 (fortieth stop). Torch 2.13's analysis also gives reads and whether an epilogue may be
+fused into the kernel, which no declaration states: there the TTIR analysis runs as before.
+With ``CHECK_DECLARED`` (the test suite sets it; ``HOTCOMPILE_CHECK_WRITES=1``) every launch
+with a declaration is analysed too and a declaration that differs raises.
 """
 from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
+import os
 import threading
 from typing import Any, Optional
 
 import torch
+
+from ..kernels.launch import declared_writes
 
 # the analysis' name: torch 2.13 (reads and writes); earlier releases (writes only)
 _NAMES = ("identify_accessed_tensors", "identify_mutated_tensors")
@@ -36,7 +50,9 @@ _DEPTH = 0
 _ORIGINAL = None
 _NAME = None
 _MEMO: "dict[tuple, Any]" = {}
-STATS = {"hits": 0, "misses": 0, "unkeyed": 0}
+STATS = {"hits": 0, "misses": 0, "unkeyed": 0, "declared": 0}
+CHECK_DECLARED = os.environ.get("HOTCOMPILE_CHECK_WRITES") == "1"
+_WRITES_ONLY = False       # the installed analysis answers with written names alone
 
 
 def _int_class(v: int) -> tuple:
@@ -106,28 +122,78 @@ def _key(kernel, kwargs: dict, tma) -> Optional[tuple]:
     return (kernel_key, tuple(parts), tma_key)
 
 
+def _declared(kernel, kwargs, tma) -> Optional[tuple]:
+    """The launch's declared writes, or None (no declaration, TMA descriptors, an argument
+    the declaration cannot read)."""
+    if tma:
+        return None
+    try:
+        return declared_writes(kernel, kwargs)
+    except Exception:  # noqa: BLE001 - a declaration that cannot answer: analyse instead
+        return None
+
+
+def written_names(result) -> list:
+    """The written argument names of an analysis result: torch 2.11's list of names, or
+    torch 2.13's ``TensorAccesses`` (its writes)."""
+    if isinstance(result, (list, tuple)):
+        return list(result)
+    return [dep.name for dep in result.read_writes.writes]
+
+
+def _check(kernel, kwargs, declared, result) -> None:
+    STATS["checked"] = STATS.get("checked", 0) + 1
+    tensors = {n for n, v in kwargs.items() if isinstance(v, torch.Tensor)
+               or (callable(getattr(v, "get_dtype", None)) and hasattr(v, "get_size"))}
+    got = sorted(n for n in written_names(result) if n in tensors)
+    if got != sorted(declared):
+        name = getattr(getattr(kernel, "fn", kernel), "__name__", kernel)
+        raise AssertionError(f"{name}: declared writes {sorted(declared)}, Triton's analysis "
+                             f"{got} (constexprs decide: fix the kernel's declare_writes)")
+
+
 def _memoized(kernel, kwargs, tma_descriptor_metadata, *rest, **more):
+    declared = None if rest or more else _declared(kernel, kwargs, tma_descriptor_metadata)
+    if declared is not None and _WRITES_ONLY and not CHECK_DECLARED:
+        STATS["declared"] += 1
+        return list(declared)
     key = None if rest or more else _key(kernel, kwargs, tma_descriptor_metadata)
     if key is None:
         STATS["unkeyed"] += 1
-        return _ORIGINAL(kernel, kwargs, tma_descriptor_metadata, *rest, **more)
-    with _LOCK:
-        hit = _MEMO.get(key)
+        result = _ORIGINAL(kernel, kwargs, tma_descriptor_metadata, *rest, **more)
+    else:
+        with _LOCK:
+            hit = _MEMO.get(key)
         if hit is not None:
             STATS["hits"] += 1
-            return copy.deepcopy(hit)
-    result = _ORIGINAL(kernel, kwargs, tma_descriptor_metadata)
-    with _LOCK:
-        STATS["misses"] += 1
-        _MEMO[key] = copy.deepcopy(result)
+            result = copy.deepcopy(hit)
+        else:
+            result = _ORIGINAL(kernel, kwargs, tma_descriptor_metadata)
+            with _LOCK:
+                STATS["misses"] += 1
+                _MEMO[key] = copy.deepcopy(result)
+    if declared is not None and CHECK_DECLARED:
+        _check(kernel, kwargs, declared, result)
     return result
+
+
+def _answers_names(fn) -> bool:
+    """Whether an analysis function returns the written names alone (a list): torch 2.11's
+    ``identify_mutated_tensors``, by its name and return annotation."""
+    if getattr(fn, "__name__", "") != "identify_mutated_tensors":
+        return False
+    try:
+        ret = inspect.signature(fn).return_annotation
+    except (TypeError, ValueError):
+        return False
+    return "list" in str(ret).lower()
 
 
 @contextlib.contextmanager
 def memoized_kernel_access():
     """Memoize Triton kernels' mutation analysis while the block runs (re-entrant). Where
     this torch has no such function, nothing changes."""
-    global _DEPTH, _ORIGINAL, _NAME
+    global _DEPTH, _ORIGINAL, _NAME, _WRITES_ONLY
     try:
         from torch._higher_order_ops import triton_kernel_wrap as twrap
     except ImportError:  # pragma: no cover - torch without user-kernel support
@@ -139,6 +205,7 @@ def memoized_kernel_access():
     with _LOCK:
         if _DEPTH == 0:
             _ORIGINAL, _NAME = getattr(twrap, name), name
+            _WRITES_ONLY = _answers_names(_ORIGINAL)
             setattr(twrap, name, _memoized)
         _DEPTH += 1
     try:
@@ -149,4 +216,5 @@ def memoized_kernel_access():
             if _DEPTH == 0:
                 setattr(twrap, _NAME, _ORIGINAL)
                 _ORIGINAL = _NAME = None
+                _WRITES_ONLY = False
                 _MEMO.clear()
