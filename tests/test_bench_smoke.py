@@ -9,6 +9,7 @@ import importlib.util
 import json
 import glob
 import math
+import re
 import os
 import shutil
 import statistics
@@ -432,6 +433,30 @@ def test_train_torchao_modes_exclude_the_head_unless_told(monkeypatch):
         T.setup_run("tiny_gpt", mode, {"device": "cpu"})
     assert seen == [("tensorwise", ("head", "lm_head")), ("tensorwise", ()),
                     ("rowwise", ("blocks",))], seen
+
+
+def test_kernel_compile_times_each_hot_kernel_of_an_output_code():
+    """bench/kernel_compile.py finds each HOT kernel an Inductor output code defines (and no
+    Inductor kernel), reads its definition as the module would, and compiles it for sm_90
+    offline: here the smallest one of the H200 fixture, in a fresh interpreter (the kernel
+    tests set TRITON_INTERPRET=1 in this one)."""
+    pytest.importorskip("triton")
+    import gzip
+    K = _load("kernel_compile")
+    path = os.path.join(REPO, "tests", "data", "output_code_llama_d4096_hot_backward_h200.py.gz")
+    with gzip.open(path, "rt") as f:
+        names = [d[0] for d in K.definitions(f.read())]
+    assert names == ["_hq_token_kernel_0", "_hq_token_kernel_1", "_block_bound_kernel_2",
+                     "_hla_kernel_3", "_hla_kernel_4", "_hla_kernel_5"], names
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, os.path.join(BENCH, "kernel_compile.py"), path,
+                          "--only", "_block"], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=600)
+    if "ptxas" in out.stderr and "No such file" in out.stderr:
+        pytest.skip("this triton wheel carries no ptxas")
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert re.search(r"^_block_bound_kernel_2\s+\d+\.\d\d s$", out.stdout, re.M), out.stdout
+    assert "1 kernels," in out.stdout
 
 
 def test_kernel_regs_offline_and_rank8_kernels_do_not_spill():
