@@ -156,11 +156,13 @@ def cold_medians(phases: List[dict]) -> List[str]:
                 by.setdefault((r["model"], r["mode"]), {})[ph["phase"]] = r["first_step_s"]
     for (model, mode), got in sorted(by.items()):
         base = by.get((model, "inductor"), {})
-        if mode == "inductor" or not base:
+        both = [p for p in got if p in base]         # phases where both modes have a time
+        if mode == "inductor" or not both:
             continue
-        ratios = sorted(got[p] / base[p] for p in got if p in base)
-        med, med_base = statistics.median(got.values()), statistics.median(base.values())
-        out.append(f"- cold, {len(got)} phases, {model} {mode}: median {med:.2f} s against "
+        ratios = sorted(got[p] / base[p] for p in both)
+        med = statistics.median(got[p] for p in both)
+        med_base = statistics.median(base[p] for p in both)
+        out.append(f"- cold, {len(both)} phases, {model} {mode}: median {med:.2f} s against "
                    f"Inductor's {med_base:.2f} s: **{med / med_base:.2f}x**; per phase "
                    + ", ".join(f"{r:.2f}x" for r in ratios))
     return out + [""] if out else []
@@ -220,6 +222,8 @@ def main(argv=None) -> int:
                    help="sample each first step's stacks (bench/sampler.py): "
                         "<out>/first_step_sample_<date>_<device>[_tag]_<phase>_<model>_<mode>.txt")
     args = p.parse_args(argv)
+    if args.cold < 1:
+        p.error("--cold must be at least 1 (the warm phases read the last cold one's caches)")
     args.out_dir = os.path.abspath(args.out or os.path.join(HERE, "results"))
     os.makedirs(args.out_dir, exist_ok=True)
     if args.cache_dir and os.path.exists(args.cache_dir) and os.listdir(args.cache_dir):

@@ -179,6 +179,7 @@ SAVED_BACKWARD_PATCHES = {"reorder_for_peak_memory": False}
 
 
 _EARLY = {"depth": 0, "original": None}
+_MISSING = object()
 _EARLY_LOCK = threading.Lock()
 
 
@@ -203,17 +204,16 @@ def _kernel_source(body: str) -> Optional[tuple]:
     return call.args[0].value, call.args[1].value, device
 
 
-def _submit_early(body: str) -> bool:
+def _submit_early(body: str) -> None:
     """Start compiling a kernel the wrapper just defined, if the workers are ready; the
-    module's own ``async_compile.triton`` call then finds it by its source. Returns whether
-    it was submitted."""
+    module's own ``async_compile.triton`` call then finds it by its source (a body read
+    wrongly would only cost a compile nobody waits for)."""
     from torch._inductor.async_compile import AsyncCompile
     found = _kernel_source(body)
     if found is None or not AsyncCompile.use_process_pool():
-        return False
+        return
     name, source, device = found
     AsyncCompile().triton(name, source, device_str=device)
-    return True
 
 
 @contextlib.contextmanager
@@ -244,25 +244,32 @@ def early_kernel_compiles():
                 _EARLY["original"] = original
 
                 def define_user_defined_triton_kernel(self, *args, **kwargs):
+                    define_kernel = getattr(self, "define_kernel", None)
+                    if define_kernel is None or _cpp_wrapper():  # a C++ wrapper embeds it
+                        return original(self, *args, **kwargs)  # otherwise
                     defined = []
-                    define_kernel = self.define_kernel
+                    before = self.__dict__.get("define_kernel", _MISSING)
 
-                    def capture(name, body, *a, **k):
-                        defined.append(body)
-                        return define_kernel(name, body, *a, **k)
+                    def capture(*a, **k):
+                        body = k.get("kernel_body", a[1] if len(a) > 1 else None)
+                        if isinstance(body, str):
+                            defined.append(body)
+                        return define_kernel(*a, **k)
 
                     self.define_kernel = capture
                     try:
                         return original(self, *args, **kwargs)
                     finally:
-                        del self.define_kernel
-                        if not _cpp_wrapper():      # a C++ wrapper embeds it otherwise
-                            for body in defined:
-                                try:
-                                    _submit_early(body)
-                                except Exception:  # noqa: BLE001 - the load compiles it
-                                    log.debug("hotcompile: early compile not submitted",
-                                              exc_info=True)
+                        if before is _MISSING:
+                            self.__dict__.pop("define_kernel", None)
+                        else:
+                            self.define_kernel = before
+                        for body in defined:
+                            try:
+                                _submit_early(body)
+                            except Exception:  # noqa: BLE001 - the load compiles it
+                                log.debug("hotcompile: early compile not submitted",
+                                          exc_info=True)
 
                 PythonWrapperCodegen.define_user_defined_triton_kernel = \
                     define_user_defined_triton_kernel
@@ -278,5 +285,12 @@ def early_kernel_compiles():
 
 
 def _cpp_wrapper() -> bool:
+    """Whether the graph being compiled gets a C++ wrapper (the config, or the graph's own)."""
     from torch._inductor import config
-    return bool(getattr(config, "cpp_wrapper", False))
+    if getattr(config, "cpp_wrapper", False):
+        return True
+    try:
+        from torch._inductor.virtualized import V
+        return bool(getattr(V.graph, "cpp_wrapper", False))
+    except Exception:  # noqa: BLE001 - no graph being compiled: the config decides
+        return False

@@ -281,9 +281,15 @@ def test_user_kernels_are_submitted_when_the_wrapper_defines_them(monkeypatch):
     monkeypatch.setattr(AsyncCompile, "triton",
                         lambda self, n, src, device_str="cuda": submitted.append((n, src)))
     monkeypatch.setattr(PythonWrapperCodegen, "define_kernel",
-                        lambda self, name, body, metadata=None, gpu=True: defined.append(name))
+                        lambda self, kernel_name, kernel_body, metadata=None, gpu=True:
+                        defined.append(kernel_name))
+    def define_user_defined_triton_kernel(self, kernel):
+        if kernel == "by keyword":
+            return self.define_kernel(kernel_name="_k_0", kernel_body=rhs, metadata="# meta")
+        return self.define_kernel("_k_0", rhs, "# meta")
+
     monkeypatch.setattr(PythonWrapperCodegen, "define_user_defined_triton_kernel",
-                        lambda self, kernel: self.define_kernel("_k_0", rhs, "# meta"))
+                        define_user_defined_triton_kernel)
     original = PythonWrapperCodegen.define_user_defined_triton_kernel
     wrapper = PythonWrapperCodegen.__new__(PythonWrapperCodegen)
     with S.early_kernel_compiles():
@@ -300,6 +306,18 @@ def test_user_kernels_are_submitted_when_the_wrapper_defines_them(monkeypatch):
         wrapper.define_user_defined_triton_kernel(None)
         monkeypatch.setattr(config, "cpp_wrapper", False)
         assert len(defined) == 3 and len(submitted) == 1
+        wrapper.define_user_defined_triton_kernel("by keyword")      # keywords captured too
+        assert len(defined) == 4 and len(submitted) == 2
+        own = []                                # an instance's own define_kernel is kept
+
+        def mine(*a, **k):
+            own.append(a[0])
+
+        wrapper.define_kernel = mine
+        wrapper.define_user_defined_triton_kernel(None)
+        assert own == ["_k_0"] and len(submitted) == 3
+        assert vars(wrapper)["define_kernel"] is mine
+        del wrapper.define_kernel
     assert PythonWrapperCodegen.define_user_defined_triton_kernel is original
     wrapper.define_user_defined_triton_kernel(None)
-    assert len(defined) == 4 and len(submitted) == 1
+    assert len(defined) == 5 and len(submitted) == 3

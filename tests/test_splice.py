@@ -348,6 +348,8 @@ def test_a_writes_only_analysis_is_answered_from_the_declaration(monkeypatch, ch
         if check:
             with pytest.raises(AssertionError, match="declared writes"):
                 twrap.identify_mutated_tensors(hla._hla_kernel, {**phase2, "PHASE": 1}, {})
+            assert len(KA.MISMATCHES) == 1          # and recorded for the tests' fixture
+            KA.MISMATCHES.clear()
         else:
             assert twrap.identify_mutated_tensors(
                 hla._hla_kernel, {**phase2, "PHASE": 1}, {}) == ["amax_ptr"]
@@ -525,3 +527,113 @@ def test_declared_writes_are_what_tritons_analysis_finds(hopper, monkeypatch, fm
     names = {c[0] for c in checked}
     assert {"_hla_kernel", "_weight_cast_kernel", "_weight_operands_kernel"} <= names, checked
     assert declared_writes(object(), {}) is None
+
+
+def _analysed_writes(kernel, kwargs):
+    """Triton's mutation analysis of one launch (this torch's), its written tensors."""
+    from torch._higher_order_ops import triton_kernel_wrap as twrap
+    from hotcompile.passes import kernel_access as KA
+    analyse = getattr(twrap, "identify_accessed_tensors", None) or twrap.identify_mutated_tensors
+    return sorted(n for n in KA.written_names(analyse(kernel, kwargs, {}))
+                  if isinstance(kwargs.get(n), torch.Tensor))
+
+
+def _declared_launches():
+    """``(kernel, kwargs)`` over every constexpr combination that decides a declared kernel's
+    stores, with the aliasing its launchers use (unused slots: slot 0's read-only input;
+    an unused ``m_ptr`` / ``seed_ptr``: another argument)."""
+    import itertools
+    import triton.language as tl
+    from hotcompile.kernels import hla
+    H = hadamard
+    f32, i32, i64, bf16, i8 = torch.float32, torch.int32, torch.int64, torch.bfloat16, torch.int8
+    e4 = torch.float8_e4m3fn
+    T = lambda dt: torch.empty(4, dtype=dt)          # noqa: E731
+    for row_max, plain, one_tile, fp8 in itertools.product([False, True], repeat=4):
+        yield H._hq_token_kernel, dict(
+            g_ptr=T(bf16), q_ptr=T(e4 if fp8 or plain else i8), s_ptr=T(f32), seed_ptr=T(i64),
+            m_ptr=T(f32), z_ptr=T(i32), L=256, O=512, O_pad=512, stride_g=512, ldq=512,
+            groups_per_row=32, BR=16, BC=512 if one_tile else 64, ONE_TILE=one_tile,
+            Q=448 if plain else 7, FP8=fp8, INTERPRET=False, ROW_MAX=row_max, PLAIN=plain)
+    for phase, e4m3, rotate, fp8, rnd in itertools.product([1, 2], [False, True], [False, True],
+                                                           [False, True], [None, tl.bfloat16]):
+        if rotate or e4m3:
+            yield H._hq_weight_kernel, dict(
+                w_ptr=T(f32), q_ptr=T(e4 if e4m3 or fp8 else i8), s_ptr=T(f32), amax_ptr=T(i32),
+                scale_mul=1.0, O=512, I=384, O_pad=512, stride_wo=384, stride_wi=1, ldq=512,
+                PHASE=phase, BI=64, BO=128, Q=28 if e4m3 else 7, FP8=fp8, E4M3=e4m3,
+                INTERPRET=False, ROUND=rnd, ROTATE=rotate)
+    for n, fwd, rotate in itertools.product([1, 2, 8], [0, 1, 2], [False, True]):
+        kw = {}
+        for k in range(8):
+            kw.update({f"w{k}": T(bf16), f"q{k}": T(e4), f"s{k}": T(f32), f"a{k}": T(i32),
+                       f"f{k}": T(e4 if fwd else bf16), f"fs{k}": T(f32 if fwd else bf16),
+                       f"fm{k}": T(i32 if fwd else bf16), f"O{k}": 512, f"I{k}": 384,
+                       f"e{k}": 100 * (k + 1)})
+        for k in range(n, 8):
+            kw.update({f"{r}{k}": kw["w0"] for r in ("w", "q", "s", "a", "f", "fs", "fm")})
+        yield H._weight_operands_kernel, dict(kw, scale_mul=1.0, N=n, BI=128, BO=64,
+                                              Q=28 if rotate else 448, INTERPRET=False,
+                                              FWD=fwd, ROTATE=rotate)
+    for n, row_max, bf in itertools.product([1, 2, 8], [False, True], [False, True]):
+        kw = {}
+        for k in range(8):
+            p = T(f32)
+            kw.update({f"p{k}": p, f"w{k}": T(bf16 if bf else torch.float16), f"c{k}": T(i32),
+                       f"r{k}": T(i32) if row_max else p, f"O{k}": 512, f"I{k}": 384,
+                       f"sp{k}": 384, f"si{k}": 1, f"e{k}": 100 * (k + 1)})
+        for k in range(n, 8):
+            kw.update({f"{r}{k}": kw["p0"] for r in ("p", "w", "c", "r")})
+        yield H._weight_cast_kernel, dict(kw, N=n, ROWS=128, BO=128, BI=64, BF16=bf,
+                                          ROW_MAX=row_max)
+    for phase, e4m3, stoch, trans, bound, flat, step in itertools.product(
+            [1, 2], [False, True], [False, True], [False, True], [False, True], [False, True],
+            [0, 2]):
+        if (bound and not (e4m3 and not stoch)) or (e4m3 and phase == 1) or \
+                (step and not (e4m3 and stoch)):
+            continue
+        amax = T(i32)
+        yield hla._hla_kernel, dict(
+            x_ptr=T(bf16), q_ptr=T(e4 if e4m3 else i8), s_ptr=T(f32), amax_ptr=amax,
+            seed_ptr=T(i64) if stoch else amax, seed_add=0, scale_mul=1.0, S=256, n_sblk=16,
+            stride_b=4096, stride_s=16, C=512, stride_x=512, ldq=512, n_blk=16,
+            groups_per_row=32, PHASE=phase, BT=4, BC=64, RP=16, RANK=16, KEPT=0, Q=7,
+            STOCHASTIC=stoch, TRANSPOSED=trans, INTERPRET=False, E4M3=e4m3, CPT=1, FLAT=flat,
+            EVEN_C=True, BOUND=bound, STEP=step)
+    yield hla._block_bound_kernel, dict(m_ptr=T(f32), out_ptr=T(i32), S=256, n_sblk=16,
+                                        stride_b=4096, stride_s=16, n_blk=16, BB=64)
+
+
+@compiled
+def test_every_declared_kernel_variant_writes_what_tritons_analysis_finds(hopper):
+    """Each declared kernel over every combination of the constexprs that decide its stores
+    (slots 1, 2 and 8; each forward kind; both phases; rotation, plain and e4m3 forms;
+    stochastic, transposed, bound, flat and stepped HLA tiles), against this torch's
+    analysis: the declaration the splice relies on under torch 2.11 is exactly right, not
+    just on the launches the other tests happen to record."""
+    from hotcompile.kernels.launch import declared_writes
+    seen, bad = set(), []
+    for kernel, kwargs in _declared_launches():
+        seen.add(kernel.fn.__name__)
+        declared, got = sorted(declared_writes(kernel, kwargs)), _analysed_writes(kernel, kwargs)
+        if declared != got:
+            consts = {k: v for k, v in kwargs.items() if k.isupper()}
+            bad.append((kernel.fn.__name__, consts, declared, got))
+    assert not bad, bad
+    assert seen == {"_hq_token_kernel", "_hq_weight_kernel", "_weight_operands_kernel",
+                    "_weight_cast_kernel", "_hla_kernel", "_block_bound_kernel"}
+
+
+def test_a_declaration_naming_no_parameter_is_refused():
+    """A misspelt name in a declaration would drop a written tensor (a wrong gradient): it
+    raises, and the memo then analyses the launch instead."""
+    from hotcompile.kernels import hla, launch
+    from hotcompile.passes import kernel_access as KA
+    real = launch._WRITES[hla._block_bound_kernel]
+    try:
+        launch.declare_writes(hla._block_bound_kernel, lambda a: ("out",))
+        with pytest.raises(ValueError, match="not its parameters"):
+            launch.declared_writes(hla._block_bound_kernel, {})
+        assert KA._declared(hla._block_bound_kernel, {}, None) is None
+    finally:
+        launch.declare_writes(hla._block_bound_kernel, real)

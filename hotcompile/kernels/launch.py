@@ -104,4 +104,8 @@ def declared_writes(kernel, kwargs: dict) -> Optional[Tuple[str, ...]]:
     if declare is None:
         return None
     names = set(declare(kwargs))
+    unknown = names - set(fn.arg_names)
+    if unknown:       # a misspelt name would be an under-declaration: refuse, never drop
+        raise ValueError(f"{fn.__name__} declares writes to {sorted(unknown)}, "
+                         "which are not its parameters")
     return tuple(n for n in fn.arg_names if n in names)
