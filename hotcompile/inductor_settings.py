@@ -248,7 +248,6 @@ def early_kernel_compiles():
                     if define_kernel is None or _cpp_wrapper():  # a C++ wrapper embeds it
                         return original(self, *args, **kwargs)  # otherwise
                     defined = []
-                    before = self.__dict__.get("define_kernel", _MISSING)
 
                     def capture(*a, **k):
                         body = k.get("kernel_body", a[1] if len(a) > 1 else None)
@@ -256,7 +255,11 @@ def early_kernel_compiles():
                             defined.append(body)
                         return define_kernel(*a, **k)
 
-                    self.define_kernel = capture
+                    try:
+                        before = vars(self).get("define_kernel", _MISSING)
+                        self.define_kernel = capture
+                    except (TypeError, AttributeError):     # no instance attributes: as is
+                        return original(self, *args, **kwargs)
                     try:
                         return original(self, *args, **kwargs)
                     finally:
