@@ -302,9 +302,8 @@ def test_user_kernels_are_submitted_when_the_wrapper_defines_them(monkeypatch):
         ready["on"] = False
         wrapper.define_user_defined_triton_kernel(None)
         ready["on"] = True
-        monkeypatch.setattr(config, "cpp_wrapper", True)
-        wrapper.define_user_defined_triton_kernel(None)
-        monkeypatch.setattr(config, "cpp_wrapper", False)
+        with config.patch(cpp_wrapper=True):     # (monkeypatch would delete the entry)
+            wrapper.define_user_defined_triton_kernel(None)
         assert len(defined) == 3 and len(submitted) == 1
         wrapper.define_user_defined_triton_kernel("by keyword")      # keywords captured too
         assert len(defined) == 4 and len(submitted) == 2
