@@ -84,13 +84,13 @@ class StackSampler:
                 for t, f in frames.items():
                     if t in (me, self._target):
                         continue
-                    idle = _idle(f)
+                    idle, stack = _idle(f), self._names(f)
                     self.engine_threads[f"{names.get(t, 'native thread')}: "
-                                        f"{self._names(f)[0]}{_op(f)} <- {_line(f.f_back)}"
+                                        f"{stack[0]}{_op(f)} <- {_line(f.f_back)}"
                                         f"{' (idle)' if idle else ''}"] += dt
                     if not idle:
                         tops.append(f)
-                        stacks.append(self._names(f))
+                        stacks.append(stack)
             self.samples += 1
             self.seconds += dt
             for top, names in zip(tops, stacks):

@@ -146,8 +146,7 @@ def written_names(result) -> list:
 
 def _check(kernel, kwargs, declared, result) -> None:
     STATS["checked"] += 1
-    tensors = {n for n, v in kwargs.items() if isinstance(v, torch.Tensor)
-               or (callable(getattr(v, "get_dtype", None)) and hasattr(v, "get_size"))}
+    tensors = {n for n, v in kwargs.items() if (_describe(v) or ("",))[0] == "tensor"}
     got = sorted(n for n in written_names(result) if n in tensors)
     if got != sorted(declared):
         name = getattr(getattr(kernel, "fn", kernel), "__name__", kernel)
@@ -158,7 +157,9 @@ def _check(kernel, kwargs, declared, result) -> None:
 
 
 def _memoized(kernel, kwargs, tma_descriptor_metadata, *rest, **more):
-    declared = None if rest or more else _declared(kernel, kwargs, tma_descriptor_metadata)
+    declared = None
+    if (_WRITES_ONLY or CHECK_DECLARED) and not (rest or more):    # else nothing reads it
+        declared = _declared(kernel, kwargs, tma_descriptor_metadata)
     if declared is not None and _WRITES_ONLY and not CHECK_DECLARED:
         STATS["declared"] += 1
         return list(declared)
