@@ -48,6 +48,7 @@ from .config import HOTConfig
 from .debug.report import Report, SiteRecord, record_site
 from .inductor_settings import (SAVED_BACKWARD_PATCHES, early_kernel_compiles, graph_patches,
                                 other_kernels, start_compile_workers)
+from .kernel_nodes import traceless_kernel_decomposition
 from .kernels import ops as _ops  # noqa: F401  registers torch.ops.hot.*
 from .names import (SharedGraphNames, alias_records, compiled_root, naming_of, param_slots,
                     source_name)
@@ -415,9 +416,12 @@ def _inner_compile(*args, backward_patches: Optional[Callable[[], Optional[dict]
     keep its config patches there). Unmemoized, lowering the backward re-analyses every HOT
     launch in it (Triton's mutation analysis took 4.4 s of Llama d4096's cold first step on
     the H100, the splicing pass's memoized share included). HOT's kernels are also sent to
-    the compile workers as the wrapper defines them (``early_kernel_compiles``)."""
+    the compile workers as the wrapper defines them (``early_kernel_compiles``), and the
+    kernel nodes that clone nothing are decomposed without a trace each
+    (``traceless_kernel_decomposition``)."""
     patches = (backward_patches() if backward_patches and kwargs.get("is_backward") else None) or {}
-    with memoized_kernel_access(), early_kernel_compiles(), torch._inductor.config.patch(patches):
+    with memoized_kernel_access(), early_kernel_compiles(), traceless_kernel_decomposition(), \
+            torch._inductor.config.patch(patches):
         return compile_fx_inner(*args, **kwargs)
 
 

@@ -5,6 +5,7 @@ runs against a stand-in sm_90 target (TTIR needs no driver). What runs, and is b
 the ops, is checked on the GPU (tests/test_gpu_compiled.py)."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import operator
 import os
@@ -635,3 +636,72 @@ def test_a_declaration_naming_no_parameter_is_refused():
         assert KA._declared(hla._block_bound_kernel, {}, None) is None
     finally:
         launch.declare_writes(hla._block_bound_kernel, real)
+
+
+def _decomposed_site(traceless: bool):
+    """A spliced site after Inductor's reinplacing and kernel decomposition passes, one of
+    its kernels' written buffers also a graph output (so that kernel must clone it), with
+    HOT's traceless decomposition or without it."""
+    from hotcompile.kernel_nodes import traceless_kernel_decomposition
+    from torch._inductor.fx_passes import post_grad
+    from torch._inductor.fx_passes.reinplace import reinplace_inplaceable_ops
+    from torch._inductor.fx_utils import FakeTensorUpdater
+    gm, mode = _site_graph()
+    SP.splice_ops(gm.graph, _nodes(gm, SP.BODIES), mode)
+    gm.graph.eliminate_dead_code()
+    kernel = _nodes(gm, {WRAPPER})[1]
+    out = gm.graph.output_node()
+    out.args = (tuple(out.args[0]) + (kernel.kwargs["kwargs"][kernel.kwargs["tensors_to_clone"][0]],),)
+    gm.recompile()
+    with mode:
+        reinplace_inplaceable_ops(FakeTensorUpdater(gm), gm.graph)
+        assert [bool(n.kwargs["tensors_to_clone"]) for n in _nodes(gm, {WRAPPER})] == \
+            [False, True, False, False, False]
+        with traceless_kernel_decomposition() if traceless else contextlib.nullcontext():
+            post_grad.decompose_triton_kernel_wrapper_functional(gm.graph)
+    gm.graph.lint()
+    return gm
+
+
+def _canonical(gm) -> list:
+    """Each node's op, target, arguments (nodes by position, a kernel's constant arguments by
+    value: each trace adds its own side-table entry) and metadata, as text."""
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+    at = {n: i for i, n in enumerate(gm.graph.nodes)}
+    rows = []
+    for n in gm.graph.nodes:
+        kwargs = dict(n.kwargs)
+        if "constant_args_idx" in kwargs:
+            kwargs["constant_args_idx"] = kernel_side_table.get_constant_args(
+                kwargs["constant_args_idx"])
+        args = torch.fx.node.map_arg((n.args, kwargs), lambda a: ("node", at[a]))
+        rows.append((n.op, str(n.target), str(args), sorted((k, str(v)) for k, v in n.meta.items())))
+    return rows
+
+
+@compiled
+def test_kernel_nodes_that_clone_nothing_decompose_without_a_trace_as_inductor_does(hopper):
+    """The traceless decomposition gives exactly Inductor's graph (nodes, arguments, order,
+    metadata); the one kernel that must clone its output is left to Inductor's pass."""
+    from hotcompile import kernel_nodes as KN
+    want = _decomposed_site(traceless=False)
+    before = KN.replaced_count()
+    got = _decomposed_site(traceless=True)
+    assert KN.replaced_count() - before == 4
+    assert _canonical(got) == _canonical(want)
+    mutation = torch.ops.higher_order.triton_kernel_wrapper_mutation
+    assert len(_nodes(got, {mutation})) == 5 and not _nodes(got, {WRAPPER})
+    assert len(_nodes(got, {torch.ops.aten.clone.default})) == 1
+
+
+def test_the_traceless_decomposition_is_scoped_and_reentrant():
+    from hotcompile.kernel_nodes import traceless_kernel_decomposition
+    from torch._inductor.fx_passes import post_grad
+    original = post_grad.decompose_triton_kernel_wrapper_functional
+    with traceless_kernel_decomposition():
+        patched = post_grad.decompose_triton_kernel_wrapper_functional
+        assert patched is not original
+        with traceless_kernel_decomposition():
+            assert post_grad.decompose_triton_kernel_wrapper_functional is patched
+        assert post_grad.decompose_triton_kernel_wrapper_functional is patched
+    assert post_grad.decompose_triton_kernel_wrapper_functional is original
