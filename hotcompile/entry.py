@@ -40,6 +40,7 @@ from typing import Callable, List, Optional, Set
 
 import torch
 
+from torch._dynamo.utils import dynamo_timed
 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 from torch._inductor.custom_graph_pass import CustomGraphPass, CustomPartitionerFn
 
@@ -239,8 +240,9 @@ class SavedPartitioner(CustomPartitionerFn):
             # HOT pass failed is compiled as Inductor would, its kept tensors included.
             return fw, bw
         try:
-            summary = compress_saved(fw, bw, kwargs["num_fwd_outputs"], params,
-                                     joint.config.saved_activations).to_dict()
+            with dynamo_timed("hot.compress_saved"):
+                summary = compress_saved(fw, bw, kwargs["num_fwd_outputs"], params,
+                                         joint.config.saved_activations).to_dict()
         except Exception as e:  # noqa: BLE001 - fall back to Inductor's partition, never crash
             log.warning("hotcompile: graph %d: saved activations kept exact: %s",
                         joint.graph_index, e)

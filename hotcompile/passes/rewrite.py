@@ -21,6 +21,7 @@ import operator
 from typing import Dict, List, Optional, Set
 
 import torch
+from torch._dynamo.utils import dynamo_timed
 from torch.fx import Graph, Node
 
 from ..kernels.formats import e4m3_gx_fused
@@ -168,7 +169,8 @@ def rewrite_joint_graph(graph: Graph, config, params: Optional[Set[Node]] = None
     """The joint-graph pass. Mutates ``graph``; returns every site found, with verdicts."""
     plan = plan or RankPlan(config, "-")
     labels = AxisLabels(graph, is_forward)
-    sites = find_linear_sites(graph, config, params, labels)
+    with dynamo_timed("hot.find_linear_sites"):
+        sites = find_linear_sites(graph, config, params, labels)
     fake_mode = fake_mode_of(graph)
     if fake_mode is None:
         for s in sites:
@@ -268,7 +270,8 @@ def rewrite_joint_graph(graph: Graph, config, params: Optional[Set[Node]] = None
     casts = own_weight_casts(graph, todo, config.kernels, fake_mode,
                              lambda op: will_splice(op, config))
     rewrite_forward(graph, todo, config, fake_mode)
-    _splice(graph, todo, buffers, config, fake_mode, casts)
+    with dynamo_timed("hot.splice"):    # its own line in a compile's timed phases
+        _splice(graph, todo, buffers, config, fake_mode, casts)
     graph.eliminate_dead_code()
     graph.lint()
     register_runtime(config, registrations(sites))
