@@ -12,6 +12,11 @@ a kernel change can be priced in compile time on a CPU machine.
 
     python bench/kernel_compile.py tests/data/output_code_llama_d4096_hot_backward_h200.py.gz
     python bench/kernel_compile.py CODE.py --only _hla
+    python bench/kernel_compile.py CODE.py --current     # this tree's kernels, same launches
+
+``--current`` compiles the working tree's kernel of each name (``hotcompile.kernels``) with
+the output code's signature, constexprs and hints, so a kernel edit is priced before any GPU
+has generated code with it.
 
 Measured on the H200 machine's CPU (fortieth stop, one core each, Llama d4096's output code):
 0.09 s (`_block_bound_kernel`) to 2.45 s (an `_hla_kernel` variant), 11 kernels 12.6 s in all.
@@ -72,6 +77,16 @@ def load(var: str, name: str, source: str):
     return getattr(mod, name), seen["configs"], seen["meta"]
 
 
+def current(name: str):
+    """The working tree's JITFunction named ``name`` (``hotcompile.kernels``)."""
+    from hotcompile.kernels import fused, gemm, grad_out, hadamard, hla
+    for mod in (hadamard, hla, grad_out, fused, gemm):
+        fn = getattr(mod, name, None)
+        if fn is not None:
+            return fn
+    raise LookupError(f"no kernel {name} in hotcompile.kernels")
+
+
 def compile_one(fn, configs, meta, arch: int = 90) -> float:
     """Seconds to compile the kernel as its worker would (first config, else Triton's
     defaults: 4 warps, 3 stages), for ``sm_<arch>``."""
@@ -89,6 +104,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("code", help="Inductor output code (.py or .py.gz)")
     p.add_argument("--only", default="", help="kernel name prefix")
+    p.add_argument("--current", action="store_true",
+                   help="compile the working tree's kernels with the code's launch metadata")
     a = p.parse_args(argv)
     # every compile from scratch: a cached kernel would read as free
     os.environ["TRITON_ALWAYS_COMPILE"] = "1"
@@ -96,10 +113,11 @@ def main(argv=None) -> int:
     with opener(a.code, "rt") as f:
         code = f.read()
     total, rows = 0.0, 0
-    print(f"triton {triton.__version__}, sm_90, one kernel at a time")
+    print(f"triton {triton.__version__}, sm_90, one kernel at a time"
+          + (", this tree's kernels" if a.current else ""))
     for var, name, source in definitions(code, a.only):
         fn, configs, meta = load(var, name, source)
-        s = compile_one(fn, configs, meta)
+        s = compile_one(current(name) if a.current else fn, configs, meta)
         total, rows = total + s, rows + 1
         print(f"{var:<32}{s:8.2f} s", flush=True)
     print(f"{rows} kernels, {total:.2f} s")

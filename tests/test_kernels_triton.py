@@ -841,6 +841,42 @@ def test_gpu_hla_e4m3_channel_major_bit_exact(monkeypatch, L, C, rank, seq_len):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("O", [4096, 11008])
+def test_gpu_scales_without_a_finite_reciprocal_take_the_ieee_quotient(O):
+    """A row whose scale has no finite reciprocal (all zero; maxima of subnormals) takes the
+    kernels' IEEE division, a run-time branch since the forty-first stop: g's per-token
+    operand (one tile and chunked widths, levels and e4m3) and g's HLA operand of a tensor
+    of subnormals or zeros are bit-equal to the reference, the ordinary rows beside them too."""
+    torch.manual_seed(O)
+    g = _randn(256, O, dtype=torch.bfloat16, device="cuda")
+    g[3] = 0
+    g[9] = (g[9].float() * 1e-39).to(torch.bfloat16)
+    seed = torch.tensor(17, device="cuda")
+    gh = R.block_fwht(R.pad_cols(g.float(), 16))
+    for fp8 in (False, True):
+        q, s = H.hq_act_quant(g, 4, True, seed, fp8=fp8)
+        assert torch.equal(s, _ieee_scale(gh, 4, True))
+        assert not torch.isfinite(1 / s[9]) and s[3] == 0
+        qr, _ = R.quantize(gh, 4, per_row=True, stochastic=True, seed=seed, scale=s)
+        assert torch.equal(q.float(), qr.float()), fp8
+        assert q[9].float().abs().sum() > 0
+    rank, L, C = 8, 2048, 1000
+    for scale in (1e-39, 0.0):
+        x = (_randn(L, C, device="cuda") * scale).to(torch.bfloat16)
+        n_blk = HL.token_layout(L, 0)[4]
+        proj = _hla_butterfly_reference(x.float(), rank, "1d", 0, False, 0, project_only=True)
+        bound = R.absmax_scale(R.token_block_bound(x, 16, 0), 8, False, q=R.E4M3_MAX)
+        assert not torch.isfinite(1 / bound)
+        qr, sr = R.quantize_e4m3(proj, per_row=False, stochastic=True, scale=bound,
+                                 u=R.hla_uniforms(43, C, n_blk, rank, device="cuda"))
+        qt, s = HL.hla_quant(x, rank, "1d", 8, stochastic=True, seed=seed, seed_add=26,
+                             transposed=True, pad_to=16, e4m3=True, seq_len=0)
+        assert float(s) == float(sr), scale
+        assert torch.equal(qt[:, :n_blk * rank].view(torch.uint8), qr.t().view(torch.uint8)), scale
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("rank", [16, 8])
 def test_gpu_gw_e4m3_tokens_sharing_a_component(rank):
     """8192 tokens whose g and x share a component (a bias-like direction): the fused e4m3

@@ -152,8 +152,10 @@ def philox_uniform8(seed, rows, col0, groups_per_row, BC: tl.constexpr):
 
 
 @triton.jit
-def quantize(v, s, inv_s, u, Q: tl.constexpr, IEEE_DIV: tl.constexpr, AS_INT: tl.constexpr):
+def quantize(v, s, inv_s, u, Q: tl.constexpr, IEEE_DIV, AS_INT: tl.constexpr):
     """Levels clamp(floor(v / s + u), -Q, Q) with NaN -> 0, as int32 (AS_INT) or fp32.
+    ``IEEE_DIV``: a constexpr, or a run-time flag (``ieee_quotients``): then both quotients
+    are compiled as one branch around the division alone, not two copies of the caller.
 
     ``v / s`` must be the IEEE-rounded quotient or a level can flip at a rounding boundary.
     A per-element ``div.rn`` costs a MUFU op and a slow-path check, so on the GPU the
@@ -185,7 +187,7 @@ def quantize(v, s, inv_s, u, Q: tl.constexpr, IEEE_DIV: tl.constexpr, AS_INT: tl
 
 
 @triton.jit
-def to_e4m3(v, s, inv_s, IEEE_DIV: tl.constexpr, INTERPRET: tl.constexpr, u=0.0,
+def to_e4m3(v, s, inv_s, IEEE_DIV, INTERPRET: tl.constexpr, u=0.0,
             STOCHASTIC: tl.constexpr = False, FINITE: tl.constexpr = False):
     """Scaled FP8 (reference.quantize_e4m3): v / s (IEEE-rounded, as in ``quantize``)
     clamped to +-448, NaN -> 0, rounded to the nearest e4m3 (ties to even), or with
@@ -205,18 +207,21 @@ def to_e4m3(v, s, inv_s, IEEE_DIV: tl.constexpr, INTERPRET: tl.constexpr, u=0.0,
     The binade's step and its reciprocal are built from the exponent field left in place
     (max(bits & 0x7F800000, bits of 2**-6) minus or subtracted from a constant): four
     integer operations instead of seven. ``FINITE``: the caller has proved every quotient
-    finite (a per-tensor scale that is finite and non-zero, with |v| <= the amax it came
-    from), so the NaN -> 0 select and the clamp's NaN propagation are dropped."""
+    of the reciprocal's path finite (taken only for a per-tensor scale that is finite and
+    non-zero, with |v| <= the amax it came from), so there the NaN -> 0 select and the
+    clamp's NaN propagation are dropped. ``IEEE_DIV`` as in ``quantize``."""
     if IEEE_DIV:
         t = tl.math.div_rn(v, s)
+        t = tl.clamp(t, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
+        t = tl.where(t == t, t, 0.0)
     else:
         t0 = v * inv_s
         t = tl.math.fma(tl.math.fma(t0, -s, v), inv_s, t0)
-    if FINITE:
-        t = tl.clamp(t, -448.0, 448.0)
-    else:
-        t = tl.clamp(t, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
-        t = tl.where(t == t, t, 0.0)
+        if FINITE:
+            t = tl.clamp(t, -448.0, 448.0)
+        else:
+            t = tl.clamp(t, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
+            t = tl.where(t == t, t, 0.0)
     return e4m3_from_clamped(t, INTERPRET, u, STOCHASTIC)
 
 
@@ -248,6 +253,16 @@ def reciprocal_is_finite(inv_s):
     Markstein's correction needs it, and a scale under ~1.2e-38 (amax of denormals)
     has an infinite one."""
     return tl.max(inv_s) < float("inf")
+
+
+@triton.jit
+def ieee_quotients(inv_s):
+    """The run-time ``IEEE_DIV`` of a program whose scales' reciprocals are ``inv_s``: not
+    ``reciprocal_is_finite``. Why a flag and not two calls under a branch: each call inlines
+    the whole tile loop (loads, transform, Philox, stores), which doubled the kernels'
+    code and their compile time (an HLA variant took 2.45 s, H200, fortieth stop), for a
+    path only scales under ~1.2e-38 take."""
+    return reciprocal_is_finite(inv_s) == 0
 
 
 @triton.jit
@@ -285,7 +300,7 @@ def _load_fwht_rows(g_ptr, rows, col0, L, O, stride_g, BC: tl.constexpr):
 @triton.jit
 def _quantize_store_rows(q_ptr, v, s, inv_s, seed, rows, col0, L, O_pad, ldq, groups_per_row,
                          BC: tl.constexpr, Q: tl.constexpr, STOCHASTIC: tl.constexpr,
-                         FP8: tl.constexpr, INTERPRET: tl.constexpr, IEEE_DIV: tl.constexpr,
+                         FP8: tl.constexpr, INTERPRET: tl.constexpr, IEEE_DIV,
                          PLAIN: tl.constexpr = False):
     """Quantize a (BR, BC) tile at (rows, col0) and store it: integer levels, or with
     ``PLAIN`` the scaled e4m3 values themselves (``to_e4m3``)."""
@@ -329,7 +344,7 @@ def _token_scale(amax_bits, Q: tl.constexpr, PLAIN: tl.constexpr):
 @triton.jit
 def _quantize_row_chunks(g_ptr, q_ptr, s, inv_s, seed, rows, L, O, O_pad, stride_g, ldq,
                          groups_per_row, BC: tl.constexpr, Q: tl.constexpr, FP8: tl.constexpr,
-                         INTERPRET: tl.constexpr, IEEE_DIV: tl.constexpr, PLAIN: tl.constexpr):
+                         INTERPRET: tl.constexpr, IEEE_DIV, PLAIN: tl.constexpr):
     """Second sweep of a row set: re-read, re-transform and quantize each column chunk."""
     for col0 in range(0, O_pad, BC):
         v = _token_tile(g_ptr, rows, col0, L, O, stride_g, BC, PLAIN)
@@ -370,12 +385,9 @@ def _hq_token_kernel(g_ptr, q_ptr, s_ptr, seed_ptr, m_ptr, z_ptr, L, O, O_pad, s
             v = fwht16_lastdim(x)
         s = _token_scale(tl.max(abs_bits(v), axis=1), Q, PLAIN)
         inv_s = tl.math.div_rn(1.0, s)
-        if reciprocal_is_finite(inv_s):
-            _quantize_store_rows(q_ptr, v, s[:, None], inv_s[:, None], seed, rows, 0, L, O_pad,
-                                 ldq, groups_per_row, BC, Q, True, FP8, INTERPRET, False, PLAIN)
-        else:
-            _quantize_store_rows(q_ptr, v, s[:, None], inv_s[:, None], seed, rows, 0, L, O_pad,
-                                 ldq, groups_per_row, BC, Q, True, FP8, INTERPRET, True, PLAIN)
+        _quantize_store_rows(q_ptr, v, s[:, None], inv_s[:, None], seed, rows, 0, L, O_pad,
+                             ldq, groups_per_row, BC, Q, True, FP8, INTERPRET,
+                             ieee_quotients(inv_s), PLAIN)
     else:
         amax = tl.zeros((BR, BC), dtype=tl.int32)
         xmax = tl.zeros((BR, BC), dtype=tl.int32)
@@ -394,14 +406,9 @@ def _hq_token_kernel(g_ptr, q_ptr, s_ptr, seed_ptr, m_ptr, z_ptr, L, O, O_pad, s
                      mask=rows < L)
         s = _token_scale(tl.max(amax, axis=1), Q, PLAIN)
         inv_s = tl.math.div_rn(1.0, s)
-        if reciprocal_is_finite(inv_s):
-            _quantize_row_chunks(g_ptr, q_ptr, s[:, None], inv_s[:, None], seed, rows, L, O, O_pad,
-                                 stride_g, ldq, groups_per_row, BC, Q, FP8, INTERPRET, False,
-                                 PLAIN)
-        else:
-            _quantize_row_chunks(g_ptr, q_ptr, s[:, None], inv_s[:, None], seed, rows, L, O, O_pad,
-                                 stride_g, ldq, groups_per_row, BC, Q, FP8, INTERPRET, True,
-                                 PLAIN)
+        _quantize_row_chunks(g_ptr, q_ptr, s[:, None], inv_s[:, None], seed, rows, L, O, O_pad,
+                             stride_g, ldq, groups_per_row, BC, Q, FP8, INTERPRET,
+                             ieee_quotients(inv_s), PLAIN)
     tl.store(s_ptr + rows, s, mask=rows < L)
 
 

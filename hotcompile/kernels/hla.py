@@ -164,8 +164,7 @@ def _load_project(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C, st
 def _quantize_store_tile(q_ptr, v, s, inv_s, seed, blk0, col0, n_blk, C, ldq, groups_per_row,
                          BT: tl.constexpr, BC: tl.constexpr, RP: tl.constexpr, RANK: tl.constexpr,
                          Q: tl.constexpr, STOCHASTIC: tl.constexpr, TRANSPOSED: tl.constexpr,
-                         INTERPRET: tl.constexpr, IEEE_DIV: tl.constexpr,
-                         E4M3: tl.constexpr = False):
+                         INTERPRET: tl.constexpr, IEEE_DIV, E4M3: tl.constexpr = False):
     """Quantize a (BT, BC, RP) tile (to int8 levels, or with E4M3 to scaled FP8:
     ``to_e4m3``) and store it at rows (blk0 + b) * rank + j of (L', C), or at the
     transposed positions of a (C, L'_pad) buffer.
@@ -189,8 +188,7 @@ def _quantize_store_tile(q_ptr, v, s, inv_s, seed, blk0, col0, n_blk, C, ldq, gr
     else:
         u = 0.5
     if E4M3:
-        q = to_e4m3(v, s, inv_s, IEEE_DIV or INTERPRET, INTERPRET, u, STOCHASTIC,
-                    FINITE=not IEEE_DIV)
+        q = to_e4m3(v, s, inv_s, IEEE_DIV or INTERPRET, INTERPRET, u, STOCHASTIC, FINITE=True)
     else:
         q = quantize(v, s, inv_s, u, Q, IEEE_DIV or INTERPRET, not INTERPRET).to(tl.int8)
     valid = ((blk0 + tl.arange(0, BT)) < n_blk)[:, None] & (j < RANK)[None, :]
@@ -247,16 +245,13 @@ def _hla_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, seed_ptr, seed_add, scale_mul, S,
         if pid == 0:
             tl.store(s_ptr, s * scale_mul)
         n_tiles = tl.cdiv(n_blk, BT) * n_ct
-        if (inv_s < float("inf")) & (inv_s > 0.0):     # s finite: every quotient is finite
-            _phase2_tiles(x_ptr, q_ptr, s, inv_s, seed, pid, n_tiles, n_ct, S, n_sblk, stride_b,
-                          stride_s, C, stride_x, ldq, n_blk, groups_per_row, BT, BC, RP, RANK,
-                          KEPT, Q, STOCHASTIC, TRANSPOSED, INTERPRET, False, E4M3, CPT, FLAT,
-                          EVEN_C, STEP)
-        else:
-            _phase2_tiles(x_ptr, q_ptr, s, inv_s, seed, pid, n_tiles, n_ct, S, n_sblk, stride_b,
-                          stride_s, C, stride_x, ldq, n_blk, groups_per_row, BT, BC, RP, RANK,
-                          KEPT, Q, STOCHASTIC, TRANSPOSED, INTERPRET, True, E4M3, CPT, FLAT,
-                          EVEN_C, STEP)
+        # s finite and non-zero: every quotient is finite, the reciprocal's path is taken
+        # (a run-time flag, not two inlined copies of the loop: ``hadamard.ieee_quotients``)
+        ieee = ((inv_s < float("inf")) & (inv_s > 0.0)) == 0
+        _phase2_tiles(x_ptr, q_ptr, s, inv_s, seed, pid, n_tiles, n_ct, S, n_sblk, stride_b,
+                      stride_s, C, stride_x, ldq, n_blk, groups_per_row, BT, BC, RP, RANK,
+                      KEPT, Q, STOCHASTIC, TRANSPOSED, INTERPRET, ieee, E4M3, CPT, FLAT,
+                      EVEN_C, STEP)
 
 
 declare_writes(_hla_kernel, lambda a: ("amax_ptr",) if a["PHASE"] == 1 else ("q_ptr", "s_ptr"))
@@ -267,7 +262,7 @@ def _phase2_tiles(x_ptr, q_ptr, s, inv_s, seed, pid, n_tiles, n_ct, S, n_sblk, s
                   stride_s, C, stride_x, ldq, n_blk, groups_per_row, BT: tl.constexpr,
                   BC: tl.constexpr, RP: tl.constexpr, RANK: tl.constexpr, KEPT: tl.constexpr,
                   Q: tl.constexpr, STOCHASTIC: tl.constexpr, TRANSPOSED: tl.constexpr,
-                  INTERPRET: tl.constexpr, IEEE_DIV: tl.constexpr, E4M3: tl.constexpr,
+                  INTERPRET: tl.constexpr, IEEE_DIV, E4M3: tl.constexpr,
                   CPT: tl.constexpr, FLAT: tl.constexpr, EVEN_C: tl.constexpr,
                   STEP: tl.constexpr):
     """Phase 2's tile(s) of this program, in reverse order: the tiles phase 1 read last
