@@ -20,10 +20,11 @@ import ast
 import contextlib
 import logging
 import os
-import threading
 from typing import Optional
 
 import torch
+
+from .scoped_patch import ScopedPatch
 
 log = logging.getLogger("hotcompile")
 
@@ -178,9 +179,7 @@ def start_compile_workers(static: bool = True) -> bool:
 SAVED_BACKWARD_PATCHES = {"reorder_for_peak_memory": False}
 
 
-_EARLY = {"depth": 0, "original": None}
 _MISSING = object()
-_EARLY_LOCK = threading.Lock()
 
 
 def _kernel_source(body: str) -> Optional[tuple]:
@@ -216,7 +215,6 @@ def _submit_early(body: str) -> None:
     AsyncCompile().triton(name, source, device_str=device)
 
 
-@contextlib.contextmanager
 def early_kernel_compiles():
     """While the block runs, each user-defined Triton kernel (every HOT kernel spliced into a
     graph) that Inductor's Python wrapper defines is submitted to the compile workers at
@@ -235,56 +233,46 @@ def early_kernel_compiles():
     try:
         from torch._inductor.codegen.wrapper import PythonWrapperCodegen
     except ImportError:  # pragma: no cover
-        yield
-        return
-    with _EARLY_LOCK:
-        if _EARLY["depth"] == 0:
-            original = getattr(PythonWrapperCodegen, "define_user_defined_triton_kernel", None)
-            if original is not None:
-                _EARLY["original"] = original
+        return contextlib.nullcontext()
+    return _EARLY_PATCH.active(PythonWrapperCodegen)
 
-                def define_user_defined_triton_kernel(self, *args, **kwargs):
-                    define_kernel = getattr(self, "define_kernel", None)
-                    if define_kernel is None or _cpp_wrapper():  # a C++ wrapper embeds it
-                        return original(self, *args, **kwargs)  # otherwise
-                    defined = []
 
-                    def capture(*a, **k):
-                        body = k.get("kernel_body", a[1] if len(a) > 1 else None)
-                        if isinstance(body, str):
-                            defined.append(body)
-                        return define_kernel(*a, **k)
+def _submitting_early(original):
+    """``define_user_defined_triton_kernel`` that also submits each kernel body the wrapper
+    defines (``early_kernel_compiles``)."""
+    def define_user_defined_triton_kernel(self, *args, **kwargs):
+        define_kernel = getattr(self, "define_kernel", None)
+        if define_kernel is None or _cpp_wrapper():     # a C++ wrapper embeds it
+            return original(self, *args, **kwargs)      # otherwise
+        defined = []
 
-                    try:
-                        before = vars(self).get("define_kernel", _MISSING)
-                        self.define_kernel = capture
-                    except (TypeError, AttributeError):     # no instance attributes: as is
-                        return original(self, *args, **kwargs)
-                    try:
-                        return original(self, *args, **kwargs)
-                    finally:
-                        if before is _MISSING:
-                            self.__dict__.pop("define_kernel", None)
-                        else:
-                            self.define_kernel = before
-                        for body in defined:
-                            try:
-                                _submit_early(body)
-                            except Exception:  # noqa: BLE001 - the load compiles it
-                                log.debug("hotcompile: early compile not submitted",
-                                          exc_info=True)
+        def capture(*a, **k):
+            body = k.get("kernel_body", a[1] if len(a) > 1 else None)
+            if isinstance(body, str):
+                defined.append(body)
+            return define_kernel(*a, **k)
 
-                PythonWrapperCodegen.define_user_defined_triton_kernel = \
-                    define_user_defined_triton_kernel
-        _EARLY["depth"] += 1
-    try:
-        yield
-    finally:
-        with _EARLY_LOCK:
-            _EARLY["depth"] -= 1
-            if _EARLY["depth"] == 0 and _EARLY["original"] is not None:
-                PythonWrapperCodegen.define_user_defined_triton_kernel = _EARLY["original"]
-                _EARLY["original"] = None
+        try:
+            before = vars(self).get("define_kernel", _MISSING)
+            self.define_kernel = capture
+        except (TypeError, AttributeError):     # no instance attributes: as is
+            return original(self, *args, **kwargs)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            if before is _MISSING:
+                self.__dict__.pop("define_kernel", None)
+            else:
+                self.define_kernel = before
+            for body in defined:
+                try:
+                    _submit_early(body)
+                except Exception:  # noqa: BLE001 - the load compiles it
+                    log.debug("hotcompile: early compile not submitted", exc_info=True)
+    return define_user_defined_triton_kernel
+
+
+_EARLY_PATCH = ScopedPatch("define_user_defined_triton_kernel", _submitting_early)
 
 
 def _cpp_wrapper() -> bool:

@@ -16,10 +16,9 @@ arguments) is left to Inductor's pass, which runs after, as before.
 """
 from __future__ import annotations
 
-import contextlib
-import threading
-
 import torch
+
+from .scoped_patch import ScopedPatch
 
 _FUNCTIONAL = torch.ops.higher_order.triton_kernel_wrapper_functional
 _MUTATION = torch.ops.higher_order.triton_kernel_wrapper_mutation
@@ -30,8 +29,7 @@ _ARGS = frozenset(_MUTATION_ARGS + ("tensors_to_clone",))
 # what the pattern matcher's replacement keeps of the node it replaces (``_transfer_meta``)
 _KEPT_META = ("stack_trace", "val", "tensor_meta")
 
-_STATE = {"depth": 0, "original": None, "replaced": 0}
-_LOCK = threading.Lock()
+_STATE = {"replaced": 0}
 
 
 def _meta_fields() -> tuple:
@@ -76,33 +74,22 @@ def mutations_in_place(graph: torch.fx.Graph) -> int:
     return replaced
 
 
-@contextlib.contextmanager
+def _with_mutations_first(original):
+    def decompose_triton_kernel_wrapper_functional(graph):
+        _STATE["replaced"] += mutations_in_place(graph)
+        return original(graph)
+    return decompose_triton_kernel_wrapper_functional
+
+
+_PATCH = ScopedPatch("decompose_triton_kernel_wrapper_functional", _with_mutations_first)
+
+
 def traceless_kernel_decomposition():
     """While the block runs, Inductor's ``decompose_triton_kernel_wrapper_functional``
     first replaces what ``mutations_in_place`` can, then runs as it is on the rest.
     Re-entrant; where this torch has no such pass, nothing changes."""
     from torch._inductor.fx_passes import post_grad
-    with _LOCK:
-        if _STATE["depth"] == 0:
-            original = getattr(post_grad, "decompose_triton_kernel_wrapper_functional", None)
-            if original is not None:
-                _STATE["original"] = original
-
-                def decompose_triton_kernel_wrapper_functional(graph):
-                    _STATE["replaced"] += mutations_in_place(graph)
-                    return original(graph)
-
-                post_grad.decompose_triton_kernel_wrapper_functional = \
-                    decompose_triton_kernel_wrapper_functional
-        _STATE["depth"] += 1
-    try:
-        yield
-    finally:
-        with _LOCK:
-            _STATE["depth"] -= 1
-            if _STATE["depth"] == 0 and _STATE["original"] is not None:
-                post_grad.decompose_triton_kernel_wrapper_functional = _STATE["original"]
-                _STATE["original"] = None
+    return _PATCH.active(post_grad)
 
 
 def replaced_count() -> int:

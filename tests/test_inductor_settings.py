@@ -320,3 +320,24 @@ def test_user_kernels_are_submitted_when_the_wrapper_defines_them(monkeypatch):
     assert PythonWrapperCodegen.define_user_defined_triton_kernel is original
     wrapper.define_user_defined_triton_kernel(None)
     assert len(defined) == 5 and len(submitted) == 3
+
+
+def test_a_scoped_patch_nests_and_restores_after_an_error():
+    """``ScopedPatch``: installed once by the outermost block, restored when the last one
+    ends, an exception included; an owner without the attribute is left as it is."""
+    import types
+    from hotcompile.scoped_patch import ScopedPatch
+    owner = types.SimpleNamespace(f=lambda: "original")
+    original, built = owner.f, []
+    patch = ScopedPatch("f", lambda orig: built.append(orig) or (lambda: "patched " + orig()))
+    with pytest.raises(RuntimeError):
+        with patch.active(owner):
+            with patch.active(owner):
+                assert owner.f() == "patched original"
+            assert owner.f() == "patched original"
+            raise RuntimeError("a compile failed")
+    assert owner.f is original and built == [original] and patch.depth == 0
+    bare = types.SimpleNamespace()
+    with patch.active(bare):
+        assert not hasattr(bare, "f")
+    assert owner.f is original and patch.depth == 0
