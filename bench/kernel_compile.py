@@ -117,7 +117,14 @@ def main(argv=None) -> int:
           + (", this tree's kernels" if a.current else ""))
     for var, name, source in definitions(code, a.only):
         fn, configs, meta = load(var, name, source)
-        s = compile_one(current(name) if a.current else fn, configs, meta)
+        if a.current:
+            fn = current(name)
+            # the hints (``attrs``) are keyed by parameter position: a reordered kernel
+            # would get them on the wrong arguments without an error
+            if list(fn.arg_names) != list(meta["signature"]):
+                raise SystemExit(f"{name}: this tree's parameters differ from the code's "
+                                 f"({list(fn.arg_names)} vs {list(meta['signature'])})")
+        s = compile_one(fn, configs, meta)
         total, rows = total + s, rows + 1
         print(f"{var:<32}{s:8.2f} s", flush=True)
     print(f"{rows} kernels, {total:.2f} s")

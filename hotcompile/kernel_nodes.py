@@ -47,12 +47,17 @@ def _mutation_regions(graph: torch.fx.Graph) -> None:
 
 
 def mutations_in_place(graph: torch.fx.Graph) -> int:
-    """Replace each functional kernel node of ``graph`` (not its subgraphs) that clones
-    nothing and has no users by its mutation node; the number replaced."""
+    """Replace each functional kernel node of ``graph`` that clones nothing and has no users
+    by its mutation node; the number replaced. (A subgraph's nodes are replaced when
+    Inductor's pass recurses into it: it calls the pass by its module name, this wrapper.)
+    Last node first, as Inductor's pattern pass walks them: where every node qualifies,
+    the new nodes get the names Inductor's pass gives them."""
     from torch._inductor import config
-    if getattr(getattr(config, "trace", None), "provenance_tracking_level", 0) == 1:
+    trace = getattr(config, "trace", None)
+    if getattr(trace, "provenance_tracking_level", 0) == 1 or \
+            getattr(trace, "log_url_for_graph_xform", None):
         return 0    # Inductor's decomposition records each replacement: left to it
-    nodes = list(graph.find_nodes(op="call_function", target=_FUNCTIONAL))
+    nodes = list(graph.find_nodes(op="call_function", target=_FUNCTIONAL))[::-1]
     if not nodes:
         return 0
     _mutation_regions(graph)

@@ -457,6 +457,12 @@ def test_kernel_compile_times_each_hot_kernel_of_an_output_code():
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert re.search(r"^_block_bound_kernel_2\s+\d+\.\d\d s$", out.stdout, re.M), out.stdout
     assert "1 kernels," in out.stdout
+    # --current: the working tree's kernel of that name, with the code's launch metadata
+    out = subprocess.run([sys.executable, os.path.join(BENCH, "kernel_compile.py"), path,
+                          "--only", "_block", "--current"], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "this tree's kernels" in out.stdout and "1 kernels," in out.stdout, out.stdout
 
 
 def test_kernel_regs_offline_and_rank8_kernels_do_not_spill():

@@ -638,10 +638,11 @@ def test_a_declaration_naming_no_parameter_is_refused():
         launch.declare_writes(hla._block_bound_kernel, real)
 
 
-def _decomposed_site(traceless: bool):
-    """A spliced site after Inductor's reinplacing and kernel decomposition passes, one of
-    its kernels' written buffers also a graph output (so that kernel must clone it), with
-    HOT's traceless decomposition or without it."""
+def _decomposed_site(traceless: bool, clone: bool):
+    """A spliced site after Inductor's reinplacing and kernel decomposition passes, with
+    HOT's traceless decomposition or without it; with ``clone``, one of its kernels' written
+    buffers is also a graph output (so that kernel must clone it). The kernel nodes carry a
+    stack trace and module stack, as a model's do."""
     from hotcompile.kernel_nodes import traceless_kernel_decomposition
     from torch._inductor.fx_passes import post_grad
     from torch._inductor.fx_passes.reinplace import reinplace_inplaceable_ops
@@ -649,25 +650,36 @@ def _decomposed_site(traceless: bool):
     gm, mode = _site_graph()
     SP.splice_ops(gm.graph, _nodes(gm, SP.BODIES), mode)
     gm.graph.eliminate_dead_code()
-    kernel = _nodes(gm, {WRAPPER})[1]
-    out = gm.graph.output_node()
-    out.args = (tuple(out.args[0]) + (kernel.kwargs["kwargs"][kernel.kwargs["tensors_to_clone"][0]],),)
+    for i, n in enumerate(_nodes(gm, {WRAPPER})):
+        n.meta["stack_trace"] = f'  File "model.py", line {i}, in forward'
+        n.meta["nn_module_stack"] = {"L__self___fc": ("L['self'].fc", torch.nn.Linear)}
+    if clone:
+        kernel = _nodes(gm, {WRAPPER})[1]
+        out = gm.graph.output_node()
+        written = kernel.kwargs["kwargs"][kernel.kwargs["tensors_to_clone"][0]]
+        out.args = (tuple(out.args[0]) + (written,),)
     gm.recompile()
     with mode:
         reinplace_inplaceable_ops(FakeTensorUpdater(gm), gm.graph)
         assert [bool(n.kwargs["tensors_to_clone"]) for n in _nodes(gm, {WRAPPER})] == \
-            [False, True, False, False, False]
+            [False, clone, False, False, False]
         with traceless_kernel_decomposition() if traceless else contextlib.nullcontext():
             post_grad.decompose_triton_kernel_wrapper_functional(gm.graph)
     gm.graph.lint()
     return gm
 
 
-def _canonical(gm) -> list:
+def _canonical(gm, names: bool) -> list:
     """Each node's op, target, arguments (nodes by position, a kernel's constant arguments by
-    value: each trace adds its own side-table entry) and metadata, as text."""
+    value: each trace adds its own side-table entry), metadata (tensors by size, stride and
+    dtype) as text, and with ``names`` its name."""
     from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+    from torch.utils import _pytree as pytree
     at = {n: i for i, n in enumerate(gm.graph.nodes)}
+
+    def text(v):
+        return str(pytree.tree_map(lambda t: (tuple(t.shape), t.stride(), t.dtype)
+                                   if isinstance(t, torch.Tensor) else t, v))
     rows = []
     for n in gm.graph.nodes:
         kwargs = dict(n.kwargs)
@@ -675,23 +687,26 @@ def _canonical(gm) -> list:
             kwargs["constant_args_idx"] = kernel_side_table.get_constant_args(
                 kwargs["constant_args_idx"])
         args = torch.fx.node.map_arg((n.args, kwargs), lambda a: ("node", at[a]))
-        rows.append((n.op, str(n.target), str(args), sorted((k, str(v)) for k, v in n.meta.items())))
+        rows.append((n.name if names else "", n.op, str(n.target), str(args),
+                     sorted((k, text(v)) for k, v in n.meta.items())))
     return rows
 
 
 @compiled
-def test_kernel_nodes_that_clone_nothing_decompose_without_a_trace_as_inductor_does(hopper):
-    """The traceless decomposition gives exactly Inductor's graph (nodes, arguments, order,
-    metadata); the one kernel that must clone its output is left to Inductor's pass."""
+@pytest.mark.parametrize("clone", [False, True])
+def test_kernel_nodes_that_clone_nothing_decompose_without_a_trace_as_inductor_does(hopper, clone):
+    """The traceless decomposition gives exactly Inductor's graph (nodes, names where every
+    node is its own, arguments, order, metadata); a kernel that must clone its output is
+    left to Inductor's pass."""
     from hotcompile import kernel_nodes as KN
-    want = _decomposed_site(traceless=False)
+    want = _decomposed_site(traceless=False, clone=clone)
     before = KN.replaced_count()
-    got = _decomposed_site(traceless=True)
-    assert KN.replaced_count() - before == 4
-    assert _canonical(got) == _canonical(want)
+    got = _decomposed_site(traceless=True, clone=clone)
+    assert KN.replaced_count() - before == 5 - clone
+    assert _canonical(got, names=not clone) == _canonical(want, names=not clone)
     mutation = torch.ops.higher_order.triton_kernel_wrapper_mutation
     assert len(_nodes(got, {mutation})) == 5 and not _nodes(got, {WRAPPER})
-    assert len(_nodes(got, {torch.ops.aten.clone.default})) == 1
+    assert len(_nodes(got, {torch.ops.aten.clone.default})) == clone
 
 
 def test_the_traceless_decomposition_is_scoped_and_reentrant():
