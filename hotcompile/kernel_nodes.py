@@ -16,9 +16,13 @@ arguments) is left to Inductor's pass, which runs after, as before.
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from .scoped_patch import ScopedPatch
+
+log = logging.getLogger("hotcompile")
 
 _FUNCTIONAL = torch.ops.higher_order.triton_kernel_wrapper_functional
 _MUTATION = torch.ops.higher_order.triton_kernel_wrapper_mutation
@@ -66,14 +70,16 @@ def mutations_in_place(graph: torch.fx.Graph) -> int:
     for node in nodes:
         if node.users or node.args or set(node.kwargs) != _ARGS or node.kwargs["tensors_to_clone"]:
             continue
-        with graph.inserting_before(node):
-            mutation = graph.call_function(_MUTATION, (),
-                                           {k: node.kwargs[k] for k in _MUTATION_ARGS})
-        mutation.meta.update((k, v) for k, v in node.meta.items() if k in fields)
+        # everything that can fail before the graph changes: a node is replaced whole or kept
+        kwargs = {k: node.kwargs[k] for k in _MUTATION_ARGS}
+        meta = {k: v for k, v in node.meta.items() if k in fields}
         eager = node.meta.get("eager_input_vals")
         if eager is not None:
-            mutation.meta["eager_input_vals"] = (
-                (), {k: v for k, v in eager[1].items() if k != "tensors_to_clone"})
+            meta["eager_input_vals"] = ((), {k: v for k, v in eager[1].items()
+                                             if k != "tensors_to_clone"})
+        with graph.inserting_before(node):
+            mutation = graph.call_function(_MUTATION, (), kwargs)
+        mutation.meta.update(meta)
         graph.erase_node(node)
         replaced += 1
     return replaced
@@ -81,7 +87,11 @@ def mutations_in_place(graph: torch.fx.Graph) -> int:
 
 def _with_mutations_first(original):
     def decompose_triton_kernel_wrapper_functional(graph):
-        _STATE["replaced"] += mutations_in_place(graph)
+        try:
+            _STATE["replaced"] += mutations_in_place(graph)
+        except Exception:  # noqa: BLE001 - Inductor's pass decomposes what is left, as before
+            log.warning("hotcompile: kernel nodes left to Inductor's decomposition",
+                        exc_info=True)
         return original(graph)
     return decompose_triton_kernel_wrapper_functional
 

@@ -720,3 +720,23 @@ def test_the_traceless_decomposition_is_scoped_and_reentrant():
             assert post_grad.decompose_triton_kernel_wrapper_functional is patched
         assert post_grad.decompose_triton_kernel_wrapper_functional is patched
     assert post_grad.decompose_triton_kernel_wrapper_functional is original
+
+
+def test_a_failing_traceless_decomposition_leaves_the_graph_to_inductors_pass(monkeypatch, caplog):
+    """An error in HOT's replacement is logged and Inductor's pass runs on the graph as it
+    was: the compile goes on."""
+    from hotcompile import kernel_nodes as KN
+    from torch._inductor.fx_passes import post_grad
+    seen = []
+
+    def boom(graph):
+        raise RuntimeError("unexpected node")
+    monkeypatch.setattr(KN, "mutations_in_place", boom)
+    graph = torch.fx.Graph()
+    with monkeypatch.context() as m:
+        m.setattr(post_grad, "decompose_triton_kernel_wrapper_functional", seen.append)
+        with caplog.at_level(logging.WARNING, logger="hotcompile"), \
+                KN.traceless_kernel_decomposition():
+            post_grad.decompose_triton_kernel_wrapper_functional(graph)
+    assert seen == [graph]
+    assert "left to Inductor's decomposition" in caplog.text
