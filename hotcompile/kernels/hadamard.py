@@ -250,8 +250,8 @@ def e4m3_from_clamped(t, INTERPRET: tl.constexpr, u=0.0, STOCHASTIC: tl.constexp
 @triton.jit
 def reciprocal_is_finite(inv_s):
     """Whether every reciprocal of a program's scales is finite (a scalar condition):
-    Markstein's correction needs it, and a scale under ~1.2e-38 (amax of denormals)
-    has an infinite one."""
+    Markstein's correction needs it, and a scale under ~2.9e-39 (1 / FLT_MAX: the
+    maxima of subnormals) has an infinite one; a zero row's scale is 1."""
     return tl.max(inv_s) < float("inf")
 
 
@@ -261,7 +261,7 @@ def ieee_quotients(inv_s):
     ``reciprocal_is_finite``. Why a flag and not two calls under a branch: each call inlines
     the whole tile loop (loads, transform, Philox, stores), which doubled the kernels'
     code and their compile time (an HLA variant took 2.45 s, H200, fortieth stop), for a
-    path only scales under ~1.2e-38 take."""
+    path only scales under ~2.9e-39 take."""
     return reciprocal_is_finite(inv_s) == 0
 
 
