@@ -783,6 +783,29 @@ def test_gpu_hq_token_tiles_bit_exact(O):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("tile", [None, "4096,2,8", "1024,4,4"])
+def test_gpu_e4m3_levels_of_nonfinite_rows(monkeypatch, tile):
+    """Levels stored as e4m3 are float floors with no NaN select on the reciprocal's path,
+    so a program must leave that path when any of its rows has a NaN (whose reciprocal a
+    max would skip) or an inf (scale inf, reciprocal 0, quotients inf / inf): rows of NaN,
+    +inf and -inf beside ordinary rows, alone in a program and sharing one (BR = 2, 4),
+    per token and per tensor, are the reference's levels (0 in a NaN row)."""
+    if tile:
+        monkeypatch.setenv("HOT_HQ_TOKEN_FORCE", tile)
+    torch.manual_seed(5)
+    g = _randn(64, 4096, dtype=torch.bfloat16, device="cuda")
+    g[3, 17], g[6, 100], g[9, 4000] = float("nan"), float("inf"), -float("inf")
+    seed = torch.tensor(13, device="cuda")
+    gh = R.block_fwht(R.pad_cols(g.float(), 16))
+    for per_token in (True, False):
+        q, s = H.hq_act_quant(g, 4, per_token, seed, fp8=True)
+        qr, _ = R.quantize(gh, 4, per_row=per_token, stochastic=True, seed=seed, scale=s)
+        assert torch.equal(q.float(), qr.float())
+        assert not torch.isnan(q.float()).any()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("L,layout", [(8192, dict(seq_len=2048)), (12608, dict(seq_len=197)),
                                       (8192, dict(seq_len=2048, seq_first=True)), (1000, {})])
 def test_gpu_block_bound_from_the_hq_kernels_row_maxima(L, layout):

@@ -130,12 +130,9 @@ def _hq_rows(g_ptr, q_ptr, s_ptr, amax_ptr, seed, rows, col0, L, O, O_pad, strid
             inv_s = tl.math.div_rn(1.0, s)
             if is_first:
                 tl.store(s_ptr, s)
-            if inv_s < float("inf"):
-                _quantize_store_rows(q_ptr, v, s, inv_s, seed, rows, col0, L, O_pad, O_pad,
-                                     groups, BC, Q, True, FP8, INTERPRET, False)
-            else:
-                _quantize_store_rows(q_ptr, v, s, inv_s, seed, rows, col0, L, O_pad, O_pad,
-                                     groups, BC, Q, True, FP8, INTERPRET, True)
+            _quantize_store_rows(q_ptr, v, s, inv_s, seed, rows, col0, L, O_pad, O_pad,
+                                 groups, BC, Q, True, FP8, INTERPRET,
+                                 ((inv_s < float("inf")) & (inv_s > 0.0)) == 0)
 
 
 # =========================================================================== the kernel

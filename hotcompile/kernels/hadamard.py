@@ -107,22 +107,23 @@ def scale_from_amax_bits(amax_bits, Q: tl.constexpr):
 
 
 @triton.jit
-def _byte_as_float(w, K: tl.constexpr):
-    """Byte K (0 = lowest bits) of a Philox word placed at the top of a float mantissa: the
-    float is 1 + b / 256 exactly (no int->float conversion needed)."""
-    if K < 2:
-        m = w << (15 - 8 * K)
+def _byte_float_bits(w, K: tl.constexpr):
+    """Byte K (0 = lowest bits) of a Philox word as the low mantissa byte of 2**23: the
+    float's bits are 0x4B0000bb, its value 2**23 + b exactly (one byte permute on the GPU,
+    no int->float conversion)."""
+    if K == 0:
+        b = w & 0xFF
     else:
-        m = w >> (8 * K - 15)
-    return (m & 0x7F8000) | 0x3F800000
+        b = (w >> (8 * K)) & 0xFF
+    return b | 0x4B000000
 
 
 @triton.jit
 def _words_in_order(w0, w1, w2, w3, K: tl.constexpr):
     """Byte K of the four words, joined so that the flattened trailing axes list the words
     in order (join adds the *last* axis: [..., word // 2, word % 2])."""
-    return tl.join(tl.join(_byte_as_float(w0, K), _byte_as_float(w2, K)),
-                   tl.join(_byte_as_float(w1, K), _byte_as_float(w3, K)))
+    return tl.join(tl.join(_byte_float_bits(w0, K), _byte_float_bits(w2, K)),
+                   tl.join(_byte_float_bits(w1, K), _byte_float_bits(w3, K)))
 
 
 @triton.jit
@@ -132,8 +133,12 @@ def philox_uniform8(seed, rows, col0, groups_per_row, BC: tl.constexpr):
 
     Element (r, c) uses counter r * groups_per_row + c // 16, word (c % 16) // 4, byte c % 4:
     build the (BR, BC/16, word (2 x 2), byte (2 x 2)) tensor by joins and flatten it. col0
-    must be a multiple of 16 and BC of 16. ``1 + b/256 - (1 - 2**-9)`` is exact (Sterbenz)
-    and equals (b + 0.5) / 256.
+    must be a multiple of 16 and BC of 16. Each byte becomes the float 2**23 + b (its bits
+    0x4B0000bb, built by one byte permute or mask), and one FMA gives
+    (2**23 + b) / 256 - (2**15 - 2**-9) = (b + 0.5) / 256 exactly (the product is a power-of-
+    two scaling, the constant has 24 significant bits, the result 9): sm_90 code compiled for
+    Llama's kernels, 1.25-1.4 instructions per element fewer than 1 + b/256 - (1 - 2**-9)
+    built by a shift, a mask-and-or and an add (forty-second stop).
 
     (A Philox round written with 64-bit products saves two IMADs per round, but 64-bit
     values stop Triton from moving the join layouts back onto the counter, and the
@@ -142,13 +147,21 @@ def philox_uniform8(seed, rows, col0, groups_per_row, BC: tl.constexpr):
     BR: tl.constexpr = rows.shape[0]
     groups = col0 // 16 + tl.arange(0, BC // 16)
     counter = (rows.to(tl.int64)[:, None] * groups_per_row + groups[None, :]).to(tl.uint32)
+    return tl.reshape(counter_uniforms(seed, counter), (BR, BC))
+
+
+@triton.jit
+def counter_uniforms(seed, counter):
+    """The 16 uniforms of each Philox counter of a uint32 tensor, as trailing axes
+    (2, 2, 2, 2) that flatten to element 4 * word + byte (``reference.uniform8``)."""
     w0, w1, w2, w3 = tl.randint4x(seed, counter, _ROUNDS)   # 32-bit counter: high word 0
     b0 = _words_in_order(w0, w1, w2, w3, 0)
     b1 = _words_in_order(w0, w1, w2, w3, 1)
     b2 = _words_in_order(w0, w1, w2, w3, 2)
     b3 = _words_in_order(w0, w1, w2, w3, 3)
-    bits = tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b3)), (BR, BC))   # [.., 4 w + b]
-    return bits.to(tl.float32, bitcast=True) - 0.998046875
+    bits = tl.join(tl.join(b0, b2), tl.join(b1, b3))   # [.., 4 w + b]
+    # (2**23 + b) / 256 - (2**15 - 2**-9) = (b + 0.5) / 256: both steps exact, one FMA
+    return tl.math.fma(bits.to(tl.float32, bitcast=True), 0.00390625, -32767.998046875)
 
 
 @triton.jit
@@ -162,27 +175,34 @@ def quantize(v, s, inv_s, u, Q: tl.constexpr, IEEE_DIV, AS_INT: tl.constexpr):
     quotient comes from the row's reciprocal with one Markstein correction,
     t = v * (1/s); t += (v - t * s) * (1/s), both steps FMAs: correctly rounded whenever
     1/s is correctly rounded and finite (callers take IEEE_DIV when it is not, and under
-    the interpreter, which has no fused FMA). ``cvt.rmi`` (floor and convert in one
-    instruction) maps NaN to 0 like the reference's ``nan_to_num``.
+    the interpreter, which has no fused FMA). Integer levels come from ``cvt.rmi`` (floor
+    and convert in one instruction).
 
     The clamp is a no-op for Q < 64: |v| <= amax = Q * s up to two roundings of 2**-24,
     so |v / s| <= Q (1 + 2**-23), and u lies in [2**-9, 1 - 2**-9] (or is 0.5), hence
-    -Q <= floor(v / s + u) <= Q whenever Q * 2**-23 < 2**-9. The integer path skips it
-    there (two instructions per element); 8-bit levels (Q = 127) keep it.
+    -Q <= floor(v / s + u) <= Q whenever Q * 2**-23 < 2**-9. It is skipped there (two
+    instructions per element); 8-bit levels (Q = 127) keep it.
+
+    NaN: the IEEE path selects 0 for a NaN quotient. The reciprocal's path has none to
+    select: callers take it only where ``reciprocal_is_finite`` holds, so s is finite and
+    non-zero, every |v| <= Q * s is finite, and so is every quotient. That is what lets the
+    float levels (not AS_INT: e4m3 operands) be one floor (``frnd``) instead of
+    ``cvt.rmi`` to int32 and back to fp32 (one instruction per element fewer; sm_90 code
+    of the per-token kernel, forty-second stop).
     """
     if IEEE_DIV:
         t = tl.math.div_rn(v, s)
+        t = tl.where(t == t, t, 0.0)     # NaN -> level 0: floor(0 + u) = 0, as u < 1
     else:
         t0 = v * inv_s
         t = tl.math.fma(tl.math.fma(t0, -s, v), inv_s, t0)
     t = t + u
-    if Q >= 64 or not AS_INT:
-        t = tl.clamp(t, -Q * 1.0, Q * 1.0, propagate_nan=tl.PropagateNan.ALL)
+    if Q >= 64:
+        t = tl.clamp(t, -Q * 1.0, Q * 1.0)
     if AS_INT:
         q = libdevice.float2int_rd(t)
     else:
         q = tl.floor(t)
-        q = tl.where(q == q, q, 0.0)
     return q
 
 
@@ -249,10 +269,13 @@ def e4m3_from_clamped(t, INTERPRET: tl.constexpr, u=0.0, STOCHASTIC: tl.constexp
 
 @triton.jit
 def reciprocal_is_finite(inv_s):
-    """Whether every reciprocal of a program's scales is finite (a scalar condition):
-    Markstein's correction needs it, and a scale under ~2.9e-39 (1 / FLT_MAX: the
-    maxima of subnormals) has an infinite one; a zero row's scale is 1."""
-    return tl.max(inv_s) < float("inf")
+    """Whether every reciprocal of a program's scales (a tensor) is finite and non-zero, a
+    scalar condition. Markstein's correction needs it finite, and a scale under ~2.9e-39
+    (1 / FLT_MAX: the maxima of subnormals) has an infinite one; a zero row's scale is 1.
+    Non-zero excludes an infinite scale (a row holding an inf), and a NaN fails both tests
+    (a max would skip it): where it holds, every quotient is finite (``quantize``)."""
+    ok = (inv_s < float("inf")) & (inv_s > 0.0)
+    return tl.min(ok.to(tl.int32)) == 1
 
 
 @triton.jit
@@ -268,10 +291,10 @@ def ieee_quotients(inv_s):
 @triton.jit
 def store_levels(ptrs, q, mask, FP8: tl.constexpr):
     """Store integer levels (int32 from ``quantize``'s ``AS_INT``, or fp32) as int8, or as
-    e4m3 (every |level| <= 15 is exact in e4m3). Levels stored as e4m3 come through int32
-    too: ``cvt.rmi`` floors, converts and maps NaN to 0 in one instruction, and the int ->
-    fp32 -> e4m3 conversions cost less than a float floor, the clamp and the NaN select
-    (the per-token HQ kernel is bound by instruction issue: bench/NOTES_kernels.md)."""
+    e4m3 (every |level| <= 15 is exact in e4m3). Levels stored as e4m3 come as fp32
+    floors (``quantize``: no clamp below 64 levels, no NaN select on the reciprocal's
+    path), one conversion fewer than through int32 (the per-token HQ kernel is bound by
+    instruction issue: bench/NOTES_kernels.md)."""
     if FP8:
         tl.store(ptrs, q.to(tl.float32).to(tl.float8e4nv), mask=mask)
     else:
@@ -315,7 +338,7 @@ def _quantize_store_rows(q_ptr, v, s, inv_s, seed, rows, col0, L, O_pad, ldq, gr
         tl.store(ptrs, to_e4m3(v, s, inv_s, IEEE_DIV or INTERPRET, INTERPRET, u, STOCHASTIC),
                  mask=mask)
     else:
-        q = quantize(v, s, inv_s, u, Q, IEEE_DIV or INTERPRET, not INTERPRET)
+        q = quantize(v, s, inv_s, u, Q, IEEE_DIV or INTERPRET, not (INTERPRET or FP8))
         store_levels(ptrs, q, mask, FP8)
 
 
@@ -452,12 +475,9 @@ def _hq_tensor_kernel(g_ptr, q_ptr, s_ptr, amax_ptr, seed_ptr, L, O, O_pad, stri
         if pid == 0:
             tl.store(s_ptr, s)
         v = _load_fwht_rows(g_ptr, rows, col0, L, O, stride_g, BC)
-        if inv_s < float("inf"):
-            _quantize_store_rows(q_ptr, v, s, inv_s, seed, rows, col0, L, O_pad, ldq,
-                                 groups_per_row, BC, Q, True, FP8, INTERPRET, False)
-        else:
-            _quantize_store_rows(q_ptr, v, s, inv_s, seed, rows, col0, L, O_pad, ldq,
-                                 groups_per_row, BC, Q, True, FP8, INTERPRET, True)
+        _quantize_store_rows(q_ptr, v, s, inv_s, seed, rows, col0, L, O_pad, ldq,
+                             groups_per_row, BC, Q, True, FP8, INTERPRET,
+                             ((inv_s < float("inf")) & (inv_s > 0.0)) == 0)
 
 
 # =========================================================================== weight side

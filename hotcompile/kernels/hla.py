@@ -41,7 +41,7 @@ import triton.language as tl
 
 from .launch import declare_writes, launch
 from . import reference as ref
-from .hadamard import (abs_bits, fwht16, input_amax_bits, input_max_bits, interpreting,
+from .hadamard import (abs_bits, counter_uniforms, fwht16, input_amax_bits, input_max_bits, interpreting,
                        philox_uniform8, quantize, scalar_buffer, scale_from_amax_bits,
                        seed_pointer, to_e4m3)
 
@@ -161,6 +161,20 @@ def _load_project(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C, st
 
 
 @triton.jit
+def _channel_uniforms(seed, first, NG: tl.constexpr):
+    """(BC, NG * 16) uniforms: counters first[c] .. first[c] + NG - 1 of each channel c,
+    joined one counter at a time so every counter stays in the registers of the thread that
+    owns its channel (a (BC, NG) counter tensor spreads NG over lanes)."""
+    BC: tl.constexpr = first.shape[0]
+    if NG == 1:
+        return tl.reshape(counter_uniforms(seed, first.to(tl.uint32)), (BC, 16))
+    else:
+        lo = _channel_uniforms(seed, first, NG // 2)
+        hi = _channel_uniforms(seed, first + NG // 2, NG // 2)
+        return tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), (BC, NG * 16))
+
+
+@triton.jit
 def _quantize_store_tile(q_ptr, v, s, inv_s, seed, blk0, col0, n_blk, C, ldq, groups_per_row,
                          BT: tl.constexpr, BC: tl.constexpr, RP: tl.constexpr, RANK: tl.constexpr,
                          Q: tl.constexpr, STOCHASTIC: tl.constexpr, TRANSPOSED: tl.constexpr,
@@ -180,7 +194,8 @@ def _quantize_store_tile(q_ptr, v, s, inv_s, seed, blk0, col0, n_blk, C, ldq, gr
     if STOCHASTIC and E4M3:   # uniforms along each channel's padded coefficients
         # (reference.hla_uniforms): counters c * groups_per_row + (blk * RP + j) // 16, all
         # of them in the thread that owns channel c (blk0 * RP is a multiple of 16)
-        u = philox_uniform8(seed, cols, blk0 * RP, groups_per_row, BT * RP)    # (BC, BT*RP)
+        u = _channel_uniforms(seed, cols.to(tl.int64) * groups_per_row + blk0 * RP // 16,
+                              BT * RP // 16)                                  # (BC, NG*16)
         u = tl.permute(tl.reshape(u, (BC, BT, RP)), (1, 0, 2))
     elif STOCHASTIC:   # uniforms follow the (L', C) layout: generate there, then turn
         u = philox_uniform8(seed, tl.reshape(rows, (BT * RP,)), col0, groups_per_row, BC)
