@@ -95,7 +95,8 @@ def variant(mode, rounds, force=None):
         q = torch.empty((L, O_pad), dtype=torch.float8_e4m3fn, device=g.device)
         s = torch.empty((L,), dtype=torch.float32, device=g.device)
         seed = torch.full((1,), 7, dtype=torch.int64, device=g.device)
-        bc, one, br, warps = force or token_tile(O_pad, False)
+        bc, chunks, br, warps = force or token_tile(O_pad, False)
+        one = chunks == 1      # this copy holds one chunk at most; more: two sweeps
         _k[(triton.cdiv(L, br),)](g, q, s, seed, L, O, O_pad, g.stride(0), O_pad, O_pad // 8,
                                    BR=br, BC=bc, ONE_TILE=one, MODE=mode, ROUNDS=rounds,
                                    num_warps=warps)

@@ -171,19 +171,23 @@ def bench_hla_g(old, new, rows):
         print(json.dumps(rows[-1]), flush=True)
 
 
-HQ_TILES = {   # HOT_HQ_TOKEN_FORCE variants per width: BC, BR, warps (the first run also
-    # timed 1 and 3 pipelining stages of the chunk loop: no change, knob removed)
-    4096: ("4096,1,8", "4096,2,8", "4096,2,16", "4096,1,4", "1024,4,4", "1024,4,8", "2048,2,8"),
-    11008: ("256,8,4", "512,4,4", "512,8,8", "1024,2,4", "1024,4,8", "2048,2,8", "16384,1,8",
-            "16384,1,16"),
-    3072: ("1024,2,4", "1024,4,8", "4096,1,8", "512,4,4"),
+HQ_TILES = {   # HOT_HQ_TOKEN_FORCE variants per width: BC, BR, warps, CHUNKS (held in
+    # registers; 0: two sweeps). The first of each is token_tile's pick (forty-second stop);
+    # the two-sweep variants were the rule before it.
+    768: ("1024,2,4,1", "256,8,4,3", "256,4,4,3", "512,4,4,2", "1024,4,8,1"),
+    2304: ("512,2,4,5", "512,4,4,5", "512,4,4,0", "1024,2,4,3", "256,8,4,0"),
+    3072: ("1024,2,4,3", "1024,1,4,3", "1024,4,8,3", "1024,2,4,0", "4096,1,8,1", "512,4,4,0"),
+    4096: ("4096,1,4,1", "4096,1,8,1", "2048,1,4,2", "1024,2,4,4", "1024,4,4,0", "2048,2,8,0"),
+    11008: ("4096,1,8,3", "4096,1,4,3", "2048,1,4,6", "2048,1,8,6", "4096,1,4,0", "1024,2,4,0"),
+    12288: ("4096,1,8,3", "4096,1,4,3", "4096,1,4,0"),
+    16384: ("4096,1,8,4", "4096,1,4,4", "4096,1,4,0", "2048,1,4,0"),
 }
 
 
 def _hq_g_rows(old, new, rows, kernel, shapes, tiles):
     """g's per-token HQ operand (4-bit levels in e4m3), old against new, and the new
     kernel at forced tiles (``HOT_HQ_TOKEN_FORCE``: columns per chunk, rows per program,
-    warps); ``tiles(C)`` lists them."""
+    warps, chunks held); ``tiles(C)`` lists them."""
     seed = torch.tensor([7], device="cuda", dtype=torch.int64)
 
     def run(mod):
@@ -212,19 +216,11 @@ def bench_hq_g(old, new, rows):
     _hq_g_rows(old, new, rows, "hq_g", G_SHAPES, lambda C: HQ_TILES.get(C, ()))
 
 
-SWEEP_WIDTHS = (768, 2304, 3072, 4096, 11008, 12288, 16384)
-SWEEP_TILES = ("256,8,4", "512,4,4", "512,8,8", "1024,2,4", "1024,4,8", "2048,1,4", "2048,2,8",
-               "2048,1,8", "4096,1,4", "4096,1,8", "1024,1,4", "1024,2,2")
-
-
 def bench_hq_g_sweep(old, new, rows):
-    """Every row width of the models (8192 tokens) at each tile that covers it sensibly:
-    which rule to keep (``hadamard.token_tile``)."""
-    def tiles(C):
-        return [t for t in SWEEP_TILES if not (int(t.split(",")[0]) > 2 * max(C, 1024)
-                                               or (int(t.split(",")[0]) < C <= 1024))]
-    _hq_g_rows(old, new, rows, "hq_g_sweep", [(f"8192 x {C}", 8192, C) for C in SWEEP_WIDTHS],
-               tiles)
+    """Every row width of the models (8192 tokens) at its tiles: which rule to keep
+    (``hadamard.token_tile``)."""
+    _hq_g_rows(old, new, rows, "hq_g_sweep", [(f"8192 x {C}", 8192, C) for C in HQ_TILES],
+               lambda C: HQ_TILES[C])
 
 
 def bench_abc(old, new, rows):

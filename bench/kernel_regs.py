@@ -118,12 +118,12 @@ def kernels_for(L: int, I: int, O: int, rank: int):
     from hotcompile.kernels import gemm, grad_out, hadamard as H, hla
     o_pad = -(-O // 16) * 16
     rows = []
-    bc, one, br, warps = H.token_tile(o_pad, False)
+    bc, chunks, br, warps = H.token_tile(o_pad, False)
     for plain in (False, True):     # HQ levels, or g's plain e4m3 copy (exact_gx_gemm)
         rows.append((f"hq g per token{' plain e4m3' if plain else ''}", H._hq_token_kernel,
                      {"g_ptr": "*bf16", "q_ptr": "*fp8e4nv" if plain else "*i8",
                       "s_ptr": "*fp32", "seed_ptr": "*i64", "m_ptr": "*fp32", "z_ptr": "*i32"},
-                     dict(BR=br, BC=bc, ONE_TILE=one, Q=448 if plain else 7, FP8=plain,
+                     dict(BR=br, BC=bc, CHUNKS=chunks, Q=448 if plain else 7, FP8=plain,
                           INTERPRET=False, ROW_MAX=True, PLAIN=plain), warps))
     rows.append(("hla g bound", hla._block_bound_kernel, {"m_ptr": "*fp32", "out_ptr": "*i32"},
                  dict(BB=64), 4))

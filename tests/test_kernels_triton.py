@@ -109,6 +109,27 @@ def test_hq_per_token_levels_bit_exact(poison, L, O, bits):
 
 
 @cpu
+@pytest.mark.parametrize("O,tile", [(40, "16,2,4,3"), (1040, "512,2,4,3"), (200, "64,4,4,4"),
+                                    (200, "32,2,4,0"), (90, "16,1,4,6")])
+def test_hq_per_token_held_chunks_bit_exact(poison, monkeypatch, O, tile):
+    """Rows held as 3-6 chunks of registers (the last one partly or wholly past the row),
+    and two sweeps, are the reference's levels, scales and row maxima, a NaN row included
+    (its levels 0), with e4m3 levels (the float floors) and int8 ones."""
+    monkeypatch.setenv("HOT_HQ_TOKEN_FORCE", tile)
+    g = _randn(7, O)
+    g[4, O // 3] = float("nan")
+    gh = R.block_fwht(R.pad_cols(g, 16))
+    for fp8 in (False, True):
+        q, s, m, z = H.hq_act_quant(g, 4, per_token=True, seed=77, fp8=fp8, row_max=True)
+        qr, sr = R.quantize(gh, 4, per_row=True, stochastic=True, seed=77)
+        assert torch.equal(q.float(), qr.float())
+        torch.testing.assert_close(s, sr, rtol=0, atol=0, equal_nan=True)
+        assert torch.equal(q.float()[4], torch.zeros(q.shape[1]))
+        assert torch.equal(m[:4], torch.linalg.vector_norm(g[:4], float("inf"), dim=1))
+        assert torch.isnan(m[4])
+
+
+@cpu
 @pytest.mark.parametrize("L,layout", [(2080, {}), (37, {}), (4 * 37, dict(seq_len=37)),
                                       (3 * 400, dict(seq_len=400, seq_first=True)),
                                       (2 * 1040, dict(seq_len=1040))])
@@ -459,7 +480,7 @@ def test_plain_w_operand_is_its_twin(poison, forward, O, I):
 @pytest.mark.parametrize("rank", [16, 8])
 def test_hla_stepped_tiles_write_the_same_bytes(monkeypatch, rank):
     """g's stochastic e4m3 operand (``hla._stepped_blocks``): a program's token blocks taken
-    one 32-byte run per step (the default at rank 16), in one step, or in two-run steps
+    one 32-byte run per step, in one step (the default), or in two-run steps
     write the same bytes and scale (the levels follow the element, not the tile), on
     sequences whose length is not a multiple of 16; a STEP that does not divide BT, or
     that splits a Philox counter's 16 uniforms, is an error naming the knob."""
@@ -764,7 +785,7 @@ def test_gpu_hq_full_shape_bit_exact(monkeypatch, I, O, per_token, fmt):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("O", [2304, 4096, 11008, 12288])
+@pytest.mark.parametrize("O", [768, 2304, 3072, 4096, 11008, 12288])
 def test_gpu_hq_token_tiles_bit_exact(O):
     """The per-token tile rule's picks (one 4096 tile; 512-, 4096-wide chunks with
     padding) against the reference, 8192 tokens, an outlier row; the row maxima too."""

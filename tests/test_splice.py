@@ -548,11 +548,12 @@ def _declared_launches():
     f32, i32, i64, bf16, i8 = torch.float32, torch.int32, torch.int64, torch.bfloat16, torch.int8
     e4 = torch.float8_e4m3fn
     T = lambda dt: torch.empty(4, dtype=dt)          # noqa: E731
-    for row_max, plain, one_tile, fp8 in itertools.product([False, True], repeat=4):
+    for row_max, plain, chunks, fp8 in itertools.product([False, True], [False, True],
+                                                          [0, 1, 3], [False, True]):
         yield H._hq_token_kernel, dict(
             g_ptr=T(bf16), q_ptr=T(e4 if fp8 or plain else i8), s_ptr=T(f32), seed_ptr=T(i64),
             m_ptr=T(f32), z_ptr=T(i32), L=256, O=512, O_pad=512, stride_g=512, ldq=512,
-            groups_per_row=32, BR=16, BC=512 if one_tile else 64, ONE_TILE=one_tile,
+            groups_per_row=32, BR=16, BC={0: 64, 1: 512, 3: 256}[chunks], CHUNKS=chunks,
             Q=448 if plain else 7, FP8=fp8, INTERPRET=False, ROW_MAX=row_max, PLAIN=plain)
     for phase, e4m3, rotate, fp8, rnd in itertools.product([1, 2], [False, True], [False, True],
                                                            [False, True], [None, tl.bfloat16]):

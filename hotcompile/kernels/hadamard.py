@@ -376,16 +376,39 @@ def _quantize_row_chunks(g_ptr, q_ptr, s, inv_s, seed, rows, L, O, O_pad, stride
 
 
 @triton.jit
+def _held_chunk(g_ptr, rows, i: tl.constexpr, L, O, stride_g, xm, vm, BC: tl.constexpr,
+                PLAIN: tl.constexpr, ROW_MAX: tl.constexpr):
+    """Chunk i (columns i * BC ..) of a row set, read, transformed (unless ``PLAIN``) and
+    folded into the elementwise running maxima of |x| (``ROW_MAX``) and |v|."""
+    x = _load_rows(g_ptr, rows, i * BC, L, O, stride_g, BC)
+    if PLAIN:
+        v = x
+    else:
+        v = fwht16_lastdim(x)
+    if i == 0:
+        vm = abs_bits(v)
+        if ROW_MAX:
+            xm = abs_bits(x)
+    else:
+        vm = tl.maximum(vm, abs_bits(v))
+        if ROW_MAX:
+            xm = tl.maximum(xm, abs_bits(x))
+    return v, xm, vm
+
+
+@triton.jit
 def _hq_token_kernel(g_ptr, q_ptr, s_ptr, seed_ptr, m_ptr, z_ptr, L, O, O_pad, stride_g, ldq,
-                     groups_per_row, BR: tl.constexpr, BC: tl.constexpr, ONE_TILE: tl.constexpr,
+                     groups_per_row, BR: tl.constexpr, BC: tl.constexpr, CHUNKS: tl.constexpr,
                      Q: tl.constexpr, FP8: tl.constexpr, INTERPRET: tl.constexpr,
                      ROW_MAX: tl.constexpr, PLAIN: tl.constexpr):
     """Per-token (per-row) scales: one program owns BR whole rows.
 
-    If a row fits one tile (ONE_TILE) it is loaded and transformed once and quantized from
-    registers: one read, one write. Otherwise a first sweep over the row's column chunks
-    keeps an elementwise running max (reduced across lanes once, at the end) and a second
-    sweep, which re-reads the chunks while they are still in L1/L2, quantizes them.
+    ``CHUNKS`` = n (1 to ``HELD_CHUNKS``): a row is n chunks of BC columns, each read and transformed once
+    and held in registers until the row's scale is known, then quantized from them: one
+    read, one write, one transform (``token_tile``). ``CHUNKS`` = 0, for rows too wide to
+    hold: a first sweep over the row's chunks keeps an elementwise running max (reduced
+    across lanes once, at the end) and a second sweep, which re-reads the chunks while
+    they are still in L1/L2, transforms them again and quantizes them.
     ``ROW_MAX``: also store max |g[row, :]| (fp32, NaN if the row has one) at ``m_ptr``,
     the input of g's HLA bound (``hla.token_block_bound_bits``), and zero the int32 word at
     ``z_ptr``, which the bound's kernel then maxes into: no fill launch of its own.
@@ -397,20 +420,49 @@ def _hq_token_kernel(g_ptr, q_ptr, s_ptr, seed_ptr, m_ptr, z_ptr, L, O, O_pad, s
     if ROW_MAX:
         if tl.program_id(0) == 0:
             tl.store(z_ptr, 0)
-    if ONE_TILE:
-        x = _load_rows(g_ptr, rows, 0, L, O, stride_g, BC)
+    if CHUNKS > 0:
+        xm = tl.zeros((BR, BC), dtype=tl.int32)
+        v0, xm, vm = _held_chunk(g_ptr, rows, 0, L, O, stride_g, xm, xm, BC, PLAIN, ROW_MAX)
+        if CHUNKS > 1:
+            v1, xm, vm = _held_chunk(g_ptr, rows, 1, L, O, stride_g, xm, vm, BC, PLAIN, ROW_MAX)
+        if CHUNKS > 2:
+            v2, xm, vm = _held_chunk(g_ptr, rows, 2, L, O, stride_g, xm, vm, BC, PLAIN, ROW_MAX)
+        if CHUNKS > 3:
+            v3, xm, vm = _held_chunk(g_ptr, rows, 3, L, O, stride_g, xm, vm, BC, PLAIN, ROW_MAX)
+        if CHUNKS > 4:
+            v4, xm, vm = _held_chunk(g_ptr, rows, 4, L, O, stride_g, xm, vm, BC, PLAIN, ROW_MAX)
+        if CHUNKS > 5:
+            v5, xm, vm = _held_chunk(g_ptr, rows, 5, L, O, stride_g, xm, vm, BC, PLAIN, ROW_MAX)
         if ROW_MAX:
-            tl.store(m_ptr + rows, tl.max(abs_bits(x), axis=1).to(tl.float32, bitcast=True),
+            if PLAIN:
+                xm = vm
+            tl.store(m_ptr + rows, tl.max(xm, axis=1).to(tl.float32, bitcast=True),
                      mask=rows < L)
-        if PLAIN:
-            v = x
-        else:
-            v = fwht16_lastdim(x)
-        s = _token_scale(tl.max(abs_bits(v), axis=1), Q, PLAIN)
+        s = _token_scale(tl.max(vm, axis=1), Q, PLAIN)
         inv_s = tl.math.div_rn(1.0, s)
-        _quantize_store_rows(q_ptr, v, s[:, None], inv_s[:, None], seed, rows, 0, L, O_pad,
-                             ldq, groups_per_row, BC, Q, True, FP8, INTERPRET,
-                             ieee_quotients(inv_s), PLAIN)
+        ieee = ieee_quotients(inv_s)
+        _quantize_store_rows(q_ptr, v0, s[:, None], inv_s[:, None], seed, rows, 0, L, O_pad,
+                             ldq, groups_per_row, BC, Q, True, FP8, INTERPRET, ieee, PLAIN)
+        if CHUNKS > 1:
+            _quantize_store_rows(q_ptr, v1, s[:, None], inv_s[:, None], seed, rows, BC, L,
+                                 O_pad, ldq, groups_per_row, BC, Q, True, FP8, INTERPRET, ieee,
+                                 PLAIN)
+        if CHUNKS > 2:
+            _quantize_store_rows(q_ptr, v2, s[:, None], inv_s[:, None], seed, rows, 2 * BC, L,
+                                 O_pad, ldq, groups_per_row, BC, Q, True, FP8, INTERPRET, ieee,
+                                 PLAIN)
+        if CHUNKS > 3:
+            _quantize_store_rows(q_ptr, v3, s[:, None], inv_s[:, None], seed, rows, 3 * BC, L,
+                                 O_pad, ldq, groups_per_row, BC, Q, True, FP8, INTERPRET, ieee,
+                                 PLAIN)
+        if CHUNKS > 4:
+            _quantize_store_rows(q_ptr, v4, s[:, None], inv_s[:, None], seed, rows, 4 * BC, L,
+                                 O_pad, ldq, groups_per_row, BC, Q, True, FP8, INTERPRET, ieee,
+                                 PLAIN)
+        if CHUNKS > 5:
+            _quantize_store_rows(q_ptr, v5, s[:, None], inv_s[:, None], seed, rows, 5 * BC, L,
+                                 O_pad, ldq, groups_per_row, BC, Q, True, FP8, INTERPRET, ieee,
+                                 PLAIN)
     else:
         amax = tl.zeros((BR, BC), dtype=tl.int32)
         xmax = tl.zeros((BR, BC), dtype=tl.int32)
@@ -916,29 +968,47 @@ def scalar_buffer(device) -> torch.Tensor:
     return torch.empty((1,), dtype=torch.float32, device=device).view(())
 
 
-def token_tile(O_pad: int, interp: bool) -> tuple[int, bool, int, int]:
-    """(BC, ONE_TILE, BR rows, warps) of the per-token kernel on rows of ``O_pad``:
-    ``column_tile`` with at most 1/8 of a row padded (``HOT_HQ_TOKEN_TILE`` caps BC),
-    BR = 2048 / BC rows (1 to 8), 4 warps. The interpreter keeps small tiles (at most 1024
-    columns, 256 elements per row set, least padding): its cost is per operation, and the
-    levels do not depend on the tile (Philox counters follow the element).
+HELD_CHUNKS = 6   # the most column chunks of a row the per-token kernel holds in registers
 
-    H100, 8192 tokens, 12 tiles at 7 widths (kernel_ab_2026-11-24T203445_h100_hq_sweep):
-    4 warps were never slower than 8 (a 4096-wide row: 0.053 vs 0.058 ms; 2048-wide chunks
-    1.6x faster), and wide chunks beat the least-padded narrow ones even with some padding
-    (11008 as 3 x 4096: 0.175 vs 0.194 ms as 43 x 256; 2304 as 5 x 512: 0.044 vs 0.047).
-    The rule's pick is within 2.5% of the fastest tile at every width measured (768, 2304,
-    3072, 4096, 11008, 12288, 16384); software pipelining of the chunk loop (1 or 3
-    stages) changed nothing. ``HOT_HQ_TOKEN_FORCE="BC,BR,WARPS"`` sets the tile (tuning;
-    ONE_TILE when BC >= O_pad)."""
+
+def token_tile(O_pad: int, interp: bool) -> tuple[int, int, int, int]:
+    """(BC, CHUNKS, BR rows, warps) of the per-token kernel on rows of ``O_pad``.
+
+    A power-of-two row up to 4096 (``HOT_HQ_TOKEN_TILE`` caps it) is one chunk; any other
+    row is cut into the widest power-of-two chunks that pad it by at most 1/8. Up to
+    ``HELD_CHUNKS`` chunks are held in registers (CHUNKS = their count: one read, one
+    transform); a wider row takes two sweeps (CHUNKS = 0). BR = 2048 / BC rows (1 to 8);
+    4 warps, 8 for a single row of more than 8192 values. The interpreter keeps small
+    tiles (at most 1024 columns, 256 elements per row set, least padding): its cost is per
+    operation, and the levels do not depend on the tile (Philox counters follow the
+    element).
+
+    H200, 8192 tokens (kernel_ab_2026-11-30T004957_h200_s42): the rule's picks against the
+    two sweeps before it, ms: 768 as 3 x 256 (8 rows) 0.0094 vs 0.0126 as one 1024 tile;
+    2304 as 5 x 512 (4 rows) 0.0245 vs 0.0356; 3072 as 3 x 1024 0.0285 vs 0.0400; 11008 as
+    3 x 4096 on 8 warps 0.106 vs 0.135; 16384 0.136 vs 0.178. Held on 4 warps instead,
+    11008 took 0.140; 2304 with 2 rows a program 0.060. Earlier (H100, two sweeps only):
+    4 warps never slower than 8 there, and wide chunks beat the least-padded narrow ones
+    even with some padding. ``HOT_HQ_TOKEN_FORCE="BC,BR,WARPS[,CHUNKS]"`` sets the tile
+    (tuning and tests; CHUNKS defaults to 1 when BC >= O_pad, else 0)."""
     force = os.environ.get("HOT_HQ_TOKEN_FORCE")
-    if force and not interp:
-        bc, br, warps = (int(t) for t in force.split(","))
-        return bc, bc >= O_pad, br, warps
-    max_tile = int(os.environ.get("HOT_HQ_TOKEN_TILE", "4096")) if not interp else 1024
-    bc, one = column_tile(O_pad, max_tile=max_tile, max_waste=None if interp else 0.125)
-    br = max(1, min(8, 2048 // bc)) if not interp else max(1, min(8, 256 // bc))
-    return bc, one, br, 4
+    if force:
+        bc, br, warps, *chunks = (int(t) for t in force.split(","))
+        return bc, chunks[0] if chunks else int(bc >= O_pad), br, warps
+    if interp:
+        bc, one = column_tile(O_pad, max_tile=1024)
+        chunks = 1 if one else -(-O_pad // bc)
+        return bc, chunks if chunks <= HELD_CHUNKS else 0, max(1, min(8, 256 // bc)), 4
+    max_tile = int(os.environ.get("HOT_HQ_TOKEN_TILE", "4096"))
+    bc = _pow2_at_least(O_pad)
+    if bc > max_tile or bc != O_pad:
+        bc = _pow2_at_least(max_tile)
+        while bc > 16 and -(-O_pad // bc) * bc - O_pad > O_pad / 8:
+            bc //= 2
+    chunks = -(-O_pad // bc)
+    chunks = chunks if chunks <= HELD_CHUNKS else 0
+    br = max(1, min(8, 2048 // bc))
+    return bc, chunks, br, 8 if br == 1 and chunks * bc > 8192 else 4
 
 
 def input_amax_bits(x: torch.Tensor, dim=None):
@@ -1021,10 +1091,10 @@ def _per_token(g, Q: int, seed, fp8: bool, row_max: bool, plain: bool):
     m = torch.empty((L,), dtype=torch.float32, device=dev) if row_max else s  # s: unread
     z = torch.empty((1,), dtype=torch.int32, device=dev) if row_max else seed_t
     interp = interpreting()
-    bc, one, br, warps = token_tile(O_pad, interp)
+    bc, chunks, br, warps = token_tile(O_pad, interp)
     launch(_hq_token_kernel, (triton.cdiv(L, br),),
            g, q, s, seed_t, m, z, L, O, O_pad, g.stride(0), O_pad, philox_counters(O_pad),
-           BR=br, BC=bc, ONE_TILE=one, Q=Q, FP8=fp8, INTERPRET=interp,
+           BR=br, BC=bc, CHUNKS=chunks, Q=Q, FP8=fp8, INTERPRET=interp,
            ROW_MAX=row_max, PLAIN=plain, num_warps=warps)
     return (q, s, m, z) if row_max else (q, s)
 

@@ -406,18 +406,20 @@ def _tile_shape(C: int, interp: bool, rp: int = 16,
 
 
 def _stepped_blocks(bt: int, rp: int) -> tuple[int, int]:
-    """(BT, STEP) of g's stochastic e4m3 operand: a program covers at least 4 token blocks
-    (64 tokens), ``bt`` blocks (``_tile_shape``'s: a 32-byte run per channel) at a time.
+    """(BT, STEP) of g's stochastic e4m3 operand: ``bt`` token blocks a program
+    (``_tile_shape``'s: a 32-byte run per channel), in one step (STEP 0) unless tuned.
 
-    Why: at rank 16 the 2-block tile runs at 61-67% of copy bandwidth, issue- and
-    latency-bound at 167 registers (3 programs per SM; ncu, ``ncu_2026-11-26T1925_h100``).
-    4 blocks in one step need 235-255 registers and are slower; 1-block steps (96
-    registers) store 16-byte half-sector runs and are 60% slower. 4 blocks in 2-block
-    steps of a loop keep the 2-block tile's registers and were 6-8% faster at Llama's and
-    ViT's widths (``hla_step_2026-11-26T1931_h100``, ``..T1933_h100_r16``); at rank 8 the
-    4-block tile is already one step (the fastest there). ``HOT_HLA_BT`` (tuning) runs as
-    one step; ``HOT_HLA_STEP="BT,STEP"`` sets both (tuning: ``bench/hla_tile_sweep.py``).
-    The levels do not depend on the tile (Philox counters follow the element)."""
+    Why one step: at rank 16, 4 blocks in 2-block steps of a loop (the 2-block tile's
+    registers, 167) ran 6-8% faster than 2 blocks on the H100 (``hla_step_2026-11-26T1931_h100``,
+    ``..T1933_h100_r16``), but since the channel uniforms are joined in the load's registers
+    (forty-second stop) the 2-block tile alone is 0.3-4% faster on the H200 at Llama's and
+    ViT's widths, in two runs (``kernel_ab_2026-11-30T003909_h200_s42``, ``..T004957``:
+    0.0506 vs 0.0522, 0.1235 vs 0.1240, 0.0580 vs 0.0584 ms). 4 blocks in one step need
+    235-255 registers and are slower (0.076 ms); 1-block steps (96 registers) store 16-byte
+    half-sector runs and were 60% slower (H100). At rank 8 the 4-block tile is one step
+    already. ``HOT_HLA_STEP="BT,STEP"`` sets both (tuning: ``bench/hla_tile_sweep.py``);
+    ``HOT_HLA_BT`` the blocks of one step. The levels do not depend on the tile (Philox
+    counters follow the element)."""
     if "HOT_HLA_STEP" in os.environ:
         total, step = (int(v) for v in os.environ["HOT_HLA_STEP"].split(","))
         per_counter = max(1, ref.UNIFORMS_PER_COUNTER // rp)
@@ -425,9 +427,7 @@ def _stepped_blocks(bt: int, rp: int) -> tuple[int, int]:
             raise ValueError(f"HOT_HLA_STEP={total},{step}: STEP must divide BT and be a "
                              f"multiple of {per_counter} at this rank")
         return total, step
-    if "HOT_HLA_BT" in os.environ:
-        return bt, 0
-    return max(bt, 4), bt
+    return bt, 0
 
 
 def _blocks_are_row_runs(S: int, stride_b: int, stride_s: int) -> bool:
