@@ -131,9 +131,6 @@ def inputs_of(shape, n=3, scale=1.0):
             for _ in range(n)]
 
 
-CPTS = (1, 2, 4)
-
-
 def bench_hla_g(old, new, rows):
     """g's HLA operand as the site writes it (stochastic e4m3, K-major), old against new,
     and the new kernel's tile at each number of channels per thread (``HOT_HLA_CPT``).
@@ -164,6 +161,9 @@ def bench_hla_g(old, new, rows):
         for bt in (2, 4):      # token blocks per program (32-byte runs per channel at 2)
             with env(HOT_HLA_BT=str(bt)):
                 res[f"new BT={bt}"] = time_ms(run(new), xs)
+        for cpt in (1, 4):     # channels per thread (lane reps of the channel-major tile)
+            with env(HOT_HLA_CPT=str(cpt)):
+                res[f"new CPT={cpt}"] = time_ms(run(new), xs)
         res["old (again)"] = time_ms(run(old), xs)     # the spread between like timings
         res["new (again)"] = time_ms(run(new), xs)
         rows.append(dict(kernel="hla_g", shape=label, L=L, C=C, mismatch_vs_old=ok, copy_ms=floor,
@@ -242,6 +242,9 @@ def bench_abc(old, new, rows):
         for bt in (1, 2, 4):      # token blocks per program of the channel-major tile
             with env(HOT_HLA_BT=str(bt)):
                 res[f"new written K-major BT={bt}"] = time_ms(run(new, True), xs)
+        for cpt in (1, 4):        # channels per thread
+            with env(HOT_HLA_CPT=str(cpt)):
+                res[f"new written K-major CPT={cpt}"] = time_ms(run(new, True), xs)
         res["old + transpose (again)"] = time_ms(lambda x: old.fused._k_major(run(old)(x)[0]), xs)
         rows.append(dict(kernel="abc_x", shape=label, L=L, C=C, mismatch_vs_old=ok,
                          kmajor_mismatch_vs_transpose=ok_t, copy_ms=copy_ms(nbytes), **res))
