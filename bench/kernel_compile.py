@@ -16,7 +16,15 @@ a kernel change can be priced in compile time on a CPU machine.
 
 ``--current`` compiles the working tree's kernel of each name (``hotcompile.kernels``) with
 the output code's signature, constexprs and hints, so a kernel edit is priced before any GPU
-has generated code with it.
+has generated code with it. ``--instructions`` also reads each binary: SASS instructions
+(all paths, the rare IEEE branch included), registers, layout conversions in the TTGIR,
+barriers and shared-memory instructions, and the commonest opcodes; ``--set NAME=VALUE``
+compiles another value of a constexpr (``--set CHUNKS=3 --warps 8``, a tile the code did not
+launch). The stochastic kernels are bound by instruction issue or by latency, not by bytes:
+this is how the forty-second stop found the layout conversion in the HLA tile and counted
+what each rewrite saved before timing it (docs/BENCHMARKS.md).
+
+    python bench/kernel_compile.py CODE.py --current --only _hla --instructions
 
 Measured on the H200 machine's CPU (fortieth stop, one core each, Llama d4096's output code):
 0.09 s (`_block_bound_kernel`) to 2.45 s (an `_hla_kernel` variant), 11 kernels 12.6 s in all.
@@ -25,10 +33,12 @@ from __future__ import annotations
 
 import argparse
 import ast
+import collections
 import gzip
 import importlib.util
 import os
 import re
+import subprocess
 import sys
 import tempfile
 import time
@@ -87,17 +97,43 @@ def current(name: str):
     raise LookupError(f"no kernel {name} in hotcompile.kernels")
 
 
-def compile_one(fn, configs, meta, arch: int = 90) -> float:
-    """Seconds to compile the kernel as its worker would (first config, else Triton's
-    defaults: 4 warps, 3 stages), for ``sm_<arch>``."""
+def compile_one(fn, configs, meta, arch: int = 90, overrides=None, warps=None):
+    """(seconds, compiled kernel): the kernel compiled as its worker would (first config,
+    else Triton's defaults: 4 warps, 3 stages), for ``sm_<arch>``; ``overrides`` replace
+    constexprs, ``warps`` the config's warps."""
     config = configs[0] if configs else {}
-    src = ASTSource(fn=fn, signature=dict(meta["signature"]), constexprs=meta["constants"],
+    constants = dict(meta["constants"])
+    for k, v in (overrides or {}).items():
+        if k not in constants:
+            raise SystemExit(f"--set {k}: not a constexpr of this kernel ({sorted(constants)})")
+        constants[k] = v
+    src = ASTSource(fn=fn, signature=dict(meta["signature"]), constexprs=constants,
                     attrs=meta["configs"][0] if meta.get("configs") else {})
     t0 = time.perf_counter()
-    triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                   options={"num_warps": config.get("num_warps", 4),
-                            "num_stages": config.get("num_stages", 3)})
-    return time.perf_counter() - t0
+    k = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                       options={"num_warps": warps or config.get("num_warps", 4),
+                                "num_stages": config.get("num_stages", 3)})
+    return time.perf_counter() - t0, k
+
+
+_SASS_LINE = re.compile(r"^[0-9a-f-]{2}:[-0-9]:[-0-9]:[-Y]:[0-9a-f]\t(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
+
+
+def instructions(k) -> dict:
+    """What a compiled kernel's binary holds: SASS instruction count and the commonest
+    opcodes (Triton's own nvdisasm listing), registers a thread (cuobjdump), layout
+    conversions in the TTGIR, barriers and shared-memory loads and stores."""
+    ops = collections.Counter(m.group(1) for m in map(_SASS_LINE.match, k.asm["sass"].splitlines())
+                              if m)
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        res = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    regs = re.search(r"REG:(\d+)", res)
+    return dict(instructions=sum(ops.values()), registers=int(regs.group(1)) if regs else None,
+                conversions=k.asm["ttgir"].count("ttg.convert_layout"), barriers=ops["BAR"],
+                shared=ops["STS"] + ops["LDS"] + ops["LDSM"], top=ops.most_common(8))
 
 
 def main(argv=None) -> int:
@@ -106,7 +142,19 @@ def main(argv=None) -> int:
     p.add_argument("--only", default="", help="kernel name prefix")
     p.add_argument("--current", action="store_true",
                    help="compile the working tree's kernels with the code's launch metadata")
+    p.add_argument("--instructions", action="store_true",
+                   help="also report each binary's instructions, registers, conversions")
+    p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                   help="another value of a constexpr (an int), for every kernel compiled")
+    p.add_argument("--warps", type=int, help="warps instead of the code's")
     a = p.parse_args(argv)
+    overrides = {}
+    for kv in a.set:
+        name, _, value = kv.partition("=")
+        try:
+            overrides[name] = int(value)
+        except ValueError:
+            raise SystemExit(f"--set {kv}: expected NAME=INTEGER") from None
     # every compile from scratch: a cached kernel would read as free
     os.environ["TRITON_ALWAYS_COMPILE"] = "1"
     opener = gzip.open if a.code.endswith(".gz") else open
@@ -124,9 +172,15 @@ def main(argv=None) -> int:
             if list(fn.arg_names) != list(meta["signature"]):
                 raise SystemExit(f"{name}: this tree's parameters differ from the code's "
                                  f"({list(fn.arg_names)} vs {list(meta['signature'])})")
-        s = compile_one(fn, configs, meta)
+        s, k = compile_one(fn, configs, meta, overrides=overrides, warps=a.warps)
         total, rows = total + s, rows + 1
         print(f"{var:<32}{s:8.2f} s", flush=True)
+        if a.instructions:
+            r = instructions(k)
+            print(f"    {r['instructions']} instructions, {r['registers']} registers, "
+                  f"{r['conversions']} layout conversions, {r['barriers']} barriers, "
+                  f"{r['shared']} shared-memory loads/stores; "
+                  + " ".join(f"{op} {n}" for op, n in r["top"]), flush=True)
     print(f"{rows} kernels, {total:.2f} s")
     return 0 if rows else 1
 

@@ -459,10 +459,19 @@ def test_kernel_compile_times_each_hot_kernel_of_an_output_code():
     assert "1 kernels," in out.stdout
     # --current: the working tree's kernel of that name, with the code's launch metadata
     out = subprocess.run([sys.executable, os.path.join(BENCH, "kernel_compile.py"), path,
-                          "--only", "_block", "--current"], cwd=REPO, env=env,
+                          "--only", "_block", "--current", "--instructions"], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "this tree's kernels" in out.stdout and "1 kernels," in out.stdout, out.stdout
+    # --instructions reads the binary: SASS instructions, registers, conversions, barriers
+    m = re.search(r"^    (\d+) instructions, (\d+) registers, (\d+) layout conversions, "
+                  r"(\d+) barriers", out.stdout, re.M)
+    assert m and int(m.group(1)) > 20 and int(m.group(2)) > 0, out.stdout
+    # --set: another constexpr value; a name the kernel does not have is an error naming it
+    out = subprocess.run([sys.executable, os.path.join(BENCH, "kernel_compile.py"), path,
+                          "--only", "_block", "--set", "NOPE=1"], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode != 0 and "--set NOPE" in out.stderr + out.stdout, out.stderr[-2000:]
 
 
 def test_kernel_regs_offline_and_rank8_kernels_do_not_spill():
