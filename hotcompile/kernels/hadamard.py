@@ -422,17 +422,11 @@ def _hq_token_kernel(g_ptr, q_ptr, s_ptr, seed_ptr, m_ptr, z_ptr, L, O, O_pad, s
             tl.store(z_ptr, 0)
     if CHUNKS > 0:
         xm = tl.zeros((BR, BC), dtype=tl.int32)
-        v0, xm, vm = _held_chunk(g_ptr, rows, 0, L, O, stride_g, xm, xm, BC, PLAIN, ROW_MAX)
-        if CHUNKS > 1:
-            v1, xm, vm = _held_chunk(g_ptr, rows, 1, L, O, stride_g, xm, vm, BC, PLAIN, ROW_MAX)
-        if CHUNKS > 2:
-            v2, xm, vm = _held_chunk(g_ptr, rows, 2, L, O, stride_g, xm, vm, BC, PLAIN, ROW_MAX)
-        if CHUNKS > 3:
-            v3, xm, vm = _held_chunk(g_ptr, rows, 3, L, O, stride_g, xm, vm, BC, PLAIN, ROW_MAX)
-        if CHUNKS > 4:
-            v4, xm, vm = _held_chunk(g_ptr, rows, 4, L, O, stride_g, xm, vm, BC, PLAIN, ROW_MAX)
-        if CHUNKS > 5:
-            v5, xm, vm = _held_chunk(g_ptr, rows, 5, L, O, stride_g, xm, vm, BC, PLAIN, ROW_MAX)
+        vm = xm
+        held = ()
+        for i in tl.static_range(CHUNKS):     # unrolled: each chunk's values stay in registers
+            v, xm, vm = _held_chunk(g_ptr, rows, i, L, O, stride_g, xm, vm, BC, PLAIN, ROW_MAX)
+            held = held + (v,)
         if ROW_MAX:
             if PLAIN:
                 xm = vm
@@ -441,28 +435,10 @@ def _hq_token_kernel(g_ptr, q_ptr, s_ptr, seed_ptr, m_ptr, z_ptr, L, O, O_pad, s
         s = _token_scale(tl.max(vm, axis=1), Q, PLAIN)
         inv_s = tl.math.div_rn(1.0, s)
         ieee = ieee_quotients(inv_s)
-        _quantize_store_rows(q_ptr, v0, s[:, None], inv_s[:, None], seed, rows, 0, L, O_pad,
-                             ldq, groups_per_row, BC, Q, True, FP8, INTERPRET, ieee, PLAIN)
-        if CHUNKS > 1:
-            _quantize_store_rows(q_ptr, v1, s[:, None], inv_s[:, None], seed, rows, BC, L,
-                                 O_pad, ldq, groups_per_row, BC, Q, True, FP8, INTERPRET, ieee,
-                                 PLAIN)
-        if CHUNKS > 2:
-            _quantize_store_rows(q_ptr, v2, s[:, None], inv_s[:, None], seed, rows, 2 * BC, L,
-                                 O_pad, ldq, groups_per_row, BC, Q, True, FP8, INTERPRET, ieee,
-                                 PLAIN)
-        if CHUNKS > 3:
-            _quantize_store_rows(q_ptr, v3, s[:, None], inv_s[:, None], seed, rows, 3 * BC, L,
-                                 O_pad, ldq, groups_per_row, BC, Q, True, FP8, INTERPRET, ieee,
-                                 PLAIN)
-        if CHUNKS > 4:
-            _quantize_store_rows(q_ptr, v4, s[:, None], inv_s[:, None], seed, rows, 4 * BC, L,
-                                 O_pad, ldq, groups_per_row, BC, Q, True, FP8, INTERPRET, ieee,
-                                 PLAIN)
-        if CHUNKS > 5:
-            _quantize_store_rows(q_ptr, v5, s[:, None], inv_s[:, None], seed, rows, 5 * BC, L,
-                                 O_pad, ldq, groups_per_row, BC, Q, True, FP8, INTERPRET, ieee,
-                                 PLAIN)
+        for i in tl.static_range(CHUNKS):
+            _quantize_store_rows(q_ptr, held[i], s[:, None], inv_s[:, None], seed, rows, i * BC,
+                                 L, O_pad, ldq, groups_per_row, BC, Q, True, FP8, INTERPRET,
+                                 ieee, PLAIN)
     else:
         amax = tl.zeros((BR, BC), dtype=tl.int32)
         xmax = tl.zeros((BR, BC), dtype=tl.int32)
