@@ -100,13 +100,10 @@ def current(name: str):
 def compile_one(fn, configs, meta, arch: int = 90, overrides=None, warps=None):
     """(seconds, compiled kernel): the kernel compiled as its worker would (first config,
     else Triton's defaults: 4 warps, 3 stages), for ``sm_<arch>``; ``overrides`` replace
-    constexprs, ``warps`` the config's warps."""
+    the constexprs the kernel has, ``warps`` the config's warps."""
     config = configs[0] if configs else {}
     constants = dict(meta["constants"])
-    for k, v in (overrides or {}).items():
-        if k not in constants:
-            raise SystemExit(f"--set {k}: not a constexpr of this kernel ({sorted(constants)})")
-        constants[k] = v
+    constants.update({k: v for k, v in (overrides or {}).items() if k in constants})
     src = ASTSource(fn=fn, signature=dict(meta["signature"]), constexprs=constants,
                     attrs=meta["configs"][0] if meta.get("configs") else {})
     t0 = time.perf_counter()
@@ -163,8 +160,10 @@ def main(argv=None) -> int:
     total, rows = 0.0, 0
     print(f"triton {triton.__version__}, sm_90, one kernel at a time"
           + (", this tree's kernels" if a.current else ""))
+    unused = set(overrides)      # --set names no compiled kernel has
     for var, name, source in definitions(code, a.only):
         fn, configs, meta = load(var, name, source)
+        unused -= set(meta["constants"])
         if a.current:
             fn = current(name)
             # the hints (``attrs``) are keyed by parameter position: a reordered kernel
@@ -182,6 +181,9 @@ def main(argv=None) -> int:
                   f"{r['shared']} shared-memory loads/stores; "
                   + " ".join(f"{op} {n}" for op, n in r["top"]), flush=True)
     print(f"{rows} kernels, {total:.2f} s")
+    if unused:
+        raise SystemExit(f"--set {', '.join(sorted(unused))}: not a constexpr of any kernel "
+                         "compiled")
     return 0 if rows else 1
 
 

@@ -229,7 +229,11 @@ def test_gpu_odd_shapes_and_nonfinite():
     for per_token in (True, False):
         _check(g, 4, per_token, 3, 8, "1d", 8, 4)
         _check(g.to(torch.bfloat16), 8, per_token, 3, 16, "1d", 8, 4)
+    g[500, 100] = float("inf")              # infs alone: s inf, reciprocal 0 (the IEEE path)
+    g[600, 3] = -float("inf")
+    for per_token in (True, False):
+        hla_q = _check(g, 4, per_token, 3, 8, "1d", 8, 4)[2]
+        assert not hla_q.isnan().any() and hla_q[:, :8 * 63].abs().max() < 127
     g[10, 7] = float("nan")
-    g[500, 100] = float("inf")
     for per_token in (True, False):
         _check(g, 4, per_token, 3, 8, "1d", 8, 4)

@@ -109,6 +109,52 @@ def test_hq_per_token_levels_bit_exact(poison, L, O, bits):
 
 
 @cpu
+def test_forced_token_tile_is_checked(monkeypatch):
+    """``HOT_HQ_TOKEN_FORCE`` names the field it cannot use: chunks that do not cover the
+    row would leave columns unwritten."""
+    for bad in ("1024,2,4,2", "48,2,4,1", "512,2,4,7"):
+        monkeypatch.setenv("HOT_HQ_TOKEN_FORCE", bad)
+        with pytest.raises(ValueError, match="HOT_HQ_TOKEN_FORCE"):
+            H.token_tile(3072, False)
+    monkeypatch.setenv("HOT_HQ_TOKEN_FORCE", "1024,2,4")
+    assert H.token_tile(3072, False) == (1024, 0, 2, 4)       # two sweeps by default
+
+
+def _check_subnormal_rows(device):
+    """fp32 rows whose scale is subnormal (too coarse for the no-clamp bound: [10 * 2**-149,
+    0, ..] has s = 2**-149 at 4 bits, v / s = 10) or rounds to 0 ([3 * 2**-149, ..]: v / s
+    inf), beside a zero row and ordinary rows: the levels are clamped like the reference's
+    (per token and per tensor, int8 and e4m3 levels; the IEEE branch of ``quantize``)."""
+    g = _randn(6, 48).to(device)
+    tiny = torch.tensor(2.0 ** -149, device=device)
+    g[0] = 0.0
+    g[0, 0] = 10 * tiny
+    g[1] = 0.0
+    g[1, 5] = -3 * tiny
+    g[2] = 0.0
+    gh = R.block_fwht(R.pad_cols(g, 16))
+    for per_token in (True, False):
+        for fp8 in (False, True):
+            scaled = g if per_token else g * tiny * 64      # per tensor: a subnormal amax too
+            gh = R.block_fwht(R.pad_cols(scaled, 16))
+            q, s = H.hq_act_quant(scaled, 4, per_token, 21, fp8=fp8)
+            qr, sr = R.quantize(gh, 4, per_row=per_token, stochastic=True, seed=21)
+            assert torch.equal(q.float(), qr.float().to(q.device)), (per_token, fp8)
+            assert q.float().abs().max() <= 7
+
+
+@cpu
+def test_subnormal_scales_clamp_levels_like_the_reference(poison):
+    _check_subnormal_rows("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_subnormal_scales_clamp_levels_like_the_reference():
+    _check_subnormal_rows("cuda")
+
+
+@cpu
 @pytest.mark.parametrize("O,tile", [(40, "16,2,4,3"), (1040, "512,2,4,3"), (200, "64,4,4,4"),
                                     (200, "32,2,4,0"), (90, "16,1,4,6")])
 def test_hq_per_token_held_chunks_bit_exact(poison, monkeypatch, O, tile):
@@ -804,13 +850,14 @@ def test_gpu_hq_token_tiles_bit_exact(O):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("tile", [None, "4096,2,8", "1024,4,4"])
+@pytest.mark.parametrize("tile", [None, "4096,2,8", "1024,4,4", "1024,4,4,4"])
 def test_gpu_e4m3_levels_of_nonfinite_rows(monkeypatch, tile):
     """Levels stored as e4m3 are float floors with no NaN select on the reciprocal's path,
     so a program must leave that path when any of its rows has a NaN (whose reciprocal a
     max would skip) or an inf (scale inf, reciprocal 0, quotients inf / inf): rows of NaN,
     +inf and -inf beside ordinary rows, alone in a program and sharing one (BR = 2, 4),
-    per token and per tensor, are the reference's levels (0 in a NaN row)."""
+    per token and per tensor, held chunks and two sweeps, are the reference's levels (0 in
+    a NaN row); per tensor also with infs alone (scale inf, reciprocal 0, no NaN)."""
     if tile:
         monkeypatch.setenv("HOT_HQ_TOKEN_FORCE", tile)
     torch.manual_seed(5)
@@ -823,6 +870,11 @@ def test_gpu_e4m3_levels_of_nonfinite_rows(monkeypatch, tile):
         qr, _ = R.quantize(gh, 4, per_row=per_token, stochastic=True, seed=seed, scale=s)
         assert torch.equal(q.float(), qr.float())
         assert not torch.isnan(q.float()).any()
+    g[3, 17] = 1.0                                          # infs alone
+    q, s = H.hq_act_quant(g, 4, False, seed, fp8=True)
+    qr, _ = R.quantize(R.block_fwht(R.pad_cols(g.float(), 16)), 4, per_row=False,
+                       stochastic=True, seed=seed, scale=s)
+    assert torch.isinf(s) and torch.equal(q.float(), qr.float())
 
 
 @pytest.mark.gpu

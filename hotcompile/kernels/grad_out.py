@@ -88,12 +88,10 @@ def _hla_half(g_ptr, q_ptr, s_ptr, amax_ptr, seed_ptr, seed_add, blk0, col0, S, 
         inv_s = tl.math.div_rn(1.0, s)
         if is_first:
             tl.store(s_ptr, s)
-        if inv_s < float("inf"):
-            _quantize_store_tile(q_ptr, v, s, inv_s, seed, blk0, col0, n_blk, O, ld_q, groups,
-                                 BT, BC, RP, RANK, Q, True, True, INTERPRET, False)
-        else:
-            _quantize_store_tile(q_ptr, v, s, inv_s, seed, blk0, col0, n_blk, O, ld_q, groups,
-                                 BT, BC, RP, RANK, Q, True, True, INTERPRET, True)
+        # an inf in g makes s inf and its reciprocal 0: the IEEE path (``quantize``)
+        _quantize_store_tile(q_ptr, v, s, inv_s, seed, blk0, col0, n_blk, O, ld_q, groups,
+                             BT, BC, RP, RANK, Q, True, True, INTERPRET,
+                             ((inv_s < float("inf")) & (inv_s > 0.0)) == 0)
 
 
 # =========================================================================== HQ half

@@ -183,6 +183,8 @@ def quantize(v, s, inv_s, u, Q: tl.constexpr, IEEE_DIV, AS_INT: tl.constexpr):
     -Q <= floor(v / s + u) <= Q whenever Q * 2**-23 < 2**-9. It is skipped there (two
     instructions per element); 8-bit levels (Q = 127) keep it.
 
+    The IEEE path clamps before adding u: its scales are subnormal (or 0), too coarse for
+    that bound (an fp32 row [10 * 2**-149, 0, ..] has s = 2**-149 at 4 bits, v / s = 10).
     NaN: the IEEE path selects 0 for a NaN quotient. The reciprocal's path has none to
     select: callers take it only where ``reciprocal_is_finite`` holds, so s is finite and
     non-zero, every |v| <= Q * s is finite, and so is every quotient. That is what lets the
@@ -191,8 +193,11 @@ def quantize(v, s, inv_s, u, Q: tl.constexpr, IEEE_DIV, AS_INT: tl.constexpr):
     of the per-token kernel, forty-second stop).
     """
     if IEEE_DIV:
+        # clamped here: a subnormal s (this path's reason) has lost the precision the bound
+        # below rests on, and a zero one gives inf; NaN -> level 0 (floor(0 + u) = 0, u < 1);
+        # clamp(floor(t + u)) = floor(clamp(t) + u) for integer bounds and u in [0, 1)
         t = tl.math.div_rn(v, s)
-        t = tl.where(t == t, t, 0.0)     # NaN -> level 0: floor(0 + u) = 0, as u < 1
+        t = tl.where(t == t, tl.clamp(t, -Q * 1.0, Q * 1.0), 0.0)
     else:
         t0 = v * inv_s
         t = tl.math.fma(tl.math.fma(t0, -s, v), inv_s, t0)
@@ -403,9 +408,9 @@ def _hq_token_kernel(g_ptr, q_ptr, s_ptr, seed_ptr, m_ptr, z_ptr, L, O, O_pad, s
                      ROW_MAX: tl.constexpr, PLAIN: tl.constexpr):
     """Per-token (per-row) scales: one program owns BR whole rows.
 
-    ``CHUNKS`` = n (1 to ``HELD_CHUNKS``): a row is n chunks of BC columns, each read and transformed once
-    and held in registers until the row's scale is known, then quantized from them: one
-    read, one write, one transform (``token_tile``). ``CHUNKS`` = 0, for rows too wide to
+    ``CHUNKS`` = n (1 to ``HELD_CHUNKS``): a row is n chunks of BC columns, each read and
+    transformed once and held in registers until the row's scale is known, then quantized
+    from them: one read, one write, one transform (``token_tile``). ``CHUNKS`` = 0, for rows too wide to
     hold: a first sweep over the row's chunks keeps an elementwise running max (reduced
     across lanes once, at the end) and a second sweep, which re-reads the chunks while
     they are still in L1/L2, transforms them again and quantizes them.
@@ -970,7 +975,12 @@ def token_tile(O_pad: int, interp: bool) -> tuple[int, int, int, int]:
     force = os.environ.get("HOT_HQ_TOKEN_FORCE")
     if force:
         bc, br, warps, *chunks = (int(t) for t in force.split(","))
-        return bc, chunks[0] if chunks else int(bc >= O_pad), br, warps
+        chunks = chunks[0] if chunks else int(bc >= O_pad)
+        if bc < 16 or bc & (bc - 1) or not 0 <= chunks <= HELD_CHUNKS or 0 < chunks * bc < O_pad:
+            raise ValueError(f"HOT_HQ_TOKEN_FORCE={force}: BC must be a power of two >= 16 and "
+                             f"CHUNKS 0 (two sweeps) or 1..{HELD_CHUNKS} chunks covering the "
+                             f"{O_pad} columns")
+        return bc, chunks, br, warps
     if interp:
         bc, one = column_tile(O_pad, max_tile=1024)
         chunks = 1 if one else -(-O_pad // bc)

@@ -41,9 +41,9 @@ import triton.language as tl
 
 from .launch import declare_writes, launch
 from . import reference as ref
-from .hadamard import (abs_bits, counter_uniforms, fwht16, input_amax_bits, input_max_bits, interpreting,
-                       philox_uniform8, quantize, scalar_buffer, scale_from_amax_bits,
-                       seed_pointer, to_e4m3)
+from .hadamard import (abs_bits, counter_uniforms, fwht16, input_amax_bits, input_max_bits,
+                       interpreting, philox_uniform8, quantize, scalar_buffer,
+                       scale_from_amax_bits, seed_pointer, to_e4m3)
 
 
 @triton.jit
