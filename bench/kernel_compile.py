@@ -48,6 +48,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from kernel_regs import _ptxas, sass_opcodes  # noqa: E402
+
 # the kernels HOT splices (every other user kernel and Inductor's own are left out)
 HOT_PREFIXES = ("_hla", "_hq", "_weight", "_block", "_grad_out", "_scaled_mm", "_transpose")
 
@@ -113,16 +116,13 @@ def compile_one(fn, configs, meta, arch: int = 90, overrides=None, warps=None):
     return time.perf_counter() - t0, k
 
 
-_SASS_LINE = re.compile(r"^[0-9a-f-]{2}:[-0-9]:[-0-9]:[-Y]:[0-9a-f]\t(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
-
-
 def instructions(k) -> dict:
     """What a compiled kernel's binary holds: SASS instruction count and the commonest
-    opcodes (Triton's own nvdisasm listing), registers a thread (cuobjdump), layout
-    conversions in the TTGIR, barriers and shared-memory loads and stores."""
-    ops = collections.Counter(m.group(1) for m in map(_SASS_LINE.match, k.asm["sass"].splitlines())
-                              if m)
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    opcodes (``kernel_regs.sass_opcodes``), registers a thread (``cuobjdump -res-usage``:
+    the cubin itself, no second assembly), layout conversions in the TTGIR, barriers and
+    shared-memory loads and stores."""
+    ops = sass_opcodes(k.asm["cubin"]) or collections.Counter()
+    tool = os.path.join(os.path.dirname(_ptxas()), "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(k.asm["cubin"])
         f.flush()

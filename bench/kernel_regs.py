@@ -27,6 +27,7 @@ bandwidth; the pair slower than the two separate kernels at rank 16 only).
 from __future__ import annotations
 
 import argparse
+import collections
 import inspect
 import os
 import re
@@ -92,14 +93,10 @@ def report(kernel, pointers: dict, constexprs: dict, warps: int, stages: int = 3
             "smem_ops": shared_memory_ops(ck.asm["cubin"])}
 
 
-def shared_memory_ops(cubin: bytes) -> int:
-    """Shared-memory loads and stores (STS, LDS, LDSM) in a kernel's SASS, counted where
-    they appear in the code (a loop body or a branch counts once). Why: a tile moved
-    between register layouts through shared memory (a ``ttg.convert_layout`` Triton could
-    not lower to register moves) costs a store, a barrier and a load per tile, which a
-    memory-bound kernel pays on every tile: g's HLA operand has 16 STS and 16 LDSM for its
-    two branches (bench/NOTES_kernels.md, thirty-seventh stop); a cross-warp reduction
-    (a row's max over 4 warps) takes a few. None: no ``nvdisasm`` in this triton wheel."""
+def sass_opcodes(cubin: bytes):
+    """Opcode counts of a kernel's SASS (``nvdisasm`` of its cubin), each instruction counted
+    where it appears in the code (a loop body or a branch counts once); None: no
+    ``nvdisasm`` in this triton wheel."""
     tool = os.path.join(os.path.dirname(_ptxas()), "nvdisasm")
     if not os.path.exists(tool):
         return None
@@ -108,8 +105,20 @@ def shared_memory_ops(cubin: bytes) -> int:
         with open(path, "wb") as f:
             f.write(cubin)
         sass = subprocess.run([tool, "-c", path], capture_output=True, text=True).stdout
-    return len(re.findall(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?(?:STS|LDS|LDSM)\b", sass,
-                          re.M))
+    return collections.Counter(re.findall(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)",
+                                          sass, re.M))
+
+
+def shared_memory_ops(cubin: bytes) -> int:
+    """Shared-memory loads and stores (STS, LDS, LDSM) in a kernel's SASS (``sass_opcodes``).
+    Why: a tile moved between register layouts through shared memory (a
+    ``ttg.convert_layout`` Triton could not lower to register moves) costs a store, a
+    barrier and a load per tile, which a memory-bound kernel pays on every tile: g's HLA
+    operand has 16 STS and 16 LDSM for its two branches (bench/NOTES_kernels.md,
+    thirty-seventh stop); a cross-warp reduction (a row's max over 4 warps) takes a few.
+    None: no ``nvdisasm`` in this triton wheel."""
+    ops = sass_opcodes(cubin)
+    return None if ops is None else ops["STS"] + ops["LDS"] + ops["LDSM"]
 
 
 def kernels_for(L: int, I: int, O: int, rank: int):

@@ -61,8 +61,8 @@ import triton.language as tl
 from .launch import launch
 from . import hadamard, hla
 from . import reference as ref
-from .hadamard import (_load_fwht_rows, _quantize_store_rows, abs_bits, interpreting, qmax,
-                       reciprocal_is_finite, scale_from_amax_bits, seed_pointer)
+from .hadamard import (_load_fwht_rows, _quantize_store_rows, abs_bits, ieee_quotients,
+                       interpreting, qmax, reciprocal_is_finite, scale_from_amax_bits, seed_pointer)
 from .hla import _load_project, _packed_rows, _quantize_store_tile, _tile_origin
 
 # =========================================================================== HLA half
@@ -91,7 +91,7 @@ def _hla_half(g_ptr, q_ptr, s_ptr, amax_ptr, seed_ptr, seed_add, blk0, col0, S, 
         # an inf in g makes s inf and its reciprocal 0: the IEEE path (``quantize``)
         _quantize_store_tile(q_ptr, v, s, inv_s, seed, blk0, col0, n_blk, O, ld_q, groups,
                              BT, BC, RP, RANK, Q, True, True, INTERPRET,
-                             ((inv_s < float("inf")) & (inv_s > 0.0)) == 0)
+                             ieee_quotients(inv_s))
 
 
 # =========================================================================== HQ half
@@ -130,7 +130,7 @@ def _hq_rows(g_ptr, q_ptr, s_ptr, amax_ptr, seed, rows, col0, L, O, O_pad, strid
                 tl.store(s_ptr, s)
             _quantize_store_rows(q_ptr, v, s, inv_s, seed, rows, col0, L, O_pad, O_pad,
                                  groups, BC, Q, True, FP8, INTERPRET,
-                                 ((inv_s < float("inf")) & (inv_s > 0.0)) == 0)
+                                 ieee_quotients(inv_s))
 
 
 # =========================================================================== the kernel

@@ -274,19 +274,21 @@ def e4m3_from_clamped(t, INTERPRET: tl.constexpr, u=0.0, STOCHASTIC: tl.constexp
 
 @triton.jit
 def reciprocal_is_finite(inv_s):
-    """Whether every reciprocal of a program's scales (a tensor) is finite and non-zero, a
-    scalar condition. Markstein's correction needs it finite, and a scale under ~2.9e-39
-    (1 / FLT_MAX: the maxima of subnormals) has an infinite one; a zero row's scale is 1.
-    Non-zero excludes an infinite scale (a row holding an inf), and a NaN fails both tests
-    (a max would skip it): where it holds, every quotient is finite (``quantize``)."""
+    """Whether every reciprocal of a program's scales (one, or a tensor of them) is finite and
+    non-zero, a scalar condition. Markstein's correction needs it finite, and a scale under
+    ~2.9e-39 (1 / FLT_MAX: the maxima of subnormals) has an infinite one; a zero row's scale
+    is 1. Non-zero excludes an infinite scale (a row holding an inf), and a NaN fails both
+    tests (a max would skip it): where it holds, every quotient is finite (``quantize``)."""
     ok = (inv_s < float("inf")) & (inv_s > 0.0)
-    return tl.min(ok.to(tl.int32)) == 1
+    return tl.min(ok.to(tl.int32) + tl.zeros((1,), tl.int32)) == 1   # (1,): a scale alone
 
 
 @triton.jit
 def ieee_quotients(inv_s):
     """The run-time ``IEEE_DIV`` of a program whose scales' reciprocals are ``inv_s``: not
-    ``reciprocal_is_finite``. Why a flag and not two calls under a branch: each call inlines
+    ``reciprocal_is_finite``. Every kernel takes it from here: a copy of the condition that
+    tested only ``inv_s < inf`` sent an inf in g down the reciprocal's path (grad_out's HLA
+    half, forty-second stop). Why a flag and not two calls under a branch: each call inlines
     the whole tile loop (loads, transform, Philox, stores), which doubled the kernels'
     code and their compile time (an HLA variant took 2.45 s, H200, fortieth stop), for a
     path only scales under ~2.9e-39 take."""
@@ -410,8 +412,8 @@ def _hq_token_kernel(g_ptr, q_ptr, s_ptr, seed_ptr, m_ptr, z_ptr, L, O, O_pad, s
 
     ``CHUNKS`` = n (1 to ``HELD_CHUNKS``): a row is n chunks of BC columns, each read and
     transformed once and held in registers until the row's scale is known, then quantized
-    from them: one read, one write, one transform (``token_tile``). ``CHUNKS`` = 0, for rows too wide to
-    hold: a first sweep over the row's chunks keeps an elementwise running max (reduced
+    from them: one read, one write, one transform (``token_tile``). ``CHUNKS`` = 0, for
+    rows too wide to hold: a first sweep over the row's chunks keeps an elementwise running max (reduced
     across lanes once, at the end) and a second sweep, which re-reads the chunks while
     they are still in L1/L2, transforms them again and quantizes them.
     ``ROW_MAX``: also store max |g[row, :]| (fp32, NaN if the row has one) at ``m_ptr``,
@@ -510,7 +512,7 @@ def _hq_tensor_kernel(g_ptr, q_ptr, s_ptr, amax_ptr, seed_ptr, L, O, O_pad, stri
         v = _load_fwht_rows(g_ptr, rows, col0, L, O, stride_g, BC)
         _quantize_store_rows(q_ptr, v, s, inv_s, seed, rows, col0, L, O_pad, ldq,
                              groups_per_row, BC, Q, True, FP8, INTERPRET,
-                             ((inv_s < float("inf")) & (inv_s > 0.0)) == 0)
+                             ieee_quotients(inv_s))
 
 
 # =========================================================================== weight side

@@ -41,8 +41,8 @@ import triton.language as tl
 
 from .launch import declare_writes, launch
 from . import reference as ref
-from .hadamard import (abs_bits, counter_uniforms, fwht16, input_amax_bits, input_max_bits,
-                       interpreting, philox_uniform8, quantize, scalar_buffer,
+from .hadamard import (abs_bits, counter_uniforms, fwht16, ieee_quotients, input_amax_bits,
+                       input_max_bits, interpreting, philox_uniform8, quantize, scalar_buffer,
                        scale_from_amax_bits, seed_pointer, to_e4m3)
 
 
@@ -262,7 +262,7 @@ def _hla_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, seed_ptr, seed_add, scale_mul, S,
         n_tiles = tl.cdiv(n_blk, BT) * n_ct
         # s finite and non-zero: every quotient is finite, the reciprocal's path is taken
         # (a run-time flag, not two inlined copies of the loop: ``hadamard.ieee_quotients``)
-        ieee = ((inv_s < float("inf")) & (inv_s > 0.0)) == 0
+        ieee = ieee_quotients(inv_s)
         _phase2_tiles(x_ptr, q_ptr, s, inv_s, seed, pid, n_tiles, n_ct, S, n_sblk, stride_b,
                       stride_s, C, stride_x, ldq, n_blk, groups_per_row, BT, BC, RP, RANK,
                       KEPT, Q, STOCHASTIC, TRANSPOSED, INTERPRET, ieee, E4M3, CPT, FLAT,
@@ -410,8 +410,8 @@ def _stepped_blocks(bt: int, rp: int) -> tuple[int, int]:
     (``_tile_shape``'s: a 32-byte run per channel), in one step (STEP 0) unless tuned.
 
     Why one step: at rank 16, 4 blocks in 2-block steps of a loop (the 2-block tile's
-    registers, 167) ran 6-8% faster than 2 blocks on the H100 (``hla_step_2026-11-26T1931_h100``,
-    ``..T1933_h100_r16``), but since the channel uniforms are joined in the load's registers
+    registers, 167) ran 6-8% faster than 2 blocks on the H100
+    (``hla_step_2026-11-26T1931_h100``, ``..T1933_h100_r16``), but since the channel uniforms are joined in the load's registers
     (forty-second stop) the 2-block tile alone is 0.3-4% faster on the H200 at Llama's and
     ViT's widths, in two runs (``kernel_ab_2026-11-30T003909_h200_s42``, ``..T004957``:
     0.0506 vs 0.0522, 0.1235 vs 0.1240, 0.0580 vs 0.0584 ms). 4 blocks in one step need
