@@ -463,6 +463,52 @@ def test_hla_e4m3_bit_exact(poison, L, C, rank, stochastic):
     assert torch.isnan(s) and not q.float().any()
 
 
+def _odd_stride_copy(x):
+    """x with a row stride of C + 1: the channel-major tile cannot read it as word pairs
+    (``hla._pairs_fit``), so it takes the 2-channel vector loads."""
+    y = torch.empty(x.shape[0], x.shape[1] + 1, dtype=x.dtype, device=x.device)[:, :x.shape[1]]
+    return y.copy_(x)
+
+
+def _hla_operands_both_loads(x, rank, seq_len=0):
+    """g's stochastic e4m3 operand and the saved x's e4m3 and int8 K-major buffers (all
+    channel-major tiles), each from x read as word pairs and from its odd-stride copy: the
+    written columns (int8 leaves the K-major pad unwritten) and the scale."""
+    seed = torch.tensor(31, device=x.device)
+    rows = HL.token_layout(x.shape[0], seq_len)[4] * rank
+    calls = (dict(stochastic=True, seed=seed, seed_add=3, e4m3=True),
+             dict(stochastic=False, e4m3=True), dict(stochastic=False, e4m3=False))
+    out = []
+    for kw in calls:
+        pair = []
+        for t in (x, _odd_stride_copy(x)):
+            q, s = HL.hla_quant(t, rank, "1d", 8, transposed=True, pad_to=16, seq_len=seq_len,
+                                **kw)
+            pair.append((q[:, :rows] if not kw["e4m3"] else q, s))
+        out.append((kw, pair))
+    return out
+
+
+@cpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("L,C,rank,seq_len", [(64, 48, 16, 0), (37, 24, 8, 0), (50, 40, 3, 25)])
+def test_hla_word_pairs_write_the_same_bytes(poison, dtype, L, C, rank, seq_len):
+    """The channel-major tile reading a 2-byte x as 4-byte words of two channels (split in
+    registers into an even and an odd half, each stored K-major) writes the same levels and
+    scale as the tile's 2-channel vector loads, for g's stochastic e4m3 operand and the
+    saved x's e4m3 and int8 buffers, with a partial channel tile, padded sequences and a
+    NaN (scale NaN, levels 0)."""
+    x = (_randn(L, C) * torch.exp(torch.randn(1, C))).to(dtype)
+    assert HL._pairs_fit(x) and not HL._pairs_fit(_odd_stride_copy(x))
+    assert not HL._pairs_fit(x.float()) and not HL._pairs_fit(x[:, 1:])
+    for kw, ((q, s), (q2, s2)) in _hla_operands_both_loads(x, rank, seq_len):
+        assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8)), kw
+        assert torch.equal(s, s2) and q.float().abs().sum() > 0, kw
+    x[L // 2, C - 1] = float("nan")
+    for kw, ((q, s), (q2, s2)) in _hla_operands_both_loads(x, rank, seq_len):
+        assert torch.isnan(s) and torch.isnan(s2) and not q.float().any(), kw
+
+
 @cpu
 @pytest.mark.parametrize("L,C", [(64, 48), (40, 1040), (9, 24)])
 def test_grad_e4m3_kernel_is_its_twin(poison, L, C):
@@ -933,6 +979,26 @@ def test_gpu_hla_e4m3_channel_major_bit_exact(monkeypatch, L, C, rank, seq_len):
     qt, s = HL.hla_quant(x, rank, "1d", 8, stochastic=True, seed=seed, transposed=True,
                          pad_to=16, e4m3=True, seq_len=seq_len)
     assert torch.isnan(s) and not qt.float().any()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("L,C,rank,seq_len", [(8192, 4096, 16, 0), (12608, 768, 16, 197),
+                                              (2048, 1000, 8, 0), (1000, 776, 3, 125)])
+def test_gpu_hla_word_pairs_write_the_same_bytes(dtype, L, C, rank, seq_len):
+    """The compiled word-pair tile (one 4-byte word of two channels a lane, no layout
+    conversion) against the compiled 2-channel vector tile: the same bytes and scale for
+    g's stochastic e4m3 operand and the saved x's e4m3 and int8 K-major buffers, at full
+    and partial channel tiles; a NaN makes the scale NaN and every level 0."""
+    torch.manual_seed(L + C)
+    x = (_randn(L, C, device="cuda") * torch.exp(torch.randn(1, C, device="cuda"))).to(dtype)
+    for kw, ((q, s), (q2, s2)) in _hla_operands_both_loads(x, rank, seq_len):
+        assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8)), kw
+        assert torch.equal(s, s2) and q.float().abs().sum() > 0, kw
+    x[L // 2, C - 1] = float("nan")
+    for kw, ((q, s), (q2, s2)) in _hla_operands_both_loads(x, rank, seq_len):
+        assert torch.isnan(s) and torch.isnan(s2) and not q.float().any(), kw
 
 
 @pytest.mark.gpu

@@ -131,6 +131,28 @@ def _token_rows(blk0, n_blk, S, n_sblk, stride_b, stride_s, BT: tl.constexpr):
 
 
 @triton.jit
+def _tile_tokens(blk0, n_blk, S, n_sblk, stride_b, stride_s, BT: tl.constexpr, FLAT: tl.constexpr):
+    """Rows of the tile's BT * 16 tokens and which exist (``_token_rows``; with ``FLAT``
+    block b's tokens are rows 16 b .. 16 b + 15, no per-row division)."""
+    if FLAT:
+        tok = blk0 * 16 + tl.arange(0, BT * 16)
+        return tok, tok < S * (n_blk // n_sblk)
+    else:
+        return _token_rows(blk0, n_blk, S, n_sblk, stride_b, stride_s, BT)
+
+
+@triton.jit
+def _project(x, BT: tl.constexpr, RP: tl.constexpr, RANK: tl.constexpr, KEPT: tl.constexpr):
+    """(BT * 16 tokens, N channels) fp32 -> (BT, N, RP): each block's kept coefficients,
+    token axis last (a relabelling of the tile's registers: each thread owns whole token
+    columns)."""
+    N: tl.constexpr = x.shape[1]
+    x = tl.permute(tl.reshape(x, (BT, 16, N)), (0, 2, 1))
+    y = gather_kept(fwht16(tl.reshape(x, (BT * N, 16))), RP, RANK, KEPT)
+    return tl.reshape(y, (BT, N, RP))
+
+
+@triton.jit
 def _load_project(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C, stride_x,
                   BT: tl.constexpr, BC: tl.constexpr,
                   RP: tl.constexpr, RANK: tl.constexpr, KEPT: tl.constexpr, CPT: tl.constexpr,
@@ -142,11 +164,7 @@ def _load_project(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C, st
     (``_tile_shape``). ``FLAT``: block b's tokens are rows 16 b .. 16 b + 15 (one token axis,
     or batch-first sequences whose length is a multiple of 16): no per-row division.
     ``EVEN_C``: BC divides C, no channel mask."""
-    if FLAT:
-        tok = blk0 * 16 + tl.arange(0, BT * 16)
-        valid = tok < S * (n_blk // n_sblk)
-    else:
-        tok, valid = _token_rows(blk0, n_blk, S, n_sblk, stride_b, stride_s, BT)
+    tok, valid = _tile_tokens(blk0, n_blk, S, n_sblk, stride_b, stride_s, BT, FLAT)
     cols = col0 + tl.arange(0, BC)
     if CPT < 8:
         cols = tl.max_contiguous(cols, CPT)
@@ -155,9 +173,49 @@ def _load_project(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C, st
     else:
         mask = valid[:, None] & (cols < C)[None, :]
     x = tl.load(x_ptr + tok[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
-    x = tl.permute(tl.reshape(x.to(tl.float32), (BT, 16, BC)), (0, 2, 1))   # token axis last
-    y = gather_kept(fwht16(tl.reshape(x, (BT * BC, 16))), RP, RANK, KEPT)
-    return tl.reshape(y, (BT, BC, RP))
+    return _project(x.to(tl.float32), BT, RP, RANK, KEPT)
+
+
+@triton.jit
+def _load_project_pairs(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C, stride_x,
+                        BT: tl.constexpr, BC: tl.constexpr, RP: tl.constexpr,
+                        RANK: tl.constexpr, KEPT: tl.constexpr, FLAT: tl.constexpr,
+                        EVEN_C: tl.constexpr):
+    """``_load_project`` of a 2-byte x read as 4-byte words, one word (two neighbouring
+    channels) a lane: returns the (BC / 2, BT, RP) tiles of the even and the odd channels,
+    channels first (``_quantize_store_half``).
+
+    Why: a K-major store wants one channel a lane (each lane's BT * RANK coefficients one
+    run of bytes). Two channels a lane from one vector load (``CPT`` = 2) made Triton
+    convert the quantized tile through shared memory before its store; one channel a lane
+    from 2-byte loads had no conversion but twice the load instructions (forty-second stop,
+    docs/BENCHMARKS.md). Split in registers, each half is one channel a lane with the load
+    still 4 bytes. Needs C, the row stride and x's offset even (``_pairs_fit``)."""
+    tok, valid = _tile_tokens(blk0, n_blk, S, n_sblk, stride_b, stride_s, BT, FLAT)
+    words = tl.max_contiguous(col0 // 2 + tl.arange(0, BC // 2), 1)     # one word a lane
+    if EVEN_C:
+        mask = valid[None, :]
+    else:
+        mask = (words * 2 < C)[:, None] & valid[None, :]
+    # (words, tokens): contiguity 1 on both axes, so Triton gives the lanes axis 0
+    w = tl.load(x_ptr.to(tl.pointer_type(tl.int32)) + words[:, None]
+                + tok[None, :] * (stride_x // 2), mask=mask, other=0)
+    if x_ptr.dtype.element_ty == tl.bfloat16:     # little-endian: the even channel is low
+        lo = (w << 16).to(tl.float32, bitcast=True)
+        hi = (w & -65536).to(tl.float32, bitcast=True)
+    else:
+        lo = w.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        hi = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return _project_channels(lo, BT, RP, RANK, KEPT), _project_channels(hi, BT, RP, RANK, KEPT)
+
+
+@triton.jit
+def _project_channels(x, BT: tl.constexpr, RP: tl.constexpr, RANK: tl.constexpr,
+                      KEPT: tl.constexpr):
+    """(N channels, BT * 16 tokens) fp32 -> (N, BT, RP): each block's kept coefficients."""
+    N: tl.constexpr = x.shape[0]
+    y = gather_kept(fwht16(tl.reshape(x, (N * BT, 16))), RP, RANK, KEPT)
+    return tl.reshape(y, (N, BT, RP))
 
 
 @triton.jit
@@ -202,10 +260,7 @@ def _quantize_store_tile(q_ptr, v, s, inv_s, seed, blk0, col0, n_blk, C, ldq, gr
         u = tl.permute(tl.reshape(u, (BT, RP, BC)), (0, 2, 1))
     else:
         u = 0.5
-    if E4M3:
-        q = to_e4m3(v, s, inv_s, IEEE_DIV or INTERPRET, INTERPRET, u, STOCHASTIC, FINITE=True)
-    else:
-        q = quantize(v, s, inv_s, u, Q, IEEE_DIV or INTERPRET, not INTERPRET).to(tl.int8)
+    q = _levels(v, s, inv_s, u, Q, STOCHASTIC, INTERPRET, IEEE_DIV, E4M3)
     valid = ((blk0 + tl.arange(0, BT)) < n_blk)[:, None] & (j < RANK)[None, :]
     mask = valid[:, None, :] & (cols < C)[None, :, None]
     if TRANSPOSED:
@@ -213,6 +268,43 @@ def _quantize_store_tile(q_ptr, v, s, inv_s, seed, blk0, col0, n_blk, C, ldq, gr
     else:
         ptrs = q_ptr + rows.to(tl.int64)[:, None, :] * ldq + cols[None, :, None]
     tl.store(ptrs, q, mask=mask)
+
+
+@triton.jit
+def _levels(v, s, inv_s, u, Q: tl.constexpr, STOCHASTIC: tl.constexpr, INTERPRET: tl.constexpr,
+            IEEE_DIV, E4M3: tl.constexpr):
+    """v / s as scaled e4m3 (``to_e4m3``) or int8 levels (``quantize``), rounding by u."""
+    if E4M3:
+        return to_e4m3(v, s, inv_s, IEEE_DIV or INTERPRET, INTERPRET, u, STOCHASTIC, FINITE=True)
+    else:
+        return quantize(v, s, inv_s, u, Q, IEEE_DIV or INTERPRET, not INTERPRET).to(tl.int8)
+
+
+@triton.jit
+def _quantize_store_half(q_ptr, v, s, inv_s, seed, blk0, cols, n_blk, C, ldq, groups_per_row,
+                         RANK: tl.constexpr, Q: tl.constexpr, STOCHASTIC: tl.constexpr,
+                         INTERPRET: tl.constexpr, IEEE_DIV, E4M3: tl.constexpr):
+    """``_quantize_store_tile`` of one half of ``_load_project_pairs``: a (N, BT, RP) tile,
+    channels first, of the channels ``cols``, stored transposed (K-major). Channels first
+    because Triton lays out a store by its pointers' contiguity and breaks ties by the
+    lower axis: with channels on axis 0 a lane owns one channel's BT * RP-byte run, the
+    layout the tile already has (no conversion through shared memory)."""
+    N: tl.constexpr = v.shape[0]
+    BT: tl.constexpr = v.shape[1]
+    RP: tl.constexpr = v.shape[2]
+    j = tl.arange(0, RP)
+    rows = (blk0 + tl.arange(0, BT))[:, None] * RANK + j[None, :]            # (BT, RP)
+    if STOCHASTIC:   # e4m3 only: uniforms along each channel's padded coefficients
+        tl.static_assert(E4M3, "int8 uniforms run along the (L', C) layout")
+        u = _channel_uniforms(seed, cols.to(tl.int64) * groups_per_row + blk0 * RP // 16,
+                              BT * RP // 16)
+        u = tl.reshape(u, (N, BT, RP))
+    else:
+        u = 0.5
+    q = _levels(v, s, inv_s, u, Q, STOCHASTIC, INTERPRET, IEEE_DIV, E4M3)
+    valid = ((blk0 + tl.arange(0, BT)) < n_blk)[:, None] & (j < RANK)[None, :]
+    mask = (cols < C)[:, None, None] & valid[None, :, :]
+    tl.store(q_ptr + cols.to(tl.int64)[:, None, None] * ldq + rows[None, :, :], q, mask=mask)
 
 
 @triton.jit
@@ -228,7 +320,7 @@ def _hla_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, seed_ptr, seed_add, scale_mul, S,
                 KEPT: tl.constexpr, Q: tl.constexpr, STOCHASTIC: tl.constexpr,
                 TRANSPOSED: tl.constexpr, INTERPRET: tl.constexpr, E4M3: tl.constexpr,
                 CPT: tl.constexpr, FLAT: tl.constexpr, EVEN_C: tl.constexpr,
-                BOUND: tl.constexpr, STEP: tl.constexpr = 0):
+                BOUND: tl.constexpr, STEP: tl.constexpr = 0, PAIRS: tl.constexpr = False):
     """One tile of BT token blocks x BC channels per program (phase 2: ``_phase2_tiles``).
 
     Phase 1: project, atomically max the amax of the kept coefficients into ``amax_ptr``
@@ -243,10 +335,17 @@ def _hla_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, seed_ptr, seed_add, scale_mul, S,
     n_ct = tl.cdiv(C, BC)
     if PHASE == 1:
         blk0, col0 = _tile_origin(pid, n_ct, BT, BC)
-        v = _load_project(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C,
-                          stride_x, BT, BC, RP, RANK, KEPT, CPT, FLAT, EVEN_C)
         keep = (tl.arange(0, RP) < RANK)[None, None, :]
-        tl.atomic_max(amax_ptr, tl.max(tl.where(keep, abs_bits(v), 0)))
+        if PAIRS:
+            v, w = _load_project_pairs(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s,
+                                       C, stride_x, BT, BC, RP, RANK, KEPT, FLAT, EVEN_C)
+            m = tl.maximum(tl.max(tl.where(keep, abs_bits(v), 0)),
+                           tl.max(tl.where(keep, abs_bits(w), 0)))
+        else:
+            v = _load_project(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C,
+                              stride_x, BT, BC, RP, RANK, KEPT, CPT, FLAT, EVEN_C)
+            m = tl.max(tl.where(keep, abs_bits(v), 0))
+        tl.atomic_max(amax_ptr, m)
     else:
         if STOCHASTIC:
             seed = tl.load(seed_ptr) + seed_add
@@ -266,7 +365,7 @@ def _hla_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, seed_ptr, seed_add, scale_mul, S,
         _phase2_tiles(x_ptr, q_ptr, s, inv_s, seed, pid, n_tiles, n_ct, S, n_sblk, stride_b,
                       stride_s, C, stride_x, ldq, n_blk, groups_per_row, BT, BC, RP, RANK,
                       KEPT, Q, STOCHASTIC, TRANSPOSED, INTERPRET, ieee, E4M3, CPT, FLAT,
-                      EVEN_C, STEP)
+                      EVEN_C, STEP, PAIRS)
 
 
 declare_writes(_hla_kernel, lambda a: ("amax_ptr",) if a["PHASE"] == 1 else ("q_ptr", "s_ptr"))
@@ -279,7 +378,7 @@ def _phase2_tiles(x_ptr, q_ptr, s, inv_s, seed, pid, n_tiles, n_ct, S, n_sblk, s
                   Q: tl.constexpr, STOCHASTIC: tl.constexpr, TRANSPOSED: tl.constexpr,
                   INTERPRET: tl.constexpr, IEEE_DIV, E4M3: tl.constexpr,
                   CPT: tl.constexpr, FLAT: tl.constexpr, EVEN_C: tl.constexpr,
-                  STEP: tl.constexpr):
+                  STEP: tl.constexpr, PAIRS: tl.constexpr):
     """Phase 2's tile(s) of this program, in reverse order: the tiles phase 1 read last
     come first (L2). The grid covers every tile, so the loop runs once; written as a loop
     (scale, seed and branch settled before it) it measured 4-14% faster than the same
@@ -289,18 +388,41 @@ def _phase2_tiles(x_ptr, q_ptr, s, inv_s, seed, pid, n_tiles, n_ct, S, n_sblk, s
     for t in tl.range(pid, n_tiles, tl.num_programs(0), num_stages=1):
         blk0, col0 = _tile_origin(n_tiles - 1 - t, n_ct, BT, BC)
         if STEP == 0 or STEP == BT:
-            v = _load_project(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C,
-                              stride_x, BT, BC, RP, RANK, KEPT, CPT, FLAT, EVEN_C)
-            _quantize_store_tile(q_ptr, v, s, inv_s, seed, blk0, col0, n_blk, C, ldq,
-                                 groups_per_row, BT, BC, RP, RANK, Q, STOCHASTIC, TRANSPOSED,
-                                 INTERPRET, IEEE_DIV, E4M3)
+            _tile_step(x_ptr, q_ptr, s, inv_s, seed, blk0, col0, S, n_sblk, stride_b, stride_s,
+                       C, stride_x, ldq, n_blk, groups_per_row, BT, BC, RP, RANK, KEPT, Q,
+                       STOCHASTIC, TRANSPOSED, INTERPRET, IEEE_DIV, E4M3, CPT, FLAT, EVEN_C,
+                       PAIRS)
         else:   # STEP blocks at a time: the registers of a STEP-block tile
             for i in tl.range(0, BT, STEP, num_stages=1):
-                v = _load_project(x_ptr, blk0 + i, col0, n_blk, S, n_sblk, stride_b, stride_s,
-                                  C, stride_x, STEP, BC, RP, RANK, KEPT, CPT, FLAT, EVEN_C)
-                _quantize_store_tile(q_ptr, v, s, inv_s, seed, blk0 + i, col0, n_blk, C, ldq,
-                                     groups_per_row, STEP, BC, RP, RANK, Q, STOCHASTIC,
-                                     TRANSPOSED, INTERPRET, IEEE_DIV, E4M3)
+                _tile_step(x_ptr, q_ptr, s, inv_s, seed, blk0 + i, col0, S, n_sblk, stride_b,
+                           stride_s, C, stride_x, ldq, n_blk, groups_per_row, STEP, BC, RP,
+                           RANK, KEPT, Q, STOCHASTIC, TRANSPOSED, INTERPRET, IEEE_DIV, E4M3,
+                           CPT, FLAT, EVEN_C, PAIRS)
+
+
+@triton.jit
+def _tile_step(x_ptr, q_ptr, s, inv_s, seed, blk0, col0, S, n_sblk, stride_b, stride_s, C,
+               stride_x, ldq, n_blk, groups_per_row, BT: tl.constexpr, BC: tl.constexpr,
+               RP: tl.constexpr, RANK: tl.constexpr, KEPT: tl.constexpr, Q: tl.constexpr,
+               STOCHASTIC: tl.constexpr, TRANSPOSED: tl.constexpr, INTERPRET: tl.constexpr,
+               IEEE_DIV, E4M3: tl.constexpr, CPT: tl.constexpr, FLAT: tl.constexpr,
+               EVEN_C: tl.constexpr, PAIRS: tl.constexpr):
+    """Load, project, quantize and store BT token blocks x BC channels (with ``PAIRS``
+    as two halves of one channel a lane, ``_load_project_pairs``)."""
+    if PAIRS:
+        v, w = _load_project_pairs(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C,
+                                   stride_x, BT, BC, RP, RANK, KEPT, FLAT, EVEN_C)
+        even = col0 + 2 * tl.arange(0, BC // 2)
+        _quantize_store_half(q_ptr, v, s, inv_s, seed, blk0, even, n_blk, C, ldq,
+                             groups_per_row, RANK, Q, STOCHASTIC, INTERPRET, IEEE_DIV, E4M3)
+        _quantize_store_half(q_ptr, w, s, inv_s, seed, blk0, even + 1, n_blk, C, ldq,
+                             groups_per_row, RANK, Q, STOCHASTIC, INTERPRET, IEEE_DIV, E4M3)
+    else:
+        v = _load_project(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C,
+                          stride_x, BT, BC, RP, RANK, KEPT, CPT, FLAT, EVEN_C)
+        _quantize_store_tile(q_ptr, v, s, inv_s, seed, blk0, col0, n_blk, C, ldq,
+                             groups_per_row, BT, BC, RP, RANK, Q, STOCHASTIC, TRANSPOSED,
+                             INTERPRET, IEEE_DIV, E4M3)
 
 
 @triton.jit
@@ -405,6 +527,18 @@ def _tile_shape(C: int, interp: bool, rp: int = 16,
     return 1, 256 * warps, warps, 8
 
 
+def _pairs_fit(x: torch.Tensor) -> bool:
+    """Whether the channel-major tile can read x as 4-byte words of two channels
+    (``_load_project_pairs``): 2-byte elements, an even number of channels, an even row
+    stride and an even element offset (the storage itself is allocated aligned), so every
+    word is two channels of one token and 4-byte aligned. A symbolic offset or stride
+    (dynamic shapes) is not proved even: the tile keeps 2-channel vector loads."""
+    if x.element_size() != 2:
+        return False
+    dims = (x.shape[1], x.stride(0), x.storage_offset())
+    return all(isinstance(d, int) and d % 2 == 0 for d in dims)
+
+
 def _stepped_blocks(bt: int, rp: int) -> tuple[int, int]:
     """(BT, STEP) of g's stochastic e4m3 operand: ``bt`` token blocks a program
     (``_tile_shape``'s: a 32-byte run per channel), in one step (STEP 0) unless tuned.
@@ -502,6 +636,10 @@ def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic:
     # every K-major store of nearest levels (ABC): runs of BT * RANK bytes per channel
     channel_major = (stochastic and e4m3) or (transposed and not stochastic)
     bt, bc, warps, cpt = _tile_shape(C, interpreting(), rp, channel_major)
+    pairs = channel_major and transposed and _pairs_fit(x) \
+        and os.environ.get("HOT_HLA_PAIRS", "1") != "0"
+    if pairs and not interpreting():
+        bc = 64 * warps
     step = 0
     if stochastic and e4m3:
         bt, step = _stepped_blocks(bt, rp)
@@ -511,7 +649,7 @@ def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic:
                 STOCHASTIC=stochastic, BOUND=bound,
                 TRANSPOSED=transposed, INTERPRET=interpreting(), E4M3=e4m3, CPT=cpt,
                 FLAT=_blocks_are_row_runs(S, stride_b, stride_s), EVEN_C=C % bc == 0,
-                STEP=step, num_warps=warps)
+                STEP=step, PAIRS=pairs, num_warps=warps)
     groups = ref.philox_counters(n_blk * rp if channel_major else C)   # per row of uniforms
     seed_t = seed_pointer(seed, dev) if stochastic else amax    # amax: an unread placeholder
     args = (x, q, s, amax, seed_t, int(seed_add), float(scale_mul), S, n_sblk, stride_b,
