@@ -244,6 +244,14 @@ def bench_abc(old, new, rows):
                 res[f"new written K-major BT={bt}"] = time_ms(run(new, True), xs)
         with env(HOT_HLA_PAIRS="0"):   # 2-channel vectors a thread, not word pairs
             res["new written K-major CPT=2"] = time_ms(run(new, True), xs)
+        # the kernel alone: in a site max |x| is a reduction fused into x's producer
+        bound = {id(x): new.hadamard.input_amax_bits(x) for x in xs}
+        alone = lambda x: new.hla.hla_quant(x, 16, "1d", 8, stochastic=False, e4m3=True,
+                                            transposed=True, pad_to=16, amax=bound[id(x)])
+        res["new written K-major, kernel alone"] = time_ms(alone, xs)
+        with env(HOT_HLA_PAIRS="0"):
+            res["new written K-major CPT=2, kernel alone"] = time_ms(alone, xs)
+        res["max |x| alone"] = time_ms(new.hadamard.input_amax_bits, xs)
         res["old written K-major (again)"] = time_ms(run(old, True), xs)
         res["new written K-major (again)"] = time_ms(run(new, True), xs)
         rows.append(dict(kernel="abc_x", shape=label, L=L, C=C, mismatch_vs_old=ok,

@@ -177,45 +177,55 @@ def _load_project(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C, st
 
 
 @triton.jit
-def _load_project_pairs(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C, stride_x,
-                        BT: tl.constexpr, BC: tl.constexpr, RP: tl.constexpr,
-                        RANK: tl.constexpr, KEPT: tl.constexpr, FLAT: tl.constexpr,
-                        EVEN_C: tl.constexpr):
-    """``_load_project`` of a 2-byte x read as 4-byte words, one word (two neighbouring
-    channels) a lane: returns the (BC / 2, BT, RP) tiles of the even and the odd channels,
-    channels first (``_quantize_store_half``).
+def _load_pairs(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C, stride_x,
+                BT: tl.constexpr, BC: tl.constexpr, FLAT: tl.constexpr, EVEN_C: tl.constexpr):
+    """Channels col0 .. col0+BC-1 of a 2-byte x, tokens of blocks blk0 .. blk0+BT-1, read as
+    4-byte words of two neighbouring channels: a (BT, BC / 2, 16) int32 tile in which each
+    lane holds the 16 tokens of one block of one word (``_pair_half`` splits it).
 
-    Why: a K-major store wants one channel a lane (each lane's BT * RANK coefficients one
-    run of bytes). Two channels a lane from one vector load (``CPT`` = 2) made Triton
-    convert the quantized tile through shared memory before its store; one channel a lane
-    from 2-byte loads had no conversion but twice the load instructions (forty-second stop,
-    docs/BENCHMARKS.md). Split in registers, each half is one channel a lane with the load
-    still 4 bytes. Needs C, the row stride and x's offset even (``_pairs_fit``)."""
+    Why this layout: it is the one Triton gives the K-major store of a (BT, channels, RP)
+    tile (BT lanes a channel, each storing its block's RP bytes, so a warp's store fills
+    whole 32-byte sectors), so the tile is never converted through shared memory, and a
+    thread holds 32 values, not 64. The 2-channel vector tile (``CPT`` = 2: all BT blocks of
+    two channels a thread) was converted before its store; one channel a lane with all
+    blocks (forty-third stop) stored half sectors and was slower. Needs C, the row stride
+    and x's offset even (``_pairs_fit``)."""
     tok, valid = _tile_tokens(blk0, n_blk, S, n_sblk, stride_b, stride_s, BT, FLAT)
+    tok = tl.reshape(tok, (BT, 1, 16))
+    valid = tl.reshape(valid, (BT, 1, 16))
     words = tl.max_contiguous(col0 // 2 + tl.arange(0, BC // 2), 1)     # one word a lane
     if EVEN_C:
-        mask = valid[None, :]
+        mask = valid
     else:
-        mask = (words * 2 < C)[:, None] & valid[None, :]
-    # (words, tokens): contiguity 1 on both axes, so Triton gives the lanes axis 0
-    w = tl.load(x_ptr.to(tl.pointer_type(tl.int32)) + words[:, None]
-                + tok[None, :] * (stride_x // 2), mask=mask, other=0)
-    if x_ptr.dtype.element_ty == tl.bfloat16:     # little-endian: the even channel is low
-        lo = (w << 16).to(tl.float32, bitcast=True)
-        hi = (w & -65536).to(tl.float32, bitcast=True)
-    else:
-        lo = w.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        hi = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    return _project_channels(lo, BT, RP, RANK, KEPT), _project_channels(hi, BT, RP, RANK, KEPT)
+        mask = valid & (words * 2 < C)[None, :, None]
+    # contiguity 1 on every axis: Triton gives the lanes axis 0 (blocks), then axis 1
+    return tl.load(x_ptr.to(tl.pointer_type(tl.int32)) + words[None, :, None]
+                   + tok * (stride_x // 2), mask=mask, other=0)
 
 
 @triton.jit
-def _project_channels(x, BT: tl.constexpr, RP: tl.constexpr, RANK: tl.constexpr,
-                      KEPT: tl.constexpr):
-    """(N channels, BT * 16 tokens) fp32 -> (N, BT, RP): each block's kept coefficients."""
-    N: tl.constexpr = x.shape[0]
-    y = gather_kept(fwht16(tl.reshape(x, (N * BT, 16))), RP, RANK, KEPT)
-    return tl.reshape(y, (N, BT, RP))
+def _pair_half(w, HALF: tl.constexpr, DTYPE: tl.constexpr):
+    """The even (HALF 0) or odd (1) channels of a word tile as fp32 (little-endian: the
+    even channel is the low half)."""
+    if DTYPE == tl.bfloat16:
+        if HALF == 0:
+            return (w << 16).to(tl.float32, bitcast=True)
+        else:
+            return (w & -65536).to(tl.float32, bitcast=True)
+    else:
+        if HALF == 0:
+            return w.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        else:
+            return (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _project_blocks(x, RP: tl.constexpr, RANK: tl.constexpr, KEPT: tl.constexpr):
+    """(BT, N, 16 tokens) fp32 -> (BT, N, RP): each block's kept coefficients."""
+    BT: tl.constexpr = x.shape[0]
+    N: tl.constexpr = x.shape[1]
+    y = gather_kept(fwht16(tl.reshape(x, (BT * N, 16))), RP, RANK, KEPT)
+    return tl.reshape(y, (BT, N, RP))
 
 
 @triton.jit
@@ -284,27 +294,26 @@ def _levels(v, s, inv_s, u, Q: tl.constexpr, STOCHASTIC: tl.constexpr, INTERPRET
 def _quantize_store_half(q_ptr, v, s, inv_s, seed, blk0, cols, n_blk, C, ldq, groups_per_row,
                          RANK: tl.constexpr, Q: tl.constexpr, STOCHASTIC: tl.constexpr,
                          INTERPRET: tl.constexpr, IEEE_DIV, E4M3: tl.constexpr):
-    """``_quantize_store_tile`` of one half of ``_load_project_pairs``: a (N, BT, RP) tile,
-    channels first, of the channels ``cols``, stored transposed (K-major). Channels first
-    because Triton lays out a store by its pointers' contiguity and breaks ties by the
-    lower axis: with channels on axis 0 a lane owns one channel's BT * RP-byte run, the
-    layout the tile already has (no conversion through shared memory)."""
-    N: tl.constexpr = v.shape[0]
-    BT: tl.constexpr = v.shape[1]
+    """``_quantize_store_tile`` of one half of ``_load_pairs``: a (BT, N, RP) tile of the
+    channels ``cols``, one block of one channel a lane, stored transposed (K-major).
+    Stochastic (e4m3) at RP = 16 only: one Philox counter a block, in the lane that owns it
+    (``reference.hla_uniforms``: counter c * groups_per_row + block)."""
+    BT: tl.constexpr = v.shape[0]
+    N: tl.constexpr = v.shape[1]
     RP: tl.constexpr = v.shape[2]
     j = tl.arange(0, RP)
-    rows = (blk0 + tl.arange(0, BT))[:, None] * RANK + j[None, :]            # (BT, RP)
-    if STOCHASTIC:   # e4m3 only: uniforms along each channel's padded coefficients
-        tl.static_assert(E4M3, "int8 uniforms run along the (L', C) layout")
-        u = _channel_uniforms(seed, cols.to(tl.int64) * groups_per_row + blk0 * RP // 16,
-                              BT * RP // 16)
-        u = tl.reshape(u, (N, BT, RP))
+    blk = blk0 + tl.arange(0, BT)
+    rows = blk[:, None] * RANK + j[None, :]                                   # (BT, RP)
+    if STOCHASTIC:
+        tl.static_assert(E4M3 and RP == 16, "pairs: e4m3 uniforms, one counter a block")
+        counters = cols.to(tl.int64)[None, :] * groups_per_row + blk[:, None]
+        u = tl.reshape(counter_uniforms(seed, counters.to(tl.uint32)), (BT, N, RP))
     else:
         u = 0.5
     q = _levels(v, s, inv_s, u, Q, STOCHASTIC, INTERPRET, IEEE_DIV, E4M3)
-    valid = ((blk0 + tl.arange(0, BT)) < n_blk)[:, None] & (j < RANK)[None, :]
-    mask = (cols < C)[:, None, None] & valid[None, :, :]
-    tl.store(q_ptr + cols.to(tl.int64)[:, None, None] * ldq + rows[None, :, :], q, mask=mask)
+    valid = (blk < n_blk)[:, None] & (j < RANK)[None, :]
+    mask = valid[:, None, :] & (cols < C)[None, :, None]
+    tl.store(q_ptr + cols.to(tl.int64)[None, :, None] * ldq + rows[:, None, :], q, mask=mask)
 
 
 @triton.jit
@@ -337,10 +346,12 @@ def _hla_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, seed_ptr, seed_add, scale_mul, S,
         blk0, col0 = _tile_origin(pid, n_ct, BT, BC)
         keep = (tl.arange(0, RP) < RANK)[None, None, :]
         if PAIRS:
-            v, w = _load_project_pairs(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s,
-                                       C, stride_x, BT, BC, RP, RANK, KEPT, FLAT, EVEN_C)
-            m = tl.maximum(tl.max(tl.where(keep, abs_bits(v), 0)),
-                           tl.max(tl.where(keep, abs_bits(w), 0)))
+            w = _load_pairs(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C,
+                            stride_x, BT, BC, FLAT, EVEN_C)
+            m = 0
+            for h in tl.static_range(2):
+                v = _project_blocks(_pair_half(w, h, x_ptr.dtype.element_ty), RP, RANK, KEPT)
+                m = tl.maximum(m, tl.max(tl.where(keep, abs_bits(v), 0)))
         else:
             v = _load_project(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C,
                               stride_x, BT, BC, RP, RANK, KEPT, CPT, FLAT, EVEN_C)
@@ -409,14 +420,14 @@ def _tile_step(x_ptr, q_ptr, s, inv_s, seed, blk0, col0, S, n_sblk, stride_b, st
                EVEN_C: tl.constexpr, PAIRS: tl.constexpr):
     """Load, project, quantize and store BT token blocks x BC channels (with ``PAIRS``
     as two halves of one channel a lane, ``_load_project_pairs``)."""
-    if PAIRS:
-        v, w = _load_project_pairs(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C,
-                                   stride_x, BT, BC, RP, RANK, KEPT, FLAT, EVEN_C)
+    if PAIRS:   # one half after the other: the second's registers are free for the first's
+        w = _load_pairs(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C, stride_x,
+                        BT, BC, FLAT, EVEN_C)
         even = col0 + 2 * tl.arange(0, BC // 2)
-        _quantize_store_half(q_ptr, v, s, inv_s, seed, blk0, even, n_blk, C, ldq,
-                             groups_per_row, RANK, Q, STOCHASTIC, INTERPRET, IEEE_DIV, E4M3)
-        _quantize_store_half(q_ptr, w, s, inv_s, seed, blk0, even + 1, n_blk, C, ldq,
-                             groups_per_row, RANK, Q, STOCHASTIC, INTERPRET, IEEE_DIV, E4M3)
+        for h in tl.static_range(2):
+            v = _project_blocks(_pair_half(w, h, x_ptr.dtype.element_ty), RP, RANK, KEPT)
+            _quantize_store_half(q_ptr, v, s, inv_s, seed, blk0, even + h, n_blk, C, ldq,
+                                 groups_per_row, RANK, Q, STOCHASTIC, INTERPRET, IEEE_DIV, E4M3)
     else:
         v = _load_project(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C,
                           stride_x, BT, BC, RP, RANK, KEPT, CPT, FLAT, EVEN_C)
@@ -599,7 +610,8 @@ def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic:
     (L'_pad = L' rounded up to ``pad_to``) holding the transpose; its columns past L'
     are left unwritten (consumers must mask them), except in e4m3, where they are zeroed:
     the cuBLAS GEMM reads all L'_pad columns. ``amax``, int8 levels: a zeroed (1,) int32
-    workspace the caller made with others in one launch (default: its own). e4m3 levels run
+    workspace the caller made with others in one launch (default: its own); the saved x's
+    e4m3 levels: max |x| as ``input_amax_bits`` gives it (default: computed here). e4m3 levels run
     phase 2 alone, their scale from a bound: the saved x (nearest rounding) from max |x| /
     28; g (stochastic) from ``token_block_bound`` / 448, ``amax`` holding it when the
     caller has it (``token_block_bound_bits`` from the HQ kernel's row maxima), else a torch
@@ -625,7 +637,7 @@ def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic:
     # (reference.abc_compress), g (stochastic) from its token blocks' row maxima
     # (reference.token_block_bound)
     bound = e4m3 and not stochastic
-    if bound:
+    if bound and amax is None:
         amax = input_amax_bits(x)
     elif e4m3 and amax is None:
         amax = token_block_bound_bits(x, seq_len, seq_first)
@@ -636,13 +648,15 @@ def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic:
     # every K-major store of nearest levels (ABC): runs of BT * RANK bytes per channel
     channel_major = (stochastic and e4m3) or (transposed and not stochastic)
     bt, bc, warps, cpt = _tile_shape(C, interpreting(), rp, channel_major)
-    pairs = channel_major and transposed and _pairs_fit(x) \
-        and os.environ.get("HOT_HLA_PAIRS", "1") != "0"
-    if pairs and not interpreting():
-        bc = 64 * warps
+    # word pairs, one block of one word a lane (``_load_pairs``); g's stochastic operand at
+    # full rank only (one Philox counter a block)
+    pairs = channel_major and transposed and (rp == 16 or not stochastic) \
+        and _pairs_fit(x) and os.environ.get("HOT_HLA_PAIRS", "1") != "0"
     step = 0
     if stochastic and e4m3:
         bt, step = _stepped_blocks(bt, rp)
+    if pairs and not interpreting():
+        bc = 2 * (32 // (step or bt)) * warps        # a warp: 32 // BT words x BT blocks
     grid = (triton.cdiv(n_blk, bt) * triton.cdiv(C, bc),)
     meta = dict(BT=bt, BC=bc, RP=rp, RANK=rank, KEPT=_packed_rows(rank, select),
                 Q=(int(ref.E4M3_BOUND_Q) if bound else 448) if e4m3 else 2 ** (bits - 1) - 1,
