@@ -29,6 +29,7 @@ interp.choose_interpreter()
 from hotcompile.kernels import reference as R  # noqa: E402
 
 try:
+    import triton  # noqa: E402
     import triton.language as tl  # noqa: E402
     from hotcompile.kernels import fused as F, gemm as G, hadamard as H, hla as HL  # noqa: E402
     _INTERPRETED = interp.interpreted(H._hq_token_kernel)
@@ -979,6 +980,39 @@ def test_gpu_hla_e4m3_channel_major_bit_exact(monkeypatch, L, C, rank, seq_len):
     qt, s = HL.hla_quant(x, rank, "1d", 8, stochastic=True, seed=seed, transposed=True,
                          pad_to=16, e4m3=True, seq_len=seq_len)
     assert torch.isnan(s) and not qt.float().any()
+
+
+@triton.jit
+def _e4m3_of(t_ptr, u_ptr, q_ptr, N: tl.constexpr, STOCHASTIC: tl.constexpr,
+             FINITE: tl.constexpr):
+    i = tl.arange(0, N)
+    q = H.to_e4m3(tl.load(t_ptr + i), 1.0, 1.0, False, False, tl.load(u_ptr + i), STOCHASTIC,
+                  FINITE)
+    tl.store(q_ptr + i, q)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_e4m3_saturates_past_448_like_the_clamp():
+    """``to_e4m3(FINITE=True)`` on the GPU leaves out the clamp to +-448 (the conversion
+    saturates): values at, just past and well past +-448 give the clamped path's bytes,
+    nearest and stochastic at uniforms across [0, 1), and the reference's."""
+    base = torch.tensor([448.0, 447.99997, 460.0, 464.0, 470.0, 479.0, 500.0, 511.0, 4096.0,
+                         1.0, 3.0e-3, 0.0, 255.9, 448.00003, 448.0001])
+    t = torch.cat([base, -base]).repeat(8).cuda()
+    u = ((torch.arange(t.numel()) % 256 + 0.5) / 256).float().cuda()
+    for stochastic in (False, True):
+        out = []
+        for finite in (True, False):
+            q = torch.empty(256, dtype=torch.float8_e4m3fn, device="cuda")
+            tp = torch.nn.functional.pad(t, (0, 256 - t.numel()))
+            up = torch.nn.functional.pad(u, (0, 256 - t.numel()), value=0.5)
+            _e4m3_of[(1,)](tp, up, q, 256, stochastic, finite)
+            out.append(q[:t.numel()].view(torch.uint8))
+        assert torch.equal(out[0], out[1]), stochastic
+        qr, _ = R.quantize_e4m3(t[None, :].cpu(), per_row=False, stochastic=stochastic,
+                                scale=torch.tensor(1.0), u=u[None, :].cpu() if stochastic else None)
+        assert torch.equal(out[0].cpu(), qr.view(torch.uint8).reshape(-1)), stochastic
 
 
 @pytest.mark.gpu
