@@ -282,10 +282,11 @@ def _quantize_store_tile(q_ptr, v, s, inv_s, seed, blk0, col0, n_blk, C, ldq, gr
 
 @triton.jit
 def _levels(v, s, inv_s, u, Q: tl.constexpr, STOCHASTIC: tl.constexpr, INTERPRET: tl.constexpr,
-            IEEE_DIV, E4M3: tl.constexpr):
+            IEEE_DIV, E4M3: tl.constexpr, CLAMP: tl.constexpr = True):
     """v / s as scaled e4m3 (``to_e4m3``) or int8 levels (``quantize``), rounding by u."""
     if E4M3:
-        return to_e4m3(v, s, inv_s, IEEE_DIV or INTERPRET, INTERPRET, u, STOCHASTIC, FINITE=True)
+        return to_e4m3(v, s, inv_s, IEEE_DIV or INTERPRET, INTERPRET, u, STOCHASTIC, FINITE=True,
+                       CLAMP=CLAMP)
     else:
         return quantize(v, s, inv_s, u, Q, IEEE_DIV or INTERPRET, not INTERPRET).to(tl.int8)
 
@@ -310,7 +311,7 @@ def _quantize_store_half(q_ptr, v, s, inv_s, seed, blk0, cols, n_blk, C, ldq, gr
         u = tl.reshape(counter_uniforms(seed, counters.to(tl.uint32)), (BT, N, RP))
     else:
         u = 0.5
-    q = _levels(v, s, inv_s, u, Q, STOCHASTIC, INTERPRET, IEEE_DIV, E4M3)
+    q = _levels(v, s, inv_s, u, Q, STOCHASTIC, INTERPRET, IEEE_DIV, E4M3, CLAMP=False)
     valid = (blk < n_blk)[:, None] & (j < RANK)[None, :]
     mask = valid[:, None, :] & (cols < C)[None, :, None]
     tl.store(q_ptr + cols.to(tl.int64)[None, :, None] * ldq + rows[:, None, :], q, mask=mask)
