@@ -520,6 +520,17 @@ def _tile_shape(C: int, interp: bool, rp: int = 16,
     (kernel_ab_2026-11-24T174155): half-sector runs (BT = 1 at rank 16) cost 17-45%: g's
     operand at 8192 x 11008 0.287 -> 0.237 ms, ABC written K-major 0.305 -> 0.164 ms, now
     faster than row-major + transpose (0.238).
+
+    A 2-byte x with even C, row stride and offset (``_pairs_fit``; every site's bf16 g
+    and x) takes the word-pair tile instead (``_load_pairs``: BT lanes a word of two
+    channels, one block each; ``hla_quant`` sets BC = 2 * 32 / BT * warps): the K-major
+    store's own layout, no conversion through shared memory, 32 values a thread. H200,
+    forty-third stop (``kernel_ab_2026-11-30T041935_h200_s43_final``): g's operand
+    0.0508 -> 0.0456, 0.1218 -> 0.1091, 0.0571 -> 0.0508-0.0517 ms at Llama's 4096 and
+    11008 and ViT's 3072; ABC as a site runs it 0.0326 -> 0.0312, 0.0810 -> 0.0763,
+    0.0129 -> 0.0119 ms. ``HOT_HLA_PAIRS=0`` keeps the CPT tile (A/B). The tile with all
+    BT blocks of one channel a lane (no conversion either) stored half sectors a warp
+    instruction: ABC 0.061 -> 0.076 ms (``kernel_ab_2026-11-30T035122_h200_s43_pairs_one_channel``).
     HOT_HLA_TILE="BT,BC,WARPS" overrides the row-map tile (tuning).
     """
     bt_min = max(1, ref.UNIFORMS_PER_COUNTER // rp) if channel_major else 1
