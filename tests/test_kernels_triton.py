@@ -490,6 +490,17 @@ def _hla_operands_both_loads(x, rank, seq_len=0):
     return out
 
 
+def _assert_both_loads_agree(x, rank, seq_len):
+    """Word pairs and 2-channel vectors write the same bytes and scale (not all zero); a
+    NaN then makes both scales NaN and every level 0."""
+    for kw, ((q, s), (q2, s2)) in _hla_operands_both_loads(x, rank, seq_len):
+        assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8)), kw
+        assert torch.equal(s, s2) and q.float().abs().sum() > 0, kw
+    x[x.shape[0] // 2, x.shape[1] - 1] = float("nan")
+    for kw, ((q, s), (q2, s2)) in _hla_operands_both_loads(x, rank, seq_len):
+        assert torch.isnan(s) and torch.isnan(s2) and not q.float().any(), kw
+
+
 @cpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("L,C,rank,seq_len", [(64, 48, 16, 0), (37, 24, 8, 0), (50, 40, 3, 25)])
@@ -502,12 +513,7 @@ def test_hla_word_pairs_write_the_same_bytes(poison, dtype, L, C, rank, seq_len)
     x = (_randn(L, C) * torch.exp(torch.randn(1, C))).to(dtype)
     assert HL._pairs_fit(x) and not HL._pairs_fit(_odd_stride_copy(x))
     assert not HL._pairs_fit(x.float()) and not HL._pairs_fit(x[:, 1:])
-    for kw, ((q, s), (q2, s2)) in _hla_operands_both_loads(x, rank, seq_len):
-        assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8)), kw
-        assert torch.equal(s, s2) and q.float().abs().sum() > 0, kw
-    x[L // 2, C - 1] = float("nan")
-    for kw, ((q, s), (q2, s2)) in _hla_operands_both_loads(x, rank, seq_len):
-        assert torch.isnan(s) and torch.isnan(s2) and not q.float().any(), kw
+    _assert_both_loads_agree(x, rank, seq_len)
 
 
 @cpu
@@ -1029,12 +1035,7 @@ def test_gpu_hla_word_pairs_write_the_same_bytes(dtype, L, C, rank, seq_len):
     and partial channel tiles; a NaN makes the scale NaN and every level 0."""
     torch.manual_seed(L + C)
     x = (_randn(L, C, device="cuda") * torch.exp(torch.randn(1, C, device="cuda"))).to(dtype)
-    for kw, ((q, s), (q2, s2)) in _hla_operands_both_loads(x, rank, seq_len):
-        assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8)), kw
-        assert torch.equal(s, s2) and q.float().abs().sum() > 0, kw
-    x[L // 2, C - 1] = float("nan")
-    for kw, ((q, s), (q2, s2)) in _hla_operands_both_loads(x, rank, seq_len):
-        assert torch.isnan(s) and torch.isnan(s2) and not q.float().any(), kw
+    _assert_both_loads_agree(x, rank, seq_len)
 
 
 @pytest.mark.gpu
