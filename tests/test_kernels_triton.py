@@ -513,6 +513,10 @@ def test_hla_word_pairs_write_the_same_bytes(poison, dtype, L, C, rank, seq_len)
     x = (_randn(L, C) * torch.exp(torch.randn(1, C))).to(dtype)
     assert HL._pairs_fit(x) and not HL._pairs_fit(_odd_stride_copy(x))
     assert not HL._pairs_fit(x.float()) and not HL._pairs_fit(x[:, 1:])
+    buf = bytearray(2 * (L * C + 2))       # even offset, address 2 past a 4-byte boundary
+    skip = 1 if torch.frombuffer(buf, dtype=dtype).data_ptr() % 4 == 0 else 0
+    odd = torch.frombuffer(buf, dtype=dtype, offset=2 * skip, count=L * C).view(L, C)
+    assert odd.storage_offset() == 0 and not HL._pairs_fit(odd)
     _assert_both_loads_agree(x, rank, seq_len)
 
 

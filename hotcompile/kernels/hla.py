@@ -37,6 +37,7 @@ import os
 
 import torch
 import triton
+from torch._subclasses.fake_tensor import is_fake
 import triton.language as tl
 
 from .launch import declare_writes, launch
@@ -420,8 +421,8 @@ def _tile_step(x_ptr, q_ptr, s, inv_s, seed, blk0, col0, S, n_sblk, stride_b, st
                IEEE_DIV, E4M3: tl.constexpr, CPT: tl.constexpr, FLAT: tl.constexpr,
                EVEN_C: tl.constexpr, PAIRS: tl.constexpr):
     """Load, project, quantize and store BT token blocks x BC channels (with ``PAIRS``
-    as two halves of one channel a lane, ``_load_project_pairs``)."""
-    if PAIRS:   # one half after the other: the second's registers are free for the first's
+    read as word pairs, ``_load_pairs``, and stored as their even and odd halves)."""
+    if PAIRS:
         w = _load_pairs(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C, stride_x,
                         BT, BC, FLAT, EVEN_C)
         even = col0 + 2 * tl.arange(0, BC // 2)
@@ -552,14 +553,18 @@ def _tile_shape(C: int, interp: bool, rp: int = 16,
 
 def _pairs_fit(x: torch.Tensor) -> bool:
     """Whether the channel-major tile can read x as 4-byte words of two channels
-    (``_load_project_pairs``): 2-byte elements, an even number of channels, an even row
-    stride and an even element offset (the storage itself is allocated aligned), so every
-    word is two channels of one token and 4-byte aligned. A symbolic offset or stride
+    (``_load_pairs``): 2-byte elements, an even number of channels, an even row
+    stride and an even element offset, so every word is two channels of one token, and a
+    4-byte aligned address: checked on a real tensor; a fake one (a site traced for
+    splicing) has none, and there the storage is an aligned allocation (Inductor's buffers,
+    and graph inputs, which its wrapper copies when misaligned). A symbolic offset or stride
     (dynamic shapes) is not proved even: the tile keeps 2-channel vector loads."""
     if x.element_size() != 2:
         return False
     dims = (x.shape[1], x.stride(0), x.storage_offset())
-    return all(isinstance(d, int) and d % 2 == 0 for d in dims)
+    if not all(isinstance(d, int) and d % 2 == 0 for d in dims):
+        return False
+    return is_fake(x) or x.data_ptr() % 4 == 0
 
 
 def _stepped_blocks(bt: int, rp: int) -> tuple[int, int]:
