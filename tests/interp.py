@@ -53,7 +53,7 @@ def _rerun(path: str, env: dict) -> None:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                            os.path.abspath(path)], cwd=root, env=env, capture_output=True,
-                          text=True, timeout=600)
+                          text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
 
 

@@ -504,12 +504,13 @@ def _assert_both_loads_agree(x, rank, seq_len):
 @cpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("L,C,rank,seq_len", [(64, 48, 16, 0), (37, 24, 8, 0), (50, 40, 3, 25)])
-def test_hla_word_pairs_write_the_same_bytes(poison, dtype, L, C, rank, seq_len):
+def test_hla_word_pairs_write_the_same_bytes(poison, monkeypatch, dtype, L, C, rank, seq_len):
     """The channel-major tile reading a 2-byte x as 4-byte words of two channels (split in
     registers into an even and an odd half, each stored K-major) writes the same levels and
     scale as the tile's 2-channel vector loads, for g's stochastic e4m3 operand and the
     saved x's e4m3 and int8 buffers, with a partial channel tile, padded sequences and a
     NaN (scale NaN, levels 0)."""
+    monkeypatch.setenv("HOT_HLA_PAIRS", "1")          # opt-in (hla_quant)
     x = (_randn(L, C) * torch.exp(torch.randn(1, C))).to(dtype)
     assert HL._pairs_fit(x) and not HL._pairs_fit(_odd_stride_copy(x))
     assert not HL._pairs_fit(x.float()) and not HL._pairs_fit(x[:, 1:])
@@ -1032,11 +1033,12 @@ def test_gpu_e4m3_saturates_past_448_like_the_clamp():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("L,C,rank,seq_len", [(8192, 4096, 16, 0), (12608, 768, 16, 197),
                                               (2048, 1000, 8, 0), (1000, 776, 3, 125)])
-def test_gpu_hla_word_pairs_write_the_same_bytes(dtype, L, C, rank, seq_len):
+def test_gpu_hla_word_pairs_write_the_same_bytes(monkeypatch, dtype, L, C, rank, seq_len):
     """The compiled word-pair tile (one 4-byte word of two channels a lane, no layout
     conversion) against the compiled 2-channel vector tile: the same bytes and scale for
     g's stochastic e4m3 operand and the saved x's e4m3 and int8 K-major buffers, at full
     and partial channel tiles; a NaN makes the scale NaN and every level 0."""
+    monkeypatch.setenv("HOT_HLA_PAIRS", "1")          # opt-in (hla_quant)
     torch.manual_seed(L + C)
     x = (_randn(L, C, device="cuda") * torch.exp(torch.randn(1, C, device="cuda"))).to(dtype)
     _assert_both_loads_agree(x, rank, seq_len)

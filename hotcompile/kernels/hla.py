@@ -666,9 +666,11 @@ def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic:
     channel_major = (stochastic and e4m3) or (transposed and not stochastic)
     bt, bc, warps, cpt = _tile_shape(C, interpreting(), rp, channel_major)
     # word pairs, one block of one word a lane (``_load_pairs``); g's stochastic operand at
-    # full rank only (one Philox counter a block)
+    # full rank only (one Philox counter a block). Opt-in (HOT_HLA_PAIRS=1): the pointer
+    # cast makes Triton's mutation analysis report every pointer written (tests/test_splice),
+    # which torch 2.13 would act on; default off until the load needs no cast
     pairs = channel_major and transposed and (rp == 16 or not stochastic) \
-        and _pairs_fit(x) and os.environ.get("HOT_HLA_PAIRS", "1") != "0"
+        and _pairs_fit(x) and os.environ.get("HOT_HLA_PAIRS", "0") == "1"
     step = 0
     if stochastic and e4m3:
         bt, step = _stepped_blocks(bt, rp)
