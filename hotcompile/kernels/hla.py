@@ -465,7 +465,9 @@ def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic:
     (L'_pad = L' rounded up to ``pad_to``) holding the transpose; its columns past L'
     are left unwritten (consumers must mask them), except in e4m3, where they are zeroed:
     the cuBLAS GEMM reads all L'_pad columns. ``amax``, int8 levels: a zeroed (1,) int32
-    workspace the caller made with others in one launch (default: its own). e4m3 levels run
+    workspace the caller made with others in one launch (default: its own); the saved x's
+    e4m3 levels: max |x| as ``input_amax_bits`` gives it (default: computed here; in a
+    site a reduction fused into x's producer gives it). e4m3 levels run
     phase 2 alone, their scale from a bound: the saved x (nearest rounding) from max |x| /
     28; g (stochastic) from ``token_block_bound`` / 448, ``amax`` holding it when the
     caller has it (``token_block_bound_bits`` from the HQ kernel's row maxima), else a torch
@@ -491,7 +493,7 @@ def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic:
     # (reference.abc_compress), g (stochastic) from its token blocks' row maxima
     # (reference.token_block_bound)
     bound = e4m3 and not stochastic
-    if bound:
+    if bound and amax is None:
         amax = input_amax_bits(x)
     elif e4m3 and amax is None:
         amax = token_block_bound_bits(x, seq_len, seq_first)
