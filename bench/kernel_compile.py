@@ -16,7 +16,8 @@ a kernel change can be priced in compile time on a CPU machine.
 
 ``--current`` compiles the working tree's kernel of each name (``hotcompile.kernels``) with
 the output code's signature, constexprs and hints, so a kernel edit is priced before any GPU
-has generated code with it. ``--instructions`` also reads each binary: SASS instructions
+has generated code with it (a constexpr added at the end of the parameters since then
+compiles at its default, or at ``--set``'s value). ``--instructions`` also reads each binary: SASS instructions
 (all paths, the rare IEEE branch included), registers, layout conversions in the TTGIR,
 barriers and shared-memory instructions, and the commonest opcodes; ``--set NAME=VALUE``
 compiles another value of a constexpr (``--set CHUNKS=3 --warps 8``, a tile the code did not
@@ -100,6 +101,26 @@ def current(name: str):
     raise LookupError(f"no kernel {name} in hotcompile.kernels")
 
 
+def with_new_constexprs(name: str, fn, meta: dict) -> dict:
+    """The code's launch metadata for this tree's kernel ``fn``: its parameters must be the
+    code's, in order (the hints, ``attrs``, are keyed by position: a reordered kernel would
+    get them on the wrong arguments without an error), plus any trailing constexprs added
+    since the code was generated, which compile at their defaults (``--set`` another
+    value)."""
+    code, tree = list(meta["signature"]), list(fn.arg_names)
+    added = fn.params[len(code):]
+    if tree[:len(code)] != code or not all(p.is_constexpr and p.has_default for p in added):
+        raise SystemExit(f"{name}: this tree's parameters differ from the code's "
+                         f"({tree} vs {code})")
+    if not added:
+        return meta
+    meta = dict(meta, signature=dict(meta["signature"]), constants=dict(meta["constants"]))
+    for p in added:
+        meta["signature"][p.name] = "constexpr"
+        meta["constants"][p.name] = p.default
+    return meta
+
+
 def compile_one(fn, configs, meta, arch: int = 90, overrides=None, warps=None):
     """(seconds, compiled kernel): the kernel compiled as its worker would (first config,
     else Triton's defaults: 4 warps, 3 stages), for ``sm_<arch>``; ``overrides`` replace
@@ -163,14 +184,10 @@ def main(argv=None) -> int:
     unused = set(overrides)      # --set names no compiled kernel has
     for var, name, source in definitions(code, a.only):
         fn, configs, meta = load(var, name, source)
-        unused -= set(meta["constants"])
         if a.current:
             fn = current(name)
-            # the hints (``attrs``) are keyed by parameter position: a reordered kernel
-            # would get them on the wrong arguments without an error
-            if list(fn.arg_names) != list(meta["signature"]):
-                raise SystemExit(f"{name}: this tree's parameters differ from the code's "
-                                 f"({list(fn.arg_names)} vs {list(meta['signature'])})")
+            meta = with_new_constexprs(name, fn, meta)
+        unused -= set(meta["constants"])
         s, k = compile_one(fn, configs, meta, overrides=overrides, warps=a.warps)
         total, rows = total + s, rows + 1
         print(f"{var:<32}{s:8.2f} s", flush=True)

@@ -181,10 +181,9 @@ def kernels_for(L: int, I: int, O: int, rank: int):
     for what, C, stochastic in (("hla g", O, True), ("abc x", I, False)):
         for e4m3 in (False, True):     # int8 levels (INT8 GEMM) or scaled e4m3 (cuBLAS FP8)
             rp = hla._pow2_at_least(rank)
-            bt, bcc, warps, cpt = hla._tile_shape(C, False, rp, stochastic and e4m3)
-            step = 0
-            if stochastic and e4m3:      # g's operand: blocks in steps (hla._stepped_blocks)
-                bt, step = hla._stepped_blocks(bt, rp)
+            # the tile hla_quant launches (word pairs where they apply)
+            bt, bcc, warps, cpt, step, pairs = hla.tile_plan(
+                C, rp, stochastic=stochastic, e4m3=e4m3, transposed=stochastic or e4m3)
             ptrs = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv" if e4m3 else "*i8", "s_ptr": "*fp32",
                     "amax_ptr": "*i32", "seed_ptr": "*i64"}
             bound = e4m3 and not stochastic     # the saved x's bound scale: phase 2 alone
@@ -195,7 +194,7 @@ def kernels_for(L: int, I: int, O: int, rank: int):
                                   Q=(28 if bound else 448) if e4m3 else 127,
                                   STOCHASTIC=stochastic, TRANSPOSED=stochastic or e4m3,
                                   INTERPRET=False, E4M3=e4m3, CPT=cpt, FLAT=True,
-                                  EVEN_C=C % bcc == 0, BOUND=bound, STEP=step),
+                                  EVEN_C=C % bcc == 0, BOUND=bound, STEP=step, PAIRS=pairs),
                              warps))
     bt, bcc, warps, hr = grad_out.tile_shape(o_pad, False)
     for phase in (1, 2):

@@ -467,6 +467,15 @@ def test_kernel_compile_times_each_hot_kernel_of_an_output_code():
     m = re.search(r"^    (\d+) instructions, (\d+) registers, (\d+) layout conversions, "
                   r"(\d+) barriers", out.stdout, re.M)
     assert m and int(m.group(1)) > 20 and int(m.group(2)) > 0, out.stdout
+    # --current with a constexpr added since the fixture was generated (the HLA kernel's
+    # PAIRS): compiled at its default, or --set; the word-pair tile has no layout conversion
+    out = subprocess.run([sys.executable, os.path.join(BENCH, "kernel_compile.py"), path,
+                          "--only", "_hla", "--current", "--instructions", "--set", "PAIRS=1",
+                          "--set", "BC=128"], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "3 kernels," in out.stdout, out.stdout
+    assert out.stdout.count(" 0 layout conversions, 0 barriers") == 3, out.stdout
     # --set: another constexpr value; a name the kernel does not have is an error naming it
     out = subprocess.run([sys.executable, os.path.join(BENCH, "kernel_compile.py"), path,
                           "--only", "_block", "--set", "NOPE=1"], cwd=REPO, env=env,

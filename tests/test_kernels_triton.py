@@ -29,6 +29,7 @@ interp.choose_interpreter()
 from hotcompile.kernels import reference as R  # noqa: E402
 
 try:
+    import triton  # noqa: E402
     import triton.language as tl  # noqa: E402
     from hotcompile.kernels import fused as F, gemm as G, hadamard as H, hla as HL  # noqa: E402
     _INTERPRETED = interp.interpreted(H._hq_token_kernel)
@@ -461,6 +462,62 @@ def test_hla_e4m3_bit_exact(poison, L, C, rank, stochastic):
     x[5, 3] = float("nan")
     q, s = HL.hla_quant(x, rank, "1d", 8, stochastic=stochastic, seed=99, e4m3=True)
     assert torch.isnan(s) and not q.float().any()
+
+
+def _odd_stride_copy(x):
+    """x with a row stride of C + 1: the channel-major tile cannot read it as word pairs
+    (``hla._pairs_fit``), so it takes the 2-channel vector loads."""
+    y = torch.empty(x.shape[0], x.shape[1] + 1, dtype=x.dtype, device=x.device)[:, :x.shape[1]]
+    return y.copy_(x)
+
+
+def _hla_operands_both_loads(x, rank, seq_len=0):
+    """g's stochastic e4m3 operand and the saved x's e4m3 and int8 K-major buffers (all
+    channel-major tiles), each from x read as word pairs and from its odd-stride copy: the
+    written columns (int8 leaves the K-major pad unwritten) and the scale."""
+    seed = torch.tensor(31, device=x.device)
+    rows = HL.token_layout(x.shape[0], seq_len)[4] * rank
+    calls = (dict(stochastic=True, seed=seed, seed_add=3, e4m3=True),
+             dict(stochastic=False, e4m3=True), dict(stochastic=False, e4m3=False))
+    out = []
+    for kw in calls:
+        pair = []
+        for t in (x, _odd_stride_copy(x)):
+            q, s = HL.hla_quant(t, rank, "1d", 8, transposed=True, pad_to=16, seq_len=seq_len,
+                                **kw)
+            pair.append((q[:, :rows] if not kw["e4m3"] else q, s))
+        out.append((kw, pair))
+    return out
+
+
+def _assert_both_loads_agree(x, rank, seq_len):
+    """Word pairs and 2-channel vectors write the same bytes and scale (not all zero); a
+    NaN then makes both scales NaN and every level 0."""
+    for kw, ((q, s), (q2, s2)) in _hla_operands_both_loads(x, rank, seq_len):
+        assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8)), kw
+        assert torch.equal(s, s2) and q.float().abs().sum() > 0, kw
+    x[x.shape[0] // 2, x.shape[1] - 1] = float("nan")
+    for kw, ((q, s), (q2, s2)) in _hla_operands_both_loads(x, rank, seq_len):
+        assert torch.isnan(s) and torch.isnan(s2) and not q.float().any(), kw
+
+
+@cpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("L,C,rank,seq_len", [(64, 48, 16, 0), (37, 24, 8, 0), (50, 40, 3, 25)])
+def test_hla_word_pairs_write_the_same_bytes(poison, dtype, L, C, rank, seq_len):
+    """The channel-major tile reading a 2-byte x as 4-byte words of two channels (split in
+    registers into an even and an odd half, each stored K-major) writes the same levels and
+    scale as the tile's 2-channel vector loads, for g's stochastic e4m3 operand and the
+    saved x's e4m3 and int8 buffers, with a partial channel tile, padded sequences and a
+    NaN (scale NaN, levels 0)."""
+    x = (_randn(L, C) * torch.exp(torch.randn(1, C))).to(dtype)
+    assert HL._pairs_fit(x) and not HL._pairs_fit(_odd_stride_copy(x))
+    assert not HL._pairs_fit(x.float()) and not HL._pairs_fit(x[:, 1:])
+    buf = bytearray(2 * (L * C + 2))       # even offset, address 2 past a 4-byte boundary
+    skip = 1 if torch.frombuffer(buf, dtype=dtype).data_ptr() % 4 == 0 else 0
+    odd = torch.frombuffer(buf, dtype=dtype, offset=2 * skip, count=L * C).view(L, C)
+    assert odd.storage_offset() == 0 and not HL._pairs_fit(odd)
+    _assert_both_loads_agree(x, rank, seq_len)
 
 
 @cpu
@@ -933,6 +990,56 @@ def test_gpu_hla_e4m3_channel_major_bit_exact(monkeypatch, L, C, rank, seq_len):
     qt, s = HL.hla_quant(x, rank, "1d", 8, stochastic=True, seed=seed, transposed=True,
                          pad_to=16, e4m3=True, seq_len=seq_len)
     assert torch.isnan(s) and not qt.float().any()
+
+
+@triton.jit
+def _e4m3_of(t_ptr, u_ptr, q_ptr, N: tl.constexpr, STOCHASTIC: tl.constexpr,
+             CLAMP: tl.constexpr):
+    i = tl.arange(0, N)
+    q = H.to_e4m3(tl.load(t_ptr + i), 1.0, 1.0, False, False, tl.load(u_ptr + i), STOCHASTIC,
+                  True, CLAMP)
+    tl.store(q_ptr + i, q)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_e4m3_saturates_past_448_like_the_clamp():
+    """``to_e4m3(FINITE=True, CLAMP=False)`` on the GPU leaves out the clamp to +-448 (the
+    conversion saturates): values at, just past and well past +-448 give the clamped path's
+    bytes, nearest and stochastic at uniforms across [0, 1), and the reference's. (No -0:
+    the reciprocal's path turns v = -0 into +0, where the reference keeps -0; nearest e4m3
+    then stores 0x00 for 0x80, the same value.)"""
+    base = torch.tensor([448.0, 447.99997, 460.0, 464.0, 470.0, 479.0, 500.0, 511.0, 4096.0,
+                         1.0, 3.0e-3, 255.9, 448.00003, 448.0001])
+    t = torch.cat([base, -base, torch.zeros(1)]).repeat(8).cuda()
+    u = ((torch.arange(t.numel()) % 256 + 0.5) / 256).float().cuda()
+    for stochastic in (False, True):
+        out = []
+        for clamp in (False, True):
+            q = torch.empty(256, dtype=torch.float8_e4m3fn, device="cuda")
+            tp = torch.nn.functional.pad(t, (0, 256 - t.numel()))
+            up = torch.nn.functional.pad(u, (0, 256 - t.numel()), value=0.5)
+            _e4m3_of[(1,)](tp, up, q, 256, stochastic, clamp)
+            out.append(q[:t.numel()].view(torch.uint8))
+        assert torch.equal(out[0], out[1]), stochastic
+        qr, _ = R.quantize_e4m3(t[None, :].cpu(), per_row=False, stochastic=stochastic,
+                                scale=torch.tensor(1.0), u=u[None, :].cpu() if stochastic else None)
+        assert torch.equal(out[0].cpu(), qr.view(torch.uint8).reshape(-1)), stochastic
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("L,C,rank,seq_len", [(8192, 4096, 16, 0), (12608, 768, 16, 197),
+                                              (2048, 1000, 8, 0), (1000, 776, 3, 125)])
+def test_gpu_hla_word_pairs_write_the_same_bytes(dtype, L, C, rank, seq_len):
+    """The compiled word-pair tile (one 4-byte word of two channels a lane, no layout
+    conversion) against the compiled 2-channel vector tile: the same bytes and scale for
+    g's stochastic e4m3 operand and the saved x's e4m3 and int8 K-major buffers, at full
+    and partial channel tiles; a NaN makes the scale NaN and every level 0."""
+    torch.manual_seed(L + C)
+    x = (_randn(L, C, device="cuda") * torch.exp(torch.randn(1, C, device="cuda"))).to(dtype)
+    _assert_both_loads_agree(x, rank, seq_len)
 
 
 @pytest.mark.gpu

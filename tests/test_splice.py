@@ -586,20 +586,22 @@ def _declared_launches():
             kw.update({f"{r}{k}": kw["p0"] for r in ("p", "w", "c", "r")})
         yield H._weight_cast_kernel, dict(kw, N=n, ROWS=128, BO=128, BI=64, BF16=bf,
                                           ROW_MAX=row_max)
-    for phase, e4m3, stoch, trans, bound, flat, step in itertools.product(
+    for phase, e4m3, stoch, trans, bound, flat, step, pairs in itertools.product(
             [1, 2], [False, True], [False, True], [False, True], [False, True], [False, True],
-            [0, 2]):
+            [0, 2], [False, True]):
         if (bound and not (e4m3 and not stoch)) or (e4m3 and phase == 1) or \
-                (step and not (e4m3 and stoch)):
+                (step and not (e4m3 and stoch)) or \
+                (pairs and not (trans and (e4m3 or not stoch))):    # hla.tile_plan's
             continue
         amax = T(i32)
         yield hla._hla_kernel, dict(
             x_ptr=T(bf16), q_ptr=T(e4 if e4m3 else i8), s_ptr=T(f32), amax_ptr=amax,
             seed_ptr=T(i64) if stoch else amax, seed_add=0, scale_mul=1.0, S=256, n_sblk=16,
             stride_b=4096, stride_s=16, C=512, stride_x=512, ldq=512, n_blk=16,
-            groups_per_row=32, PHASE=phase, BT=4, BC=64, RP=16, RANK=16, KEPT=0, Q=7,
-            STOCHASTIC=stoch, TRANSPOSED=trans, INTERPRET=False, E4M3=e4m3, CPT=1, FLAT=flat,
-            EVEN_C=True, BOUND=bound, STEP=step)
+            groups_per_row=32, PHASE=phase, BT=4, BC=2 * (32 // (step or 4)) * 4 if pairs
+            else 64, RP=16, RANK=16, KEPT=0, Q=7, STOCHASTIC=stoch, TRANSPOSED=trans,
+            INTERPRET=False, E4M3=e4m3, CPT=1, FLAT=flat, EVEN_C=True, BOUND=bound, STEP=step,
+            PAIRS=pairs)
     yield hla._block_bound_kernel, dict(m_ptr=T(f32), out_ptr=T(i32), S=256, n_sblk=16,
                                         stride_b=4096, stride_s=16, n_blk=16, BB=64)
 
@@ -608,7 +610,7 @@ def _declared_launches():
 def test_every_declared_kernel_variant_writes_what_tritons_analysis_finds(hopper):
     """Each declared kernel over every combination of the constexprs that decide its stores
     (slots 1, 2 and 8; each forward kind; both phases; rotation, plain and e4m3 forms;
-    stochastic, transposed, bound, flat and stepped HLA tiles), against this torch's
+    stochastic, transposed, bound, flat, stepped and word-pair HLA tiles), against this torch's
     analysis: the declaration the splice relies on under torch 2.11 is exactly right, not
     just on the launches the other tests happen to record."""
     from hotcompile.kernels.launch import declared_writes

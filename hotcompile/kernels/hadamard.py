@@ -213,7 +213,8 @@ def quantize(v, s, inv_s, u, Q: tl.constexpr, IEEE_DIV, AS_INT: tl.constexpr):
 
 @triton.jit
 def to_e4m3(v, s, inv_s, IEEE_DIV, INTERPRET: tl.constexpr, u=0.0,
-            STOCHASTIC: tl.constexpr = False, FINITE: tl.constexpr = False):
+            STOCHASTIC: tl.constexpr = False, FINITE: tl.constexpr = False,
+            CLAMP: tl.constexpr = True):
     """Scaled FP8 (reference.quantize_e4m3): v / s (IEEE-rounded, as in ``quantize``)
     clamped to +-448, NaN -> 0, rounded to the nearest e4m3 (ties to even), or with
     STOCHASTIC to a neighbour on the e4m3 grid: floor(t / step + u) * step, step the
@@ -233,8 +234,10 @@ def to_e4m3(v, s, inv_s, IEEE_DIV, INTERPRET: tl.constexpr, u=0.0,
     (max(bits & 0x7F800000, bits of 2**-6) minus or subtracted from a constant): four
     integer operations instead of seven. ``FINITE``: the caller has proved every quotient
     of the reciprocal's path finite (taken only for a per-tensor scale that is finite and
-    non-zero, with |v| <= the amax it came from), so there the NaN -> 0 select and the
-    clamp's NaN propagation are dropped. ``IEEE_DIV`` as in ``quantize``."""
+    non-zero, with |v| <= the amax it came from), so there the NaN -> 0 select is dropped;
+    with ``CLAMP`` False, on the GPU, the clamp too (the conversion saturates: one
+    instruction an element; ptxas gave the HLA kernel's 2-channel tile 229 registers
+    without it instead of 168, so only the word-pair tile takes it). ``IEEE_DIV`` as in ``quantize``."""
     if IEEE_DIV:
         t = tl.math.div_rn(v, s)
         t = tl.clamp(t, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
@@ -243,7 +246,11 @@ def to_e4m3(v, s, inv_s, IEEE_DIV, INTERPRET: tl.constexpr, u=0.0,
         t0 = v * inv_s
         t = tl.math.fma(tl.math.fma(t0, -s, v), inv_s, t0)
         if FINITE:
-            t = tl.clamp(t, -448.0, 448.0)
+            if CLAMP or INTERPRET:
+                t = tl.clamp(t, -448.0, 448.0)
+            # else no clamp: the GPU's conversion (cvt.rn.satfinite) saturates at +-448, and
+            # past 448 both roundings give a value at or past it (floor(t / step + u) >= 14
+            # steps of 32), so the bytes are the clamped ones (``test_gpu_e4m3_saturates``)
         else:
             t = tl.clamp(t, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
             t = tl.where(t == t, t, 0.0)

@@ -37,6 +37,7 @@ import os
 
 import torch
 import triton
+from torch._subclasses.fake_tensor import is_fake
 import triton.language as tl
 
 from .launch import declare_writes, launch
@@ -131,6 +132,28 @@ def _token_rows(blk0, n_blk, S, n_sblk, stride_b, stride_s, BT: tl.constexpr):
 
 
 @triton.jit
+def _tile_tokens(blk0, n_blk, S, n_sblk, stride_b, stride_s, BT: tl.constexpr, FLAT: tl.constexpr):
+    """Rows of the tile's BT * 16 tokens and which exist (``_token_rows``; with ``FLAT``
+    block b's tokens are rows 16 b .. 16 b + 15, no per-row division)."""
+    if FLAT:
+        tok = blk0 * 16 + tl.arange(0, BT * 16)
+        return tok, tok < S * (n_blk // n_sblk)
+    else:
+        return _token_rows(blk0, n_blk, S, n_sblk, stride_b, stride_s, BT)
+
+
+@triton.jit
+def _project(x, BT: tl.constexpr, RP: tl.constexpr, RANK: tl.constexpr, KEPT: tl.constexpr):
+    """(BT * 16 tokens, N channels) fp32 -> (BT, N, RP): each block's kept coefficients,
+    token axis last (a relabelling of the tile's registers: each thread owns whole token
+    columns)."""
+    N: tl.constexpr = x.shape[1]
+    x = tl.permute(tl.reshape(x, (BT, 16, N)), (0, 2, 1))
+    y = gather_kept(fwht16(tl.reshape(x, (BT * N, 16))), RP, RANK, KEPT)
+    return tl.reshape(y, (BT, N, RP))
+
+
+@triton.jit
 def _load_project(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C, stride_x,
                   BT: tl.constexpr, BC: tl.constexpr,
                   RP: tl.constexpr, RANK: tl.constexpr, KEPT: tl.constexpr, CPT: tl.constexpr,
@@ -142,11 +165,7 @@ def _load_project(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C, st
     (``_tile_shape``). ``FLAT``: block b's tokens are rows 16 b .. 16 b + 15 (one token axis,
     or batch-first sequences whose length is a multiple of 16): no per-row division.
     ``EVEN_C``: BC divides C, no channel mask."""
-    if FLAT:
-        tok = blk0 * 16 + tl.arange(0, BT * 16)
-        valid = tok < S * (n_blk // n_sblk)
-    else:
-        tok, valid = _token_rows(blk0, n_blk, S, n_sblk, stride_b, stride_s, BT)
+    tok, valid = _tile_tokens(blk0, n_blk, S, n_sblk, stride_b, stride_s, BT, FLAT)
     cols = col0 + tl.arange(0, BC)
     if CPT < 8:
         cols = tl.max_contiguous(cols, CPT)
@@ -155,9 +174,59 @@ def _load_project(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C, st
     else:
         mask = valid[:, None] & (cols < C)[None, :]
     x = tl.load(x_ptr + tok[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
-    x = tl.permute(tl.reshape(x.to(tl.float32), (BT, 16, BC)), (0, 2, 1))   # token axis last
-    y = gather_kept(fwht16(tl.reshape(x, (BT * BC, 16))), RP, RANK, KEPT)
-    return tl.reshape(y, (BT, BC, RP))
+    return _project(x.to(tl.float32), BT, RP, RANK, KEPT)
+
+
+@triton.jit
+def _load_pairs(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C, stride_x,
+                BT: tl.constexpr, BC: tl.constexpr, FLAT: tl.constexpr, EVEN_C: tl.constexpr):
+    """Channels col0 .. col0+BC-1 of a 2-byte x, tokens of blocks blk0 .. blk0+BT-1, read as
+    4-byte words of two neighbouring channels: a (BT, BC / 2, 16) int32 tile in which each
+    lane holds the 16 tokens of one block of one word (``_pair_half`` splits it).
+
+    Why this layout: it is the one Triton gives the K-major store of a (BT, channels, RP)
+    tile (BT lanes a channel, each storing its block's RP bytes, so a warp's store fills
+    whole 32-byte sectors), so the tile is never converted through shared memory, and a
+    thread holds 32 values, not 64. The 2-channel vector tile (``CPT`` = 2: all BT blocks of
+    two channels a thread) was converted before its store; one channel a lane with all
+    blocks (forty-third stop) stored half sectors and was slower. Needs C, the row stride
+    and x's offset even (``_pairs_fit``)."""
+    tok, valid = _tile_tokens(blk0, n_blk, S, n_sblk, stride_b, stride_s, BT, FLAT)
+    tok = tl.reshape(tok, (BT, 1, 16))
+    valid = tl.reshape(valid, (BT, 1, 16))
+    words = tl.max_contiguous(col0 // 2 + tl.arange(0, BC // 2), 1)     # one word a lane
+    if EVEN_C:
+        mask = valid
+    else:
+        mask = valid & (words * 2 < C)[None, :, None]
+    # contiguity 1 on every axis: Triton gives the lanes axis 0 (blocks), then axis 1
+    return tl.load(x_ptr.to(tl.pointer_type(tl.int32)) + words[None, :, None]
+                   + tok * (stride_x // 2), mask=mask, other=0)
+
+
+@triton.jit
+def _pair_half(w, HALF: tl.constexpr, DTYPE: tl.constexpr):
+    """The even (HALF 0) or odd (1) channels of a word tile as fp32 (little-endian: the
+    even channel is the low half)."""
+    if DTYPE == tl.bfloat16:
+        if HALF == 0:
+            return (w << 16).to(tl.float32, bitcast=True)
+        else:
+            return (w & -65536).to(tl.float32, bitcast=True)
+    else:
+        if HALF == 0:
+            return w.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        else:
+            return (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _project_blocks(x, RP: tl.constexpr, RANK: tl.constexpr, KEPT: tl.constexpr):
+    """(BT, N, 16 tokens) fp32 -> (BT, N, RP): each block's kept coefficients."""
+    BT: tl.constexpr = x.shape[0]
+    N: tl.constexpr = x.shape[1]
+    y = gather_kept(fwht16(tl.reshape(x, (BT * N, 16))), RP, RANK, KEPT)
+    return tl.reshape(y, (BT, N, RP))
 
 
 @triton.jit
@@ -202,10 +271,7 @@ def _quantize_store_tile(q_ptr, v, s, inv_s, seed, blk0, col0, n_blk, C, ldq, gr
         u = tl.permute(tl.reshape(u, (BT, RP, BC)), (0, 2, 1))
     else:
         u = 0.5
-    if E4M3:
-        q = to_e4m3(v, s, inv_s, IEEE_DIV or INTERPRET, INTERPRET, u, STOCHASTIC, FINITE=True)
-    else:
-        q = quantize(v, s, inv_s, u, Q, IEEE_DIV or INTERPRET, not INTERPRET).to(tl.int8)
+    q = _levels(v, s, inv_s, u, Q, STOCHASTIC, INTERPRET, IEEE_DIV, E4M3)
     valid = ((blk0 + tl.arange(0, BT)) < n_blk)[:, None] & (j < RANK)[None, :]
     mask = valid[:, None, :] & (cols < C)[None, :, None]
     if TRANSPOSED:
@@ -213,6 +279,43 @@ def _quantize_store_tile(q_ptr, v, s, inv_s, seed, blk0, col0, n_blk, C, ldq, gr
     else:
         ptrs = q_ptr + rows.to(tl.int64)[:, None, :] * ldq + cols[None, :, None]
     tl.store(ptrs, q, mask=mask)
+
+
+@triton.jit
+def _levels(v, s, inv_s, u, Q: tl.constexpr, STOCHASTIC: tl.constexpr, INTERPRET: tl.constexpr,
+            IEEE_DIV, E4M3: tl.constexpr, CLAMP: tl.constexpr = True):
+    """v / s as scaled e4m3 (``to_e4m3``) or int8 levels (``quantize``), rounding by u."""
+    if E4M3:
+        return to_e4m3(v, s, inv_s, IEEE_DIV or INTERPRET, INTERPRET, u, STOCHASTIC, FINITE=True,
+                       CLAMP=CLAMP)
+    else:
+        return quantize(v, s, inv_s, u, Q, IEEE_DIV or INTERPRET, not INTERPRET).to(tl.int8)
+
+
+@triton.jit
+def _quantize_store_half(q_ptr, v, s, inv_s, seed, blk0, cols, n_blk, C, ldq, groups_per_row,
+                         RANK: tl.constexpr, Q: tl.constexpr, STOCHASTIC: tl.constexpr,
+                         INTERPRET: tl.constexpr, IEEE_DIV, E4M3: tl.constexpr):
+    """``_quantize_store_tile`` of one half of ``_load_pairs``: a (BT, N, RP) tile of the
+    channels ``cols``, one block of one channel a lane, stored transposed (K-major).
+    Stochastic (e4m3) at RP = 16 only: one Philox counter a block, in the lane that owns it
+    (``reference.hla_uniforms``: counter c * groups_per_row + block)."""
+    BT: tl.constexpr = v.shape[0]
+    N: tl.constexpr = v.shape[1]
+    RP: tl.constexpr = v.shape[2]
+    j = tl.arange(0, RP)
+    blk = blk0 + tl.arange(0, BT)
+    rows = blk[:, None] * RANK + j[None, :]                                   # (BT, RP)
+    if STOCHASTIC:
+        tl.static_assert(E4M3 and RP == 16, "pairs: e4m3 uniforms, one counter a block")
+        counters = cols.to(tl.int64)[None, :] * groups_per_row + blk[:, None]
+        u = tl.reshape(counter_uniforms(seed, counters.to(tl.uint32)), (BT, N, RP))
+    else:
+        u = 0.5
+    q = _levels(v, s, inv_s, u, Q, STOCHASTIC, INTERPRET, IEEE_DIV, E4M3, CLAMP=False)
+    valid = (blk < n_blk)[:, None] & (j < RANK)[None, :]
+    mask = valid[:, None, :] & (cols < C)[None, :, None]
+    tl.store(q_ptr + cols.to(tl.int64)[None, :, None] * ldq + rows[:, None, :], q, mask=mask)
 
 
 @triton.jit
@@ -228,7 +331,7 @@ def _hla_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, seed_ptr, seed_add, scale_mul, S,
                 KEPT: tl.constexpr, Q: tl.constexpr, STOCHASTIC: tl.constexpr,
                 TRANSPOSED: tl.constexpr, INTERPRET: tl.constexpr, E4M3: tl.constexpr,
                 CPT: tl.constexpr, FLAT: tl.constexpr, EVEN_C: tl.constexpr,
-                BOUND: tl.constexpr, STEP: tl.constexpr = 0):
+                BOUND: tl.constexpr, STEP: tl.constexpr = 0, PAIRS: tl.constexpr = False):
     """One tile of BT token blocks x BC channels per program (phase 2: ``_phase2_tiles``).
 
     Phase 1: project, atomically max the amax of the kept coefficients into ``amax_ptr``
@@ -243,10 +346,19 @@ def _hla_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, seed_ptr, seed_add, scale_mul, S,
     n_ct = tl.cdiv(C, BC)
     if PHASE == 1:
         blk0, col0 = _tile_origin(pid, n_ct, BT, BC)
-        v = _load_project(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C,
-                          stride_x, BT, BC, RP, RANK, KEPT, CPT, FLAT, EVEN_C)
         keep = (tl.arange(0, RP) < RANK)[None, None, :]
-        tl.atomic_max(amax_ptr, tl.max(tl.where(keep, abs_bits(v), 0)))
+        if PAIRS:
+            w = _load_pairs(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C,
+                            stride_x, BT, BC, FLAT, EVEN_C)
+            m = 0
+            for h in tl.static_range(2):
+                v = _project_blocks(_pair_half(w, h, x_ptr.dtype.element_ty), RP, RANK, KEPT)
+                m = tl.maximum(m, tl.max(tl.where(keep, abs_bits(v), 0)))
+        else:
+            v = _load_project(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C,
+                              stride_x, BT, BC, RP, RANK, KEPT, CPT, FLAT, EVEN_C)
+            m = tl.max(tl.where(keep, abs_bits(v), 0))
+        tl.atomic_max(amax_ptr, m)
     else:
         if STOCHASTIC:
             seed = tl.load(seed_ptr) + seed_add
@@ -266,7 +378,7 @@ def _hla_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, seed_ptr, seed_add, scale_mul, S,
         _phase2_tiles(x_ptr, q_ptr, s, inv_s, seed, pid, n_tiles, n_ct, S, n_sblk, stride_b,
                       stride_s, C, stride_x, ldq, n_blk, groups_per_row, BT, BC, RP, RANK,
                       KEPT, Q, STOCHASTIC, TRANSPOSED, INTERPRET, ieee, E4M3, CPT, FLAT,
-                      EVEN_C, STEP)
+                      EVEN_C, STEP, PAIRS)
 
 
 declare_writes(_hla_kernel, lambda a: ("amax_ptr",) if a["PHASE"] == 1 else ("q_ptr", "s_ptr"))
@@ -279,7 +391,7 @@ def _phase2_tiles(x_ptr, q_ptr, s, inv_s, seed, pid, n_tiles, n_ct, S, n_sblk, s
                   Q: tl.constexpr, STOCHASTIC: tl.constexpr, TRANSPOSED: tl.constexpr,
                   INTERPRET: tl.constexpr, IEEE_DIV, E4M3: tl.constexpr,
                   CPT: tl.constexpr, FLAT: tl.constexpr, EVEN_C: tl.constexpr,
-                  STEP: tl.constexpr):
+                  STEP: tl.constexpr, PAIRS: tl.constexpr):
     """Phase 2's tile(s) of this program, in reverse order: the tiles phase 1 read last
     come first (L2). The grid covers every tile, so the loop runs once; written as a loop
     (scale, seed and branch settled before it) it measured 4-14% faster than the same
@@ -289,18 +401,41 @@ def _phase2_tiles(x_ptr, q_ptr, s, inv_s, seed, pid, n_tiles, n_ct, S, n_sblk, s
     for t in tl.range(pid, n_tiles, tl.num_programs(0), num_stages=1):
         blk0, col0 = _tile_origin(n_tiles - 1 - t, n_ct, BT, BC)
         if STEP == 0 or STEP == BT:
-            v = _load_project(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C,
-                              stride_x, BT, BC, RP, RANK, KEPT, CPT, FLAT, EVEN_C)
-            _quantize_store_tile(q_ptr, v, s, inv_s, seed, blk0, col0, n_blk, C, ldq,
-                                 groups_per_row, BT, BC, RP, RANK, Q, STOCHASTIC, TRANSPOSED,
-                                 INTERPRET, IEEE_DIV, E4M3)
+            _tile_step(x_ptr, q_ptr, s, inv_s, seed, blk0, col0, S, n_sblk, stride_b, stride_s,
+                       C, stride_x, ldq, n_blk, groups_per_row, BT, BC, RP, RANK, KEPT, Q,
+                       STOCHASTIC, TRANSPOSED, INTERPRET, IEEE_DIV, E4M3, CPT, FLAT, EVEN_C,
+                       PAIRS)
         else:   # STEP blocks at a time: the registers of a STEP-block tile
             for i in tl.range(0, BT, STEP, num_stages=1):
-                v = _load_project(x_ptr, blk0 + i, col0, n_blk, S, n_sblk, stride_b, stride_s,
-                                  C, stride_x, STEP, BC, RP, RANK, KEPT, CPT, FLAT, EVEN_C)
-                _quantize_store_tile(q_ptr, v, s, inv_s, seed, blk0 + i, col0, n_blk, C, ldq,
-                                     groups_per_row, STEP, BC, RP, RANK, Q, STOCHASTIC,
-                                     TRANSPOSED, INTERPRET, IEEE_DIV, E4M3)
+                _tile_step(x_ptr, q_ptr, s, inv_s, seed, blk0 + i, col0, S, n_sblk, stride_b,
+                           stride_s, C, stride_x, ldq, n_blk, groups_per_row, STEP, BC, RP,
+                           RANK, KEPT, Q, STOCHASTIC, TRANSPOSED, INTERPRET, IEEE_DIV, E4M3,
+                           CPT, FLAT, EVEN_C, PAIRS)
+
+
+@triton.jit
+def _tile_step(x_ptr, q_ptr, s, inv_s, seed, blk0, col0, S, n_sblk, stride_b, stride_s, C,
+               stride_x, ldq, n_blk, groups_per_row, BT: tl.constexpr, BC: tl.constexpr,
+               RP: tl.constexpr, RANK: tl.constexpr, KEPT: tl.constexpr, Q: tl.constexpr,
+               STOCHASTIC: tl.constexpr, TRANSPOSED: tl.constexpr, INTERPRET: tl.constexpr,
+               IEEE_DIV, E4M3: tl.constexpr, CPT: tl.constexpr, FLAT: tl.constexpr,
+               EVEN_C: tl.constexpr, PAIRS: tl.constexpr):
+    """Load, project, quantize and store BT token blocks x BC channels (with ``PAIRS``
+    read as word pairs, ``_load_pairs``, and stored as their even and odd halves)."""
+    if PAIRS:
+        w = _load_pairs(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C, stride_x,
+                        BT, BC, FLAT, EVEN_C)
+        even = col0 + 2 * tl.arange(0, BC // 2)
+        for h in tl.static_range(2):
+            v = _project_blocks(_pair_half(w, h, x_ptr.dtype.element_ty), RP, RANK, KEPT)
+            _quantize_store_half(q_ptr, v, s, inv_s, seed, blk0, even + h, n_blk, C, ldq,
+                                 groups_per_row, RANK, Q, STOCHASTIC, INTERPRET, IEEE_DIV, E4M3)
+    else:
+        v = _load_project(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C,
+                          stride_x, BT, BC, RP, RANK, KEPT, CPT, FLAT, EVEN_C)
+        _quantize_store_tile(q_ptr, v, s, inv_s, seed, blk0, col0, n_blk, C, ldq,
+                             groups_per_row, BT, BC, RP, RANK, Q, STOCHASTIC, TRANSPOSED,
+                             INTERPRET, IEEE_DIV, E4M3)
 
 
 @triton.jit
@@ -386,6 +521,17 @@ def _tile_shape(C: int, interp: bool, rp: int = 16,
     (kernel_ab_2026-11-24T174155): half-sector runs (BT = 1 at rank 16) cost 17-45%: g's
     operand at 8192 x 11008 0.287 -> 0.237 ms, ABC written K-major 0.305 -> 0.164 ms, now
     faster than row-major + transpose (0.238).
+
+    A 2-byte x with even C, row stride and offset (``_pairs_fit``; every site's bf16 g
+    and x) takes the word-pair tile instead (``_load_pairs``: BT lanes a word of two
+    channels, one block each; ``hla_quant`` sets BC = 2 * 32 / BT * warps): the K-major
+    store's own layout, no conversion through shared memory, 32 values a thread. H200,
+    forty-third stop (``kernel_ab_2026-11-30T041935_h200_s43_final``): g's operand
+    0.0508 -> 0.0456, 0.1218 -> 0.1091, 0.0571 -> 0.0508-0.0517 ms at Llama's 4096 and
+    11008 and ViT's 3072; ABC as a site runs it 0.0326 -> 0.0312, 0.0810 -> 0.0763,
+    0.0129 -> 0.0119 ms. ``HOT_HLA_PAIRS=0`` keeps the CPT tile (A/B). The tile with all
+    BT blocks of one channel a lane (no conversion either) stored half sectors a warp
+    instruction: ABC 0.061 -> 0.076 ms (``kernel_ab_2026-11-30T035122_h200_s43_pairs_one_channel``).
     HOT_HLA_TILE="BT,BC,WARPS" overrides the row-map tile (tuning).
     """
     bt_min = max(1, ref.UNIFORMS_PER_COUNTER // rp) if channel_major else 1
@@ -403,6 +549,50 @@ def _tile_shape(C: int, interp: bool, rp: int = 16,
         return bt, bc, warps, 8
     warps = min((4, 2, 1), key=lambda w: (-(-C // (256 * w)) * 256 * w, -w))
     return 1, 256 * warps, warps, 8
+
+
+def _channel_major(stochastic: bool, e4m3: bool, transposed: bool) -> bool:
+    """The channel-major tile: g's stochastic e4m3 operand (its Philox map needs it) and
+    every K-major store of nearest levels (ABC): runs of BT * RANK bytes per channel."""
+    return (stochastic and e4m3) or (transposed and not stochastic)
+
+
+def tile_plan(C: int, rp: int, *, stochastic: bool, e4m3: bool, transposed: bool,
+              pairs_fit: bool = True) -> tuple[int, int, int, int, int, bool]:
+    """(BT, BC, warps, CPT, STEP, PAIRS): the tile ``hla_quant`` launches for a C-channel
+    x (``pairs_fit``: ``_pairs_fit(x)``), one place for it and ``bench/kernel_regs.py``.
+
+    Word pairs (``_load_pairs``: one block of one word a lane) wherever the tile is
+    channel-major and K-major, and for g's stochastic operand at full rank only (one
+    Philox counter a block); a warp holds 32 / BT words x BT blocks, so BC = 2 * 32 / BT *
+    warps. ``HOT_HLA_PAIRS=0`` keeps the 2-channel vectors (A/B runs)."""
+    channel_major = _channel_major(stochastic, e4m3, transposed)
+    interp = interpreting()
+    bt, bc, warps, cpt = _tile_shape(C, interp, rp, channel_major)
+    pairs = channel_major and transposed and (rp == 16 or not stochastic) and pairs_fit \
+        and os.environ.get("HOT_HLA_PAIRS", "1") != "0"
+    step = 0
+    if stochastic and e4m3:
+        bt, step = _stepped_blocks(bt, rp)
+    if pairs and not interp:
+        bc = 2 * (32 // (step or bt)) * warps
+    return bt, bc, warps, cpt, step, pairs
+
+
+def _pairs_fit(x: torch.Tensor) -> bool:
+    """Whether the channel-major tile can read x as 4-byte words of two channels
+    (``_load_pairs``): 2-byte elements, an even number of channels, an even row
+    stride and an even element offset, so every word is two channels of one token, and a
+    4-byte aligned address: checked on a real tensor; a fake one (a site traced for
+    splicing) has none, and there the storage is an aligned allocation (Inductor's buffers,
+    and graph inputs, which its wrapper copies when misaligned). A symbolic offset or stride
+    (dynamic shapes) is not proved even: the tile keeps 2-channel vector loads."""
+    if x.element_size() != 2:
+        return False
+    dims = (x.shape[1], x.stride(0), x.storage_offset())
+    if not all(isinstance(d, int) and d % 2 == 0 for d in dims):
+        return False
+    return is_fake(x) or x.data_ptr() % 4 == 0
 
 
 def _stepped_blocks(bt: int, rp: int) -> tuple[int, int]:
@@ -500,20 +690,16 @@ def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic:
     elif amax is None:
         amax = torch.zeros((1,), dtype=torch.int32, device=dev)
     rp = _pow2_at_least(rank)
-    # the channel-major tile for g's stochastic operand (its Philox map needs it) and for
-    # every K-major store of nearest levels (ABC): runs of BT * RANK bytes per channel
-    channel_major = (stochastic and e4m3) or (transposed and not stochastic)
-    bt, bc, warps, cpt = _tile_shape(C, interpreting(), rp, channel_major)
-    step = 0
-    if stochastic and e4m3:
-        bt, step = _stepped_blocks(bt, rp)
+    bt, bc, warps, cpt, step, pairs = tile_plan(C, rp, stochastic=stochastic, e4m3=e4m3,
+                                                transposed=transposed, pairs_fit=_pairs_fit(x))
+    channel_major = _channel_major(stochastic, e4m3, transposed)
     grid = (triton.cdiv(n_blk, bt) * triton.cdiv(C, bc),)
     meta = dict(BT=bt, BC=bc, RP=rp, RANK=rank, KEPT=_packed_rows(rank, select),
                 Q=(int(ref.E4M3_BOUND_Q) if bound else 448) if e4m3 else 2 ** (bits - 1) - 1,
                 STOCHASTIC=stochastic, BOUND=bound,
                 TRANSPOSED=transposed, INTERPRET=interpreting(), E4M3=e4m3, CPT=cpt,
                 FLAT=_blocks_are_row_runs(S, stride_b, stride_s), EVEN_C=C % bc == 0,
-                STEP=step, num_warps=warps)
+                STEP=step, PAIRS=pairs, num_warps=warps)
     groups = ref.philox_counters(n_blk * rp if channel_major else C)   # per row of uniforms
     seed_t = seed_pointer(seed, dev) if stochastic else amax    # amax: an unread placeholder
     args = (x, q, s, amax, seed_t, int(seed_add), float(scale_mul), S, n_sblk, stride_b,
