@@ -219,11 +219,11 @@ H100 = CostModel(
 
 
 # Fitted by bench/fit_cost.py on bench/results/layers_2026-11-30T040407_h200.json (forty-third
-# stop; copy 4216 GB/s). That run's HLA g kernel was the word-pair tile, reverted at the
-# stop's end: the shipped kernel is ~10% slower than the ``hla_g`` line (0.0508 vs 0.0456 ms
-# at 8192 x 4096); decisions at the bench shapes are far from the threshold either way. The fixed costs were scaled by 2.468 so that no layer's HOT time is
-# under-estimated by more than 10% (the whole-backward replays it is checked against time ABC
-# with its own max |x| pass, which a site does not run: the table errs towards exact). Host
+# stop: the word-pair HLA tile, shipped since the forty-fourth; ABC timed as a site runs it,
+# its bound from x's producer; copy 4216 GB/s). The fixed costs were scaled by 2.468 so that
+# no layer's HOT time is under-estimated by more than 10% (the whole-backward replays it is
+# checked against time ABC with its own max |x| pass, which a site does not run: the table
+# errs towards exact). Host
 # times: the H100's (the host measurement was not run on an H200). The thirty-third stop's
 # table (layers_2026-11-28T081446) is in git history.
 H200 = CostModel(
