@@ -163,6 +163,10 @@ def bench_hla_g(old, new, rows):
                 res[f"new BT={bt}"] = time_ms(run(new), xs)
         with env(HOT_HLA_PAIRS="0"):   # 2-channel vectors a thread, not word pairs
             res["new CPT=2"] = time_ms(run(new), xs)
+        for tpp in (2, 4, 8):     # tiles a program: its prologue paid once for them
+            with env(HOT_HLA_TPP=str(tpp)):
+                res[f"new TPP={tpp}"] = time_ms(run(new), xs)
+                res[f"new TPP={tpp} mismatch"] = mismatch(run(old)(xs[0]), run(new)(xs[0]))
         res["old (again)"] = time_ms(run(old), xs)     # the spread between like timings
         res["new (again)"] = time_ms(run(new), xs)
         rows.append(dict(kernel="hla_g", shape=label, L=L, C=C, mismatch_vs_old=ok, copy_ms=floor,
@@ -251,6 +255,10 @@ def bench_abc(old, new, rows):
         res["new written K-major, kernel alone"] = time_ms(alone, xs)
         with env(HOT_HLA_PAIRS="0"):
             res["new written K-major CPT=2, kernel alone"] = time_ms(alone, xs)
+        for tpp in (2, 4, 8):
+            with env(HOT_HLA_TPP=str(tpp)):
+                res[f"new written K-major TPP={tpp}, kernel alone"] = time_ms(alone, xs)
+                res[f"new TPP={tpp} mismatch"] = mismatch(run(old, True)(xs[0]), alone(xs[0]))
         res["max |x| alone"] = time_ms(new.hadamard.input_amax_bits, xs)
         res["old written K-major (again)"] = time_ms(run(old, True), xs)
         res["new written K-major (again)"] = time_ms(run(new, True), xs)

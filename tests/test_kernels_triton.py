@@ -520,6 +520,55 @@ def test_hla_word_pairs_write_the_same_bytes(poison, dtype, L, C, rank, seq_len)
     _assert_both_loads_agree(x, rank, seq_len)
 
 
+def _assert_tiles_per_program_change_no_byte(x, rank, seq_len, counts, monkeypatch):
+    """g's stochastic e4m3 operand and ABC written with each of ``counts`` tiles a program
+    (``HOT_HLA_TPP``) equal the one-tile grid's bytes and scale (not all zero)."""
+    seed = torch.tensor(17, device=x.device)
+    calls = (dict(stochastic=True, seed=seed, seed_add=1), dict(stochastic=False))
+    for kw in calls:
+        monkeypatch.setenv("HOT_HLA_TPP", "1")
+        q1, s1 = HL.hla_quant(x, rank, "1d", 8, transposed=True, pad_to=16, seq_len=seq_len,
+                              e4m3=True, **kw)
+        assert q1.float().abs().sum() > 0
+        for n in counts:
+            monkeypatch.setenv("HOT_HLA_TPP", str(n))
+            q, s = HL.hla_quant(x, rank, "1d", 8, transposed=True, pad_to=16,
+                                seq_len=seq_len, e4m3=True, **kw)
+            assert torch.equal(q.view(torch.uint8), q1.view(torch.uint8)), (kw, n)
+            assert torch.equal(s, s1), (kw, n)
+
+
+@cpu
+@pytest.mark.parametrize("L,C,rank,seq_len", [(100, 48, 16, 0), (50, 40, 3, 25)])
+def test_hla_tiles_per_program_write_the_same_bytes(poison, monkeypatch, L, C, rank, seq_len):
+    """A program looping over several tiles (``hla.tiles_per_program``), a count that does
+    not divide the tiles, and more than there are, writes what one tile a program writes."""
+    x = (_randn(L, C) * torch.exp(torch.randn(1, C))).to(torch.bfloat16)
+    _assert_tiles_per_program_change_no_byte(x, rank, seq_len, (3, 64), monkeypatch)
+
+
+def test_tiles_per_program_rule(monkeypatch):
+    """4 tiles a program for g's e4m3 operand while that leaves 8 programs an SM, fewer
+    below; one for ABC, on a CPU and under the interpreter; ``HOT_HLA_TPP`` overrides it and
+    is checked."""
+    from hotcompile.kernels import gemm
+    monkeypatch.delenv("HOT_HLA_TPP", raising=False)
+    monkeypatch.setattr(gemm, "sm_count", lambda index: 132)
+    monkeypatch.setattr(HL, "interpreting", lambda: False)
+    cuda = torch.device("cuda", 0)
+    assert [HL.tiles_per_program(n, cuda, True) for n in (22016, 8192, 2364, 1056, 500)] == \
+        [4, 4, 2, 1, 1]
+    assert HL.tiles_per_program(22016, cuda, False) == 1
+    assert HL.tiles_per_program(22016, torch.device("cpu"), True) == 1
+    monkeypatch.setattr(HL, "interpreting", lambda: True)
+    assert HL.tiles_per_program(22016, cuda, True) == 1
+    monkeypatch.setenv("HOT_HLA_TPP", "3")
+    assert HL.tiles_per_program(10, torch.device("cpu"), False) == 3
+    monkeypatch.setenv("HOT_HLA_TPP", "0")
+    with pytest.raises(ValueError, match="HOT_HLA_TPP"):
+        HL.tiles_per_program(10, cuda, True)
+
+
 @cpu
 @pytest.mark.parametrize("L,C", [(64, 48), (40, 1040), (9, 24)])
 def test_grad_e4m3_kernel_is_its_twin(poison, L, C):
@@ -1040,6 +1089,18 @@ def test_gpu_hla_word_pairs_write_the_same_bytes(dtype, L, C, rank, seq_len):
     torch.manual_seed(L + C)
     x = (_randn(L, C, device="cuda") * torch.exp(torch.randn(1, C, device="cuda"))).to(dtype)
     _assert_both_loads_agree(x, rank, seq_len)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("L,C,rank,seq_len", [(8192, 4096, 16, 0), (12608, 3072, 16, 197),
+                                              (1000, 776, 8, 125)])
+def test_gpu_hla_tiles_per_program_write_the_same_bytes(monkeypatch, L, C, rank, seq_len):
+    """The compiled kernels with 2, 3, 4 and 8 tiles a program write g's stochastic e4m3
+    operand and ABC as one tile a program does, at full and partial tiles."""
+    torch.manual_seed(L + C)
+    x = (_randn(L, C, device="cuda") * torch.exp(torch.randn(1, C, device="cuda"))).bfloat16()
+    _assert_tiles_per_program_change_no_byte(x, rank, seq_len, (2, 3, 4, 8), monkeypatch)
 
 
 @pytest.mark.gpu

@@ -48,7 +48,7 @@ def hopper(monkeypatch):
     before = driver._active
     driver.set_active(_Hopper())
     monkeypatch.setattr(gemm, "_capability", lambda index: (9, 0))
-    monkeypatch.setattr(gemm, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(gemm, "sm_count", lambda index: 132)
     yield
     driver._active = before
 

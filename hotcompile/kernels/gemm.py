@@ -212,7 +212,8 @@ def tile_config(M: int, N: int, K: int, sms: int) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
+def sm_count(index: int) -> int:
+    """The SMs of CUDA device ``index`` (a GEMM's tile, the HLA kernel's tiles a program)."""
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
@@ -223,7 +224,7 @@ def _capability(index) -> tuple[int, int]:
 
 def _launch(args, flags, M: int, N: int, K: int, config: str | None = None) -> None:
     """Launch with the shape's tile (``tile_config``) or a named one (benchmarks)."""
-    name = config or tile_config(M, N, K, _sm_count(args[0].device.index or 0))
+    name = config or tile_config(M, N, K, sm_count(args[0].device.index or 0))
     bm, bn, bk, warps, stages, _ = CONFIGS[name]
     grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
     launch(_scaled_mm_kernel, grid, *args, **flags, EVEN_K=K % bk == 0, BM=bm, BN=bn, BK=bk,

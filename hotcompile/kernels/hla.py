@@ -41,7 +41,7 @@ from torch._subclasses.fake_tensor import is_fake
 import triton.language as tl
 
 from .launch import declare_writes, launch
-from . import reference as ref
+from . import gemm, reference as ref
 from .hadamard import (abs_bits, counter_uniforms, fwht16, ieee_quotients, input_amax_bits,
                        input_max_bits, interpreting, philox_uniform8, quantize, scalar_buffer,
                        scale_from_amax_bits, seed_pointer, to_e4m3)
@@ -393,11 +393,13 @@ def _phase2_tiles(x_ptr, q_ptr, s, inv_s, seed, pid, n_tiles, n_ct, S, n_sblk, s
                   CPT: tl.constexpr, FLAT: tl.constexpr, EVEN_C: tl.constexpr,
                   STEP: tl.constexpr, PAIRS: tl.constexpr):
     """Phase 2's tile(s) of this program, in reverse order: the tiles phase 1 read last
-    come first (L2). The grid covers every tile, so the loop runs once; written as a loop
-    (scale, seed and branch settled before it) it measured 4-14% faster than the same
-    tile code inline, bit-identical (H100, kernel_ab_2026-11-24T1643*_h100.md). A
-    persistent grid looping over several tiles, with or without Triton's pipelining, was
-    slower (kernel_ab_2026-11-24T164302_h100.md)."""
+    come first (L2). For int8 levels and ABC the grid covers every tile, so the loop runs
+    once; written as a loop (scale, seed and branch settled before it) it measured 4-14%
+    faster than the same tile code inline, bit-identical (H100,
+    kernel_ab_2026-11-24T1643*_h100.md). g's e4m3 operand takes up to 4 tiles a program
+    (``tiles_per_program``): with the word-pair tile it is issue-bound and that pays on the
+    H200 (5-7%), where the older tiles looping over several tiles were slower (H100,
+    kernel_ab_2026-11-24T164302_h100.md)."""
     for t in tl.range(pid, n_tiles, tl.num_programs(0), num_stages=1):
         blk0, col0 = _tile_origin(n_tiles - 1 - t, n_ct, BT, BC)
         if STEP == 0 or STEP == BT:
@@ -551,6 +553,28 @@ def _tile_shape(C: int, interp: bool, rp: int = 16,
     return 1, 256 * warps, warps, 8
 
 
+def tiles_per_program(n_tiles: int, device: torch.device, stochastic: bool) -> int:
+    """Tiles each program of a phase-2-alone launch (e4m3 levels) takes in turn
+    (``_phase2_tiles``): 4 for g's stochastic operand where that still leaves 8 programs an
+    SM, else fewer; 1 for ABC and under the interpreter. ``HOT_HLA_TPP`` sets it (tuning).
+
+    Why: g's operand is bound by instruction issue (Nsight Compute, forty-fourth stop: 73-77%
+    of issue slots busy, DRAM 46-51%), and a program's prologue (the seed, the scale and its
+    correctly rounded reciprocal, the tile loop's bounds) is ~15% of its instructions for one
+    tile; four tiles pay it once. H200 (``kernel_ab_2026-11-30T073930_h200_s44_tpp``): Llama
+    8192 x 4096 0.0452 -> 0.0435 ms (2 tiles: 0.0430), 8192 x 11008 0.1084 -> 0.1006, ViT
+    12608 x 3072 0.0510 -> 0.0483, bytes unchanged. ABC is nearer its memory bound: no gain
+    at 2 tiles, slower at 4 and 8 (0.0119 -> 0.0125 ms at ViT's 768), so it keeps one."""
+    if "HOT_HLA_TPP" in os.environ:
+        tpp = int(os.environ["HOT_HLA_TPP"])
+        if tpp < 1:
+            raise ValueError(f"HOT_HLA_TPP={tpp}: must be at least 1")
+        return tpp
+    if not stochastic or interpreting() or device.type != "cuda":
+        return 1
+    return max(1, min(4, n_tiles // (8 * gemm.sm_count(device.index or 0))))
+
+
 def _channel_major(stochastic: bool, e4m3: bool, transposed: bool) -> bool:
     """The channel-major tile: g's stochastic e4m3 operand (its Philox map needs it) and
     every K-major store of nearest levels (ABC): runs of BT * RANK bytes per channel."""
@@ -693,7 +717,10 @@ def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic:
     bt, bc, warps, cpt, step, pairs = tile_plan(C, rp, stochastic=stochastic, e4m3=e4m3,
                                                 transposed=transposed, pairs_fit=_pairs_fit(x))
     channel_major = _channel_major(stochastic, e4m3, transposed)
-    grid = (triton.cdiv(n_blk, bt) * triton.cdiv(C, bc),)
+    n_tiles = triton.cdiv(n_blk, bt) * triton.cdiv(C, bc)
+    grid = (n_tiles,)
+    if e4m3:    # phase 2 alone: a program may take several tiles (``_phase2_tiles``)
+        grid = (triton.cdiv(n_tiles, tiles_per_program(n_tiles, dev, stochastic)),)
     meta = dict(BT=bt, BC=bc, RP=rp, RANK=rank, KEPT=_packed_rows(rank, select),
                 Q=(int(ref.E4M3_BOUND_Q) if bound else 448) if e4m3 else 2 ** (bits - 1) - 1,
                 STOCHASTIC=stochastic, BOUND=bound,
