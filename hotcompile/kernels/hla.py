@@ -200,8 +200,17 @@ def _load_pairs(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C, stri
     else:
         mask = valid & (words * 2 < C)[None, :, None]
     # contiguity 1 on every axis: Triton gives the lanes axis 0 (blocks), then axis 1
-    return tl.load(x_ptr.to(tl.pointer_type(tl.int32)) + words[None, :, None]
-                   + tok * (stride_x // 2), mask=mask, other=0)
+    words_ptr = x_ptr.to(tl.pointer_type(tl.int32))
+    if FLAT:
+        # a block's 16 rows as its first row's address plus k 64-bit strides: sm_90 code adds
+        # one uniform stride a load (2 instructions) instead of a row product and a
+        # sign-extended add (4; forty-fourth stop)
+        sw = (stride_x // 2).to(tl.int64)
+        first = ((blk0 + tl.arange(0, BT)) * 16).to(tl.int64) * sw
+        base = words_ptr + first[:, None, None] + words[None, :, None]
+        return tl.load(base + (tl.arange(0, 16).to(tl.int64) * sw)[None, None, :], mask=mask,
+                       other=0)
+    return tl.load(words_ptr + words[None, :, None] + tok * (stride_x // 2), mask=mask, other=0)
 
 
 @triton.jit
