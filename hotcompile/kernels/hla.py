@@ -143,12 +143,10 @@ def _tile_tokens(blk0, n_blk, S, n_sblk, stride_b, stride_s, BT: tl.constexpr, F
 
 
 @triton.jit
-def _project(x, BT: tl.constexpr, RP: tl.constexpr, RANK: tl.constexpr, KEPT: tl.constexpr):
-    """(BT * 16 tokens, N channels) fp32 -> (BT, N, RP): each block's kept coefficients,
-    token axis last (a relabelling of the tile's registers: each thread owns whole token
-    columns)."""
+def _project_blocks(x, RP: tl.constexpr, RANK: tl.constexpr, KEPT: tl.constexpr):
+    """(BT, N, 16 tokens) fp32 -> (BT, N, RP): each block's kept coefficients."""
+    BT: tl.constexpr = x.shape[0]
     N: tl.constexpr = x.shape[1]
-    x = tl.permute(tl.reshape(x, (BT, 16, N)), (0, 2, 1))
     y = gather_kept(fwht16(tl.reshape(x, (BT * N, 16))), RP, RANK, KEPT)
     return tl.reshape(y, (BT, N, RP))
 
@@ -174,7 +172,10 @@ def _load_project(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C, st
     else:
         mask = valid[:, None] & (cols < C)[None, :]
     x = tl.load(x_ptr + tok[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
-    return _project(x.to(tl.float32), BT, RP, RANK, KEPT)
+    # token axis last: a relabelling of the tile's registers (each thread owns whole
+    # token columns)
+    x = tl.permute(tl.reshape(x.to(tl.float32), (BT, 16, BC)), (0, 2, 1))
+    return _project_blocks(x, RP, RANK, KEPT)
 
 
 @triton.jit
@@ -227,15 +228,6 @@ def _pair_half(w, HALF: tl.constexpr, DTYPE: tl.constexpr):
             return w.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
         else:
             return (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def _project_blocks(x, RP: tl.constexpr, RANK: tl.constexpr, KEPT: tl.constexpr):
-    """(BT, N, 16 tokens) fp32 -> (BT, N, RP): each block's kept coefficients."""
-    BT: tl.constexpr = x.shape[0]
-    N: tl.constexpr = x.shape[1]
-    y = gather_kept(fwht16(tl.reshape(x, (BT * N, 16))), RP, RANK, KEPT)
-    return tl.reshape(y, (BT, N, RP))
 
 
 @triton.jit
