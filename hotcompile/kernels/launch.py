@@ -53,6 +53,15 @@ def recording():
 _DEFAULT_CONFIG = {"num_warps": 4, "num_stages": 3}
 
 
+def unpassed_parameters(kernel, n_positional: int, named) -> list:
+    """The parameters of a Triton kernel that a launch with ``n_positional`` arguments and
+    the ``named`` ones leaves to their defaults. Why it matters beyond ``wrap_triton``:
+    torch's mutation analysis of such a launch cannot build the kernel's TTIR and then
+    reports every tensor argument written (forty-fourth stop)."""
+    names = getattr(kernel, "arg_names", None) or ()
+    return [n for n in names[n_positional:] if n not in named]
+
+
 def launch(kernel, grid, *args, **meta) -> None:
     """``kernel[grid](*args, **meta)``, or its ``wrap_triton`` record inside ``recording()``.
 
@@ -67,12 +76,10 @@ def launch(kernel, grid, *args, **meta) -> None:
     Every parameter must be passed, defaults included: a recorded launch fills none
     (``wrap_triton`` fails, and the op silently stays unspliced), so an eager launch that
     leans on a default is refused here too, where the CPU tests see it."""
-    names = getattr(kernel, "arg_names", None)
-    if names is not None:
-        missing = [n for n in names[len(args):] if n not in meta]
-        if missing:
-            raise TypeError(f"launch of {getattr(kernel, '__name__', kernel)}: pass every "
-                            f"parameter (a recorded launch fills no defaults): {missing}")
+    missing = unpassed_parameters(kernel, len(args), meta)
+    if missing:
+        raise TypeError(f"launch of {getattr(kernel, '__name__', kernel)}: pass every "
+                        f"parameter (a recorded launch fills no defaults): {missing}")
     if recording_launches():
         import torch
         meta = {k: v for k, v in meta.items() if _DEFAULT_CONFIG.get(k, object()) != v}
