@@ -631,6 +631,40 @@ def test_every_declared_kernel_variant_writes_what_tritons_analysis_finds(hopper
                     "_weight_cast_kernel", "_hla_kernel", "_block_bound_kernel"}
 
 
+@contextlib.contextmanager
+def _scalars_as_constexprs(kernel, kwargs):
+    """Every scalar argument of ``kernel`` taken for a constexpr while the block runs: how
+    torch 2.11's mutation analysis builds a launch's TTIR (torch 2.13 keeps them run-time
+    values). ``KernelParam.is_constexpr`` is a cached property, shadowed here per instance."""
+    params = [p for p in kernel.params
+              if not p.is_constexpr and not isinstance(kwargs.get(p.name), torch.Tensor)]
+    for p in params:
+        p.__dict__["is_constexpr"] = True
+    try:
+        yield
+    finally:
+        for p in params:
+            del p.__dict__["is_constexpr"]
+
+
+@compiled
+def test_every_declared_kernel_variant_is_analysed_with_scalars_as_constexprs(hopper):
+    """The same launches analysed as torch 2.11 does, every scalar argument a constexpr: a
+    kernel that calls a tensor method on a scalar argument (``(stride // 2).to(tl.int64)``)
+    builds under this torch's analysis and fails under 2.11's, which then takes every pointer
+    for written. That passed the CPU suite and failed every spliced GPU test (forty-fifth stop)."""
+    from hotcompile.kernels.launch import declared_writes
+    bad = []
+    for kernel, kwargs in _declared_launches():
+        with _scalars_as_constexprs(kernel, kwargs):
+            got = _analysed_writes(kernel, kwargs)
+        declared = sorted(declared_writes(kernel, kwargs))
+        if declared != got:
+            consts = {k: v for k, v in kwargs.items() if k.isupper()}
+            bad.append((kernel.fn.__name__, consts, declared, got))
+    assert not bad, bad
+
+
 def test_a_declaration_naming_no_parameter_is_refused():
     """A misspelt name in a declaration would drop a written tensor (a wrong gradient): it
     raises, and the memo then analyses the launch instead."""

@@ -205,8 +205,10 @@ def _load_pairs(x_ptr, blk0, col0, n_blk, S, n_sblk, stride_b, stride_s, C, stri
     if FLAT:
         # a block's 16 rows as its first row's address plus k 64-bit strides: sm_90 code adds
         # one uniform stride a load (2 instructions) instead of a row product and a
-        # sign-extended add (4; forty-fourth stop)
-        sw = (stride_x // 2).to(tl.int64)
+        # sign-extended add (4; forty-fourth stop). ``tl.cast``, not ``.to``: torch 2.11's
+        # mutation analysis builds the TTIR with every scalar argument a constexpr, which
+        # has no ``.to`` (the spliced GPU tests failed so, forty-fifth stop)
+        sw = tl.cast(stride_x // 2, tl.int64)
         first = ((blk0 + tl.arange(0, BT)) * 16).to(tl.int64) * sw
         base = words_ptr + first[:, None, None] + words[None, :, None]
         return tl.load(base + (tl.arange(0, 16).to(tl.int64) * sw)[None, None, :], mask=mask,
