@@ -20,25 +20,12 @@ import os
 import pstats
 import statistics
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 import common as C  # noqa: E402
-
-
-def host_times(run, n: int) -> list:
-    """Wall ms of ``run.step`` alone, each step started on an idle device."""
-    times = []
-    for i in range(n):
-        C.sync(run.device)
-        t = time.perf_counter()
-        run.step(i)
-        times.append((time.perf_counter() - t) * 1e3)
-    C.sync(run.device)
-    return times
 
 
 def profile_steps(run, n: int, top: int) -> str:
@@ -87,7 +74,7 @@ def main(argv=None) -> int:
              "| mode | host ms/step (median) | min | max |", "|---|---|---|---|"]
     profiles = []
     for mode in modes:
-        ts = host_times(runs[mode], args.steps)
+        ts = T.host_step_times(runs[mode], args.steps)
         lines.append(f"| {mode} | {statistics.median(ts):.2f} | {min(ts):.2f} | {max(ts):.2f} |")
         profiles += ["", f"## {mode}: cProfile of {args.profile_steps} steps", "", "```",
                      profile_steps(runs[mode], args.profile_steps, args.top), "```"]

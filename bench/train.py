@@ -467,6 +467,11 @@ def host_ms_per_step(run: Run, n: int) -> float:
     its per-step time drifts to the GPU's and would hide a host-bound step. Against the
     device-event time: a host-bound step (the GPU idles between launches) shows host >= GPU,
     a GPU-bound one host well below it."""
+    return statistics.median(host_step_times(run, n))
+
+
+def host_step_times(run: Run, n: int) -> List[float]:
+    """Wall ms of ``n`` calls of ``run.step``, each started on an idle device."""
     times = []
     for i in range(n):
         C.sync(run.device)
@@ -474,7 +479,7 @@ def host_ms_per_step(run: Run, n: int) -> float:
         run.step(i)
         times.append((time.perf_counter() - t) * 1e3)
     C.sync(run.device)
-    return statistics.median(times)
+    return times
 
 
 def launches_per_step(run: Run, n: int) -> Tuple[Optional[float], Optional[float]]:
