@@ -36,5 +36,11 @@ def _fresh_state():
 
 
 def pytest_collection_modifyitems(config, items):
+    """Checks the GPU markers, then runs the ``slow`` tests first (in collection order, the
+    others after them). Why: with ``-n 2 --dist worksteal`` (README) a worker that runs out
+    steals from the other's queue, so the suite ends when its last test does; a 2-9 minute
+    test met late (the interpreter suite, a hypothesis suite) left the other worker idle
+    for its length, started first it overlaps the short ones."""
     import gpu_marker
     gpu_marker.check(items)
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

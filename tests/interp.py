@@ -40,6 +40,7 @@ def cpu_mark(is_interpreted: bool):
 
 def subprocess_suite(path: str, is_interpreted: bool):
     """A test that re-runs the module at ``path`` in a child with TRITON_INTERPRET=1."""
+    @pytest.mark.slow     # the whole module interpreted: 2-9 min on 2 cores
     @pytest.mark.skipif(torch.cuda.is_available() or is_interpreted
                         or os.environ.get("HOT_KERNEL_TESTS_CHILD") == "1",
                         reason="the interpreter tests run in this process")
@@ -66,6 +67,7 @@ def compiled_mark(is_interpreted: bool):
 
 def compiled_subprocess_suite(path: str, is_interpreted: bool):
     """A test that re-runs the module at ``path`` in a child with triton in compiled mode."""
+    @pytest.mark.slow
     @pytest.mark.skipif(not is_interpreted, reason="the tests run in this process")
     def test_compiled_suite_in_subprocess():
         _rerun(path, {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})

@@ -96,6 +96,7 @@ TRAIN_NONE_ON_CPU = ("launches_per_step", "graph_launches_per_step", "gpu_ms_per
                      "host_gpu_ratio")
 
 
+@pytest.mark.slow     # the module's train-smoke fixture: ~4.5 min on 2 cores
 def test_train_smoke_every_mode(smoke):
     rc, text, folder = smoke["train"]
     assert rc == 0, text[-4000:]
@@ -323,6 +324,7 @@ def test_step_profile_smoke(tmp_path):
     assert calls.get("hot::linear_backward", 0) > 0 and calls.get("hot::abc_compress", 0) > 0
 
 
+@pytest.mark.slow     # ~1.5 min on 2 cores
 def test_saved_tensors_smoke(tmp_path):
     """bench/saved_tensors.py runs on CPU: Inductor's and HOT's kept tensors by producer, the
     totals agree with autograd's own count (which also counts the user's inputs backward
@@ -483,6 +485,7 @@ def test_kernel_compile_times_each_hot_kernel_of_an_output_code():
     assert out.returncode != 0 and "--set NOPE" in out.stderr + out.stdout, out.stderr[-2000:]
 
 
+@pytest.mark.slow     # ~1.5 min on 2 cores
 def test_kernel_regs_offline_and_rank8_kernels_do_not_spill():
     """bench/kernel_regs.py compiles the site's kernels for sm_90 without a GPU (triton's
     own ptxas) and reads registers and spills. A regression guard that needs no device:
@@ -761,6 +764,7 @@ def test_gate_pool_gaps_against_the_mean_of_every_baseline(tmp_path):
     assert text == out.stdout and "| stdlib | `hot` | 4 |" in text and "**no**" in text
 
 
+@pytest.mark.slow     # ~1.5 min on 2 cores
 def test_digits_says_what_an_fp32_model_did_not_apply():
     """The digits ViT trains in fp32 unless --digits-amp: there a row-wise FP8 forward and
     e4m3 kept activations do not engage, and its rows must say so (a pass there tests

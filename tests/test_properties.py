@@ -643,6 +643,7 @@ SETTINGS = dict(deadline=None, derandomize=True, database=None, print_blob=False
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
+@pytest.mark.slow     # 15-25 examples of 1-4 compiles each: 2.5-4.5 min on 2 cores
 @settings(max_examples=25, **SETTINGS)
 @given(case=cases(kinds=("linear", "linear", "linear", "shared", "break", "swap",
                          "token_slice"), max_blocks=4))
@@ -652,6 +653,7 @@ def test_linear_spellings_layouts_fp32(case):
     check_case(case)
 
 
+@pytest.mark.slow     # 15-25 examples of 1-4 compiles each: 2.5-4.5 min on 2 cores
 @settings(max_examples=25, **SETTINGS)
 @given(case=cases(kinds=("linear", "tied", "frozen_pair", "frozen_pair", "shared", "break"),
                   max_blocks=4, layouts=("2d", "2d", "bsd", "sbd", "4d"), x_grad=0.25))
@@ -662,6 +664,7 @@ def test_frozen_shared_tied_fp32(case):
     check_case(case)
 
 
+@pytest.mark.slow     # 15-25 examples of 1-4 compiles each: 2.5-4.5 min on 2 cores
 @settings(max_examples=25, **SETTINGS)
 @given(case=cases(kinds=("linear", "linear", "attn", "attn", "input_prod", "mixed_use",
                          "gram", "break", "swap", "token_slice"), max_blocks=4))
@@ -671,6 +674,7 @@ def test_activation_products_never_rewritten(case):
     check_case(case)
 
 
+@pytest.mark.slow     # 15-25 examples of 1-4 compiles each: 2.5-4.5 min on 2 cores
 @settings(max_examples=20, **SETTINGS)
 @given(case=cases(kinds=("linear", "linear", "shared", "tied", "frozen_pair", "attn",
                          "input_prod", "mixed_use", "gram", "break", "swap", "token_slice"),
@@ -680,6 +684,7 @@ def test_autocast_bf16_fp16(case):
     check_case(case)
 
 
+@pytest.mark.slow     # 15-25 examples of 1-4 compiles each: 2.5-4.5 min on 2 cores
 @settings(max_examples=15, **SETTINGS)
 @given(case=cases(kinds=("linear", "linear", "shared", "tied", "frozen_pair", "attn",
                          "mixed_use", "break", "swap", "token_slice"),

@@ -220,6 +220,7 @@ def test_a_row_a_layernorm_reduces_is_centred_whole_in_bf16(dims):
     assert d["bytes_before"] - d["bytes_after"] == saved
 
 
+@pytest.mark.slow     # ~1 min on 2 cores
 def test_bf16_rows_add_no_kernel_to_a_wide_rmsnorm_models_forward():
     """Why bf16 centres whole rows: the row mean is a reduction over the same row as the
     RMSNorm that reads the residual, so Inductor computes it in the norm's kernel. With
@@ -551,6 +552,7 @@ def _exact_step():
     return _train_step(HOTConfig(min_features=10 ** 6, saved_activations="exact"))
 
 
+@pytest.mark.slow     # ~1 min on 2 cores
 def test_block_forward_unchanged_backward_close_and_what_stays_exact(monkeypatch):
     """On the CPU the forward is bit-identical; the GPU test allows the rounding of
     kernels that Inductor fuses differently. The forward output node's ``meta["desc"]``
@@ -670,6 +672,7 @@ def test_a_failed_hot_pass_leaves_the_kept_tensors_as_inductor_keeps_them(monkey
     assert not report.saved and kept1 == kept0
 
 
+@pytest.mark.slow     # ~1 min on 2 cores
 def test_dynamic_batch_recompiles_nothing_and_compresses():
     torch.manual_seed(4)
     net = _Net()

@@ -84,6 +84,7 @@ def _grads(model, x, fn, amp):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, x.grad.clone()
 
 
+@pytest.mark.slow     # 12 examples: ~4 min on 2 cores
 @settings(max_examples=12, **SETTINGS)
 @given(case=cases())
 def test_kept_activations_round_trip_within_their_error(case):
