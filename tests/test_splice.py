@@ -631,6 +631,40 @@ def test_every_declared_kernel_variant_writes_what_tritons_analysis_finds(hopper
                     "_weight_cast_kernel", "_hla_kernel", "_block_bound_kernel"}
 
 
+def _undeclared_launches():
+    """``(kernel, kwargs)`` of the kernels that declare no writes (the INT8 GEMM and its
+    transpose, per-tensor HQ, the one-read g kernel of ``grad_out``) over the constexprs
+    that shape their code: torch's analysis decides their writes wherever they are spliced."""
+    import itertools
+    from hotcompile.kernels import grad_out
+    f32, i32, i64, bf16, i8 = torch.float32, torch.int32, torch.int64, torch.bfloat16, torch.int8
+    e4 = torch.float8_e4m3fn
+    T = lambda dt: torch.empty(4, dtype=dt)          # noqa: E731
+    for rv, cv, fp8, exact, chunked in itertools.product(*[[False, True]] * 5):
+        if fp8 and chunked:                          # refused by the kernel's static_assert
+            continue
+        yield gemm._scaled_mm_kernel, dict(
+            a_ptr=T(e4 if fp8 else i8), bt_ptr=T(e4 if fp8 else i8), out_ptr=T(bf16),
+            rs_ptr=T(f32), cs_ptr=T(f32), alpha=1.0, M=256, N=256, K=256, lda=256, ldb=256,
+            ldo=256, ROW_VEC=rv, COL_VEC=cv, FP8=fp8, EXACT_ACC=exact, EVEN_K=True, BM=64,
+            BN=64, BK=64, GROUP_M=8, CHUNKED=chunked, K_CHUNK=128 if chunked else 0)
+    yield gemm._transpose_kernel, dict(src_ptr=T(i8), dst_ptr=T(i8), R=256, C=256, lds=256,
+                                       ldd=256, BR=64, BC=64)
+    for phase, fp8 in itertools.product([1, 2], [False, True]):
+        yield hadamard._hq_tensor_kernel, dict(
+            g_ptr=T(bf16), q_ptr=T(e4 if fp8 else i8), s_ptr=T(f32), amax_ptr=T(i32),
+            seed_ptr=T(i64), L=256, O=512, O_pad=512, stride_g=512, ldq=512, groups_per_row=32,
+            PHASE=phase, BR=8, BC=512, Q=7, FP8=fp8, INTERPRET=False)
+    for phase, per_token, fp8 in itertools.product([1, 2], [False, True], [False, True]):
+        yield grad_out._grad_out_kernel, dict(
+            g_ptr=T(bf16), hq_ptr=T(e4 if fp8 else i8), hq_s_ptr=T(f32), hla_ptr=T(i8),
+            hla_s_ptr=T(f32), amax_ptr=T(i32), hq_seed_ptr=T(i64), hla_seed_ptr=T(i64),
+            hla_seed_add=0, L=256, O=512, O_pad=512, stride_g=512, ld_hla=256, S=256,
+            n_sblk=16, stride_b=4096, stride_s=16, n_blk=16, hq_groups=32, hla_groups=32,
+            PHASE=phase, PER_TOKEN=per_token, BT=4, BC=64, HR=16, RP=16, RANK=16, KEPT=0,
+            HQ_Q=7, HLA_Q=127, FP8=fp8, INTERPRET=False)
+
+
 @contextlib.contextmanager
 def _scalars_as_constexprs(kernel, kwargs):
     """Every scalar argument of ``kernel`` taken for a constexpr while the block runs: how
@@ -663,6 +697,26 @@ def test_every_declared_kernel_variant_is_analysed_with_scalars_as_constexprs(ho
             consts = {k: v for k, v in kwargs.items() if k.isupper()}
             bad.append((kernel.fn.__name__, consts, declared, got))
     assert not bad, bad
+
+
+@compiled
+def test_undeclared_kernels_are_analysed_alike_with_scalars_as_constexprs(hopper):
+    """The kernels without a declaration, analysed both ways: torch 2.11's analysis (every
+    scalar a constexpr) finds the same written tensors as this torch's. Where it could not
+    build the TTIR it would report every pointer written, and a spliced graph would copy
+    each of them for nothing."""
+    bad, seen = [], set()
+    for kernel, kwargs in _undeclared_launches():
+        seen.add(kernel.fn.__name__)
+        plain = _analysed_writes(kernel, kwargs)
+        with _scalars_as_constexprs(kernel, kwargs):
+            as_211 = _analysed_writes(kernel, kwargs)
+        if plain != as_211 or len(plain) == sum(isinstance(v, torch.Tensor) for v in kwargs.values()):
+            bad.append((kernel.fn.__name__, {k: v for k, v in kwargs.items() if k.isupper()},
+                        plain, as_211))
+    assert not bad, bad
+    assert seen == {"_scaled_mm_kernel", "_transpose_kernel", "_hq_tensor_kernel",
+                    "_grad_out_kernel"}
 
 
 def test_a_declaration_naming_no_parameter_is_refused():
