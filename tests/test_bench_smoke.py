@@ -137,6 +137,7 @@ def test_train_smoke_every_mode(smoke):
         assert os.path.exists(path[:-5] + "_speed.png")
 
 
+@pytest.mark.slow     # the train-smoke fixture: slow with it, so its tests run together
 def test_train_process_isolation(smoke):
     rc, text, folder = smoke["isolated"]
     assert rc == 0, text[-4000:]
@@ -146,6 +147,7 @@ def test_train_process_isolation(smoke):
     assert all(_finite(r[k]) for k in TRAIN_NUMBERS)
 
 
+@pytest.mark.slow     # the train-smoke fixture: slow with it, so its tests run together
 @pytest.mark.skipif(not sklearn, reason="scikit-learn is needed for the digits part")
 def test_accuracy_smoke(smoke):
     rc, text, folder = smoke["accuracy"]
@@ -282,6 +284,7 @@ def test_accuracy_cli_helpers():
     assert est["total"] < 600
 
 
+@pytest.mark.slow     # the train-smoke fixture: slow with it, so its tests run together
 def test_docs_sections_only_touch_their_markers(smoke, tmp_path):
     train, acc = _load("train"), _load("accuracy")
     docs = tmp_path / "BENCHMARKS.md"
