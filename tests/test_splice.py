@@ -611,18 +611,41 @@ def _declared_launches():
                                         stride_b=4096, stride_s=16, n_blk=16, BB=64)
 
 
+@contextlib.contextmanager
+def _scalars_as_constexprs(kernel, kwargs):
+    """Every scalar argument of ``kernel`` taken for a constexpr while the block runs: how
+    torch 2.11's mutation analysis builds a launch's TTIR (torch 2.13 keeps them run-time
+    values). ``KernelParam.is_constexpr`` is a cached property, shadowed here per instance."""
+    params = [p for p in kernel.params
+              if not p.is_constexpr and not isinstance(kwargs.get(p.name), torch.Tensor)]
+    for p in params:
+        p.__dict__["is_constexpr"] = True
+    try:
+        yield
+    finally:
+        for p in params:
+            del p.__dict__["is_constexpr"]
+
+
 @compiled
-def test_every_declared_kernel_variant_writes_what_tritons_analysis_finds(hopper):
+@pytest.mark.parametrize("as_211", [False, True], ids=["this_torch", "scalars_as_constexprs"])
+def test_every_declared_kernel_variant_writes_what_tritons_analysis_finds(hopper, as_211):
     """Each declared kernel over every combination of the constexprs that decide its stores
     (slots 1, 2 and 8; each forward kind; both phases; rotation, plain and e4m3 forms;
     stochastic, transposed, bound, flat, stepped and word-pair HLA tiles), against this torch's
     analysis: the declaration the splice relies on under torch 2.11 is exactly right, not
-    just on the launches the other tests happen to record."""
+    just on the launches the other tests happen to record. ``as_211``: analysed as torch 2.11
+    does, every scalar argument a constexpr (``_scalars_as_constexprs``): a kernel that calls
+    a tensor method on a scalar argument (``(stride // 2).to(tl.int64)``) builds under this
+    torch's analysis and fails under 2.11's, which then takes every pointer for written. That
+    passed the CPU suite and failed every spliced GPU test (forty-fifth stop)."""
     from hotcompile.kernels.launch import declared_writes
     seen, bad = set(), []
     for kernel, kwargs in _declared_launches():
         seen.add(kernel.fn.__name__)
-        declared, got = sorted(declared_writes(kernel, kwargs)), _analysed_writes(kernel, kwargs)
+        with _scalars_as_constexprs(kernel, kwargs) if as_211 else contextlib.nullcontext():
+            got = _analysed_writes(kernel, kwargs)
+        declared = sorted(declared_writes(kernel, kwargs))
         if declared != got:
             consts = {k: v for k, v in kwargs.items() if k.isupper()}
             bad.append((kernel.fn.__name__, consts, declared, got))
@@ -663,40 +686,6 @@ def _undeclared_launches():
             n_sblk=16, stride_b=4096, stride_s=16, n_blk=16, hq_groups=32, hla_groups=32,
             PHASE=phase, PER_TOKEN=per_token, BT=4, BC=64, HR=16, RP=16, RANK=16, KEPT=0,
             HQ_Q=7, HLA_Q=127, FP8=fp8, INTERPRET=False)
-
-
-@contextlib.contextmanager
-def _scalars_as_constexprs(kernel, kwargs):
-    """Every scalar argument of ``kernel`` taken for a constexpr while the block runs: how
-    torch 2.11's mutation analysis builds a launch's TTIR (torch 2.13 keeps them run-time
-    values). ``KernelParam.is_constexpr`` is a cached property, shadowed here per instance."""
-    params = [p for p in kernel.params
-              if not p.is_constexpr and not isinstance(kwargs.get(p.name), torch.Tensor)]
-    for p in params:
-        p.__dict__["is_constexpr"] = True
-    try:
-        yield
-    finally:
-        for p in params:
-            del p.__dict__["is_constexpr"]
-
-
-@compiled
-def test_every_declared_kernel_variant_is_analysed_with_scalars_as_constexprs(hopper):
-    """The same launches analysed as torch 2.11 does, every scalar argument a constexpr: a
-    kernel that calls a tensor method on a scalar argument (``(stride // 2).to(tl.int64)``)
-    builds under this torch's analysis and fails under 2.11's, which then takes every pointer
-    for written. That passed the CPU suite and failed every spliced GPU test (forty-fifth stop)."""
-    from hotcompile.kernels.launch import declared_writes
-    bad = []
-    for kernel, kwargs in _declared_launches():
-        with _scalars_as_constexprs(kernel, kwargs):
-            got = _analysed_writes(kernel, kwargs)
-        declared = sorted(declared_writes(kernel, kwargs))
-        if declared != got:
-            consts = {k: v for k, v in kwargs.items() if k.isupper()}
-            bad.append((kernel.fn.__name__, consts, declared, got))
-    assert not bad, bad
 
 
 @compiled
