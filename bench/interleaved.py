@@ -2,6 +2,7 @@
 
     python bench/interleaved.py --model vit_b16_bs64 --modes inductor,hot --out $OUT
     python bench/interleaved.py --model tiny_gpt --modes inductor,hot --device cpu --rounds 3
+    python bench/interleaved.py --model vit_b16_bs64 --modes "hot@reduce-overhead,hot"
 
 Why: ViT-B/16 bs64's step is host-bound, and its runs fall in two clusters (~22.0 ms and
 24-27 ms) by run, not by mode: the thirty-first stop's `inductor,hot,inductor,hot` runs read
@@ -15,6 +16,11 @@ round, so a slow spell of the host lands on both. Reported per mode: the median 
 step, and against the first mode (the base) the median of the paired ratios and the ratio
 of medians. Peak memory is not: every mode's model lives in the process (``train.py``
 measures it alone).
+
+A mode may name its own compile mode after an ``@`` (``hot@reduce-overhead``; the others
+take ``--compile-mode``): the default-vs-reduce-overhead gap of one backend (issue 11's
+item 2), measured paired, where separate processes differ by their host's noise (the
+forty-fifth stop: 3-4 ms a step on ViT-B between two processes of one machine).
 Results: ``<out>/interleaved_<date>_<device>[_tag].{json,md}``.
 """
 from __future__ import annotations
@@ -33,6 +39,23 @@ import torch  # noqa: E402
 import common as C  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def split_compile_mode(mode: str, fallback):
+    """``"hot[rank=8]@reduce-overhead"`` -> ("hot[rank=8]", "reduce-overhead"); without an
+    ``@`` the mode keeps ``fallback`` (``--compile-mode``, None for default)."""
+    name, at, cmode = mode.rpartition("@")
+    if not at:
+        return mode, fallback
+    if cmode not in COMPILE_MODES:
+        raise SystemExit(f"{mode}: unknown compile mode {cmode!r} after '@' "
+                         f"(one of {', '.join(COMPILE_MODES)})")
+    if not C.MODE_INFO[C.split_mode(name)[0]][0]:
+        raise SystemExit(f"{mode}: {name} is not compiled, so it takes no compile mode")
+    return name, None if cmode == "default" else cmode
 
 
 def timed_step(run, i: int):
@@ -106,8 +129,9 @@ def main(argv=None) -> int:
     out = os.path.abspath(args.out or os.path.join(HERE, "results"))
     os.makedirs(out, exist_ok=True)
     device = C.pick_device(args.device)
-    opts = {k: v for k, v in (("device", args.device), ("compile_mode", args.compile_mode))
-            if v}
+    opts = {"device": args.device} if args.device else {}
+    for mode in modes:
+        split_compile_mode(mode, None)      # a bad '@' fails before anything compiles
     C.reset_compile_state()
     # compiled one after the other, the base last, and kept alive together. Why the base
     # last: the first backend called starts Inductor's compile workers, and HOT's start them
@@ -117,14 +141,15 @@ def main(argv=None) -> int:
     # shared by the copies, and guards on the backend): counted, and an error if not.
     runs, first, graphs = {}, {}, {}
     for mode in reversed(modes):
-        run = T.setup_run(args.model, mode, opts)
+        name, cmode = split_compile_mode(mode, args.compile_mode)
+        run = T.setup_run(args.model, name, {**opts, **({"compile_mode": cmode} if cmode else {})})
         before, _ = T._counters()
         t = time.perf_counter()
         run.step(0)
         C.sync(device)
         first[mode] = time.perf_counter() - t
         graphs[mode] = T._counters()[0] - before
-        compiled = C.MODE_INFO[C.split_mode(mode)[0]][0]
+        compiled = C.MODE_INFO[C.split_mode(name)[0]][0]
         if compiled and not graphs[mode]:
             raise SystemExit(f"{mode}: its first step compiled no graph (it ran another "
                              "mode's compiled code): the comparison would be void")
@@ -134,6 +159,9 @@ def main(argv=None) -> int:
         runs[mode] = run
     rows = summarize(modes, interleave([runs[m] for m in modes], args.rounds))
     for row in rows:
+        name, cmode = split_compile_mode(row["mode"], args.compile_mode)
+        if C.MODE_INFO[C.split_mode(name)[0]][0]:
+            row["compile_mode"] = cmode or "default"
         row["first_step_s"] = first[row["mode"]]
         row["graphs_compiled"] = graphs[row["mode"]]
         row.update({k: v for k, v in C.hot_summary(runs[row["mode"]].be).items()

@@ -966,12 +966,21 @@ def test_launch_counts_reports_each_graph_and_the_launches_per_site(tmp_path):
     assert len(glob.glob(str(tmp_path / "launch_counts_*_tiny_gpt_hot_*.py"))) == 2
 
 
-def test_interleaved_steps_the_modes_in_turn_and_pairs_the_rounds(tmp_path):
+def test_interleaved_steps_the_modes_in_turn_and_pairs_the_rounds(tmp_path, monkeypatch):
     """bench/interleaved.py: both modes compiled in one process, stepped in turn (the order
     reversed every other round), each round's ratio against the base paired; on the CPU
     with the tiny GPT. The pairing itself on known times: a slow spell of the host that
-    hits both modes of a round cancels in the paired ratio."""
+    hits both modes of a round cancels in the paired ratio. A mode's own compile mode
+    after '@' reaches torch.compile for that mode alone."""
     I = _load("interleaved")
+    assert I.split_compile_mode("hot[rank=8,exclude=head]@reduce-overhead", None) == \
+        ("hot[rank=8,exclude=head]", "reduce-overhead")
+    assert I.split_compile_mode("hot@default", "reduce-overhead") == ("hot", None)
+    assert I.split_compile_mode("inductor", "max-autotune") == ("inductor", "max-autotune")
+    with pytest.raises(SystemExit, match="unknown compile mode 'fast'"):
+        I.split_compile_mode("hot@fast", None)
+    with pytest.raises(SystemExit, match="bf16 is not compiled"):
+        I.split_compile_mode("bf16@reduce-overhead", None)
     rows = I.summarize(["inductor", "hot"], [[10.0, 20.0, 10.0, 30.0], [9.0, 18.0, 11.0, 27.0]])
     assert rows[0]["paired_ratio_median"] == 1.0 and rows[0]["rounds_faster"] == 0
     hot = rows[1]
@@ -994,15 +1003,25 @@ def test_interleaved_steps_the_modes_in_turn_and_pairs_the_rounds(tmp_path):
     assert order == [("a", 0), ("b", 0), ("b", 1), ("a", 1), ("a", 2), ("b", 2)], order
     assert [len(t) for t in times] == [3, 3]
 
-    assert I.main(["--model", "tiny_gpt", "--modes", "inductor,hot", "--device", "cpu",
-                   "--rounds", "3", "--warmup", "1", "--out", str(tmp_path)]) == 0
+    compiled_as = {}
+    compile_model = I.C.compile_model
+
+    def recording(module, mode, hot_kwargs=None, compile_mode=None):
+        compiled_as[mode] = compile_mode
+        return compile_model(module, mode, hot_kwargs, compile_mode)
+    monkeypatch.setattr(I.C, "compile_model", recording)
+    assert I.main(["--model", "tiny_gpt", "--modes", "inductor,hot@reduce-overhead",
+                   "--device", "cpu", "--rounds", "3", "--warmup", "1",
+                   "--out", str(tmp_path)]) == 0
+    assert compiled_as == {"inductor": None, "hot": "reduce-overhead"}, compiled_as
     res = json.load(open(next(iter(glob.glob(str(tmp_path / "interleaved_*.json"))))))
-    assert [r["mode"] for r in res["rows"]] == ["inductor", "hot"]
+    assert [r["mode"] for r in res["rows"]] == ["inductor", "hot@reduce-overhead"]
+    assert [r["compile_mode"] for r in res["rows"]] == ["default", "reduce-overhead"]
     assert all(len(r["step_ms_each"]) == 3 and r["first_step_s"] > 0 for r in res["rows"])
     assert all(r["graphs_compiled"] >= 1 for r in res["rows"]), res["rows"]  # no reuse
     assert res["rows"][1]["hot_sites_rewritten"] > 0
     md = open(next(iter(glob.glob(str(tmp_path / "interleaved_*.md"))))).read()
-    assert "| tiny_gpt | hot |" in md and "/3 |" in md, md
+    assert "| tiny_gpt | hot@reduce-overhead |" in md and "/3 |" in md, md
 
 
 RAW = "\n".join([
