@@ -247,6 +247,11 @@ MODE_INFO = {
     "hot_ref": (True, True, "backend=hot, kernels='reference'"),
     "fp8_tensorwise": (True, True, "torchao float8 tensorwise + Inductor, bf16 autocast"),
     "fp8_rowwise": (True, True, "torchao float8 rowwise + Inductor, bf16 autocast"),
+    # torchao's row-wise recipe with g_W in bf16: the forward and g_x GEMMs in FP8, their
+    # casts plain ops Inductor fuses with the producers; what HOT's FP8 forward would give
+    # a site whose backward stays exact (issue 12 on ViT-B)
+    "fp8_rowwise_with_gw_hp": (True, True, "torchao float8 rowwise, g_W in bf16 + Inductor, "
+                                           "bf16 autocast"),
 }
 
 
