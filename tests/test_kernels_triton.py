@@ -1051,17 +1051,52 @@ def _e4m3_of(t_ptr, u_ptr, q_ptr, N: tl.constexpr, STOCHASTIC: tl.constexpr,
     tl.store(q_ptr + i, q)
 
 
+@triton.jit
+def _quotients_of(v_ptr, t_ptr, q_ptr, s, N: tl.constexpr, INTERPRET: tl.constexpr):
+    i = tl.arange(0, N)
+    v = tl.load(v_ptr + i)
+    inv_s = tl.math.div_rn(1.0, s)
+    tl.store(t_ptr + i, H.reciprocal_quotient(v, s, inv_s))
+    tl.store(q_ptr + i, H.to_e4m3(v, s, inv_s, False, INTERPRET, 0.5, False, True, True))
+
+
+@pytest.mark.parametrize("scale", [0.125, 0.3711])
+def test_reciprocal_quotient_keeps_the_sign_of_zero(scale):
+    """The reciprocal's quotient (``hadamard.reciprocal_quotient``: v * (1/s) and one
+    Markstein correction) is v / s, -0 included, and nearest e4m3 on that path stores -0 as
+    0x80, as the reference does (it stored 0x00 before the forty-sixth stop). Runs under the
+    interpreter (CPU) and compiled (GPU); a scale that is not a power of two only on the GPU,
+    whose FMA is fused (the interpreter rounds the product, so its quotient may be 1 ulp off)."""
+    on_gpu = torch.cuda.is_available()
+    if not on_gpu and not _INTERPRETED:
+        pytest.skip("interpreter tests: see test_interpreter_suite_in_subprocess")
+    if not on_gpu and scale != 0.125:
+        pytest.skip("the reciprocal's correction needs a fused FMA: GPU only")
+    dev = "cuda" if on_gpu else "cpu"
+    torch.manual_seed(46)
+    v = torch.cat([torch.tensor([0.0, -0.0, 0.0, -0.0, 1e-30, -1e-30]),
+                   _randn(58) * torch.exp(4 * torch.randn(58))]).to(dev)
+    t = torch.full_like(v, float("nan"))
+    q = torch.full((64,), 0x7F, dtype=torch.uint8, device=dev).view(torch.float8_e4m3fn)
+    _quotients_of[(1,)](v, t, q, scale, 64, not on_gpu)
+    assert torch.equal(t.view(torch.int32), (v / scale).view(torch.int32))
+    assert torch.signbit(t[:2]).tolist() == [False, True]
+    qr, _ = R.quantize_e4m3(v[None, :].cpu(), per_row=False, stochastic=False,
+                            scale=torch.tensor(scale))
+    assert torch.equal(q.view(torch.uint8).cpu(), qr.view(torch.uint8).reshape(-1))
+    assert q.view(torch.uint8)[:6].tolist() == [0x00, 0x80, 0x00, 0x80, 0x00, 0x80]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_e4m3_saturates_past_448_like_the_clamp():
     """``to_e4m3(FINITE=True, CLAMP=False)`` on the GPU leaves out the clamp to +-448 (the
     conversion saturates): values at, just past and well past +-448 give the clamped path's
-    bytes, nearest and stochastic at uniforms across [0, 1), and the reference's. (No -0:
-    the reciprocal's path turns v = -0 into +0, where the reference keeps -0; nearest e4m3
-    then stores 0x00 for 0x80, the same value.)"""
+    bytes, nearest and stochastic at uniforms across [0, 1), and the reference's; -0 too
+    (``hadamard.reciprocal_quotient`` keeps its sign)."""
     base = torch.tensor([448.0, 447.99997, 460.0, 464.0, 470.0, 479.0, 500.0, 511.0, 4096.0,
                          1.0, 3.0e-3, 255.9, 448.00003, 448.0001])
-    t = torch.cat([base, -base, torch.zeros(1)]).repeat(8).cuda()
+    t = torch.cat([base, -base, torch.tensor([0.0, -0.0])]).repeat(8).cuda()
     u = ((torch.arange(t.numel()) % 256 + 0.5) / 256).float().cuda()
     for stochastic in (False, True):
         out = []
