@@ -1192,3 +1192,24 @@ def test_dist_width_survives_torchrun_and_tiny_defaults():
     torchrun = get_args_parser().parse_args(
         ["--nproc_per_node", "1", "bench/dist.py", "--width", "512", "--heads", "4"])
     assert torchrun.training_script_args == ["--width", "512", "--heads", "4"]
+
+
+@pytest.mark.slow
+def test_producer_casts_compiled_cast_is_the_eager_twin_on_cpu(tmp_path):
+    """bench/producer_casts.py on the CPU at small shapes: every producer and variant
+    compiles, runs and is timed against a copy of its bytes, and the compiled row-wise cast
+    beside the producer's bf16 output equals the eager twin's levels and scales on that
+    output (on the H200 its LayerNorm levels did not: forty-sixth stop)."""
+    P = _load("producer_casts")
+    assert P.main(["--device", "cpu", "--rows", "48", "--d", "32", "--mlp", "64",
+                   "--out", str(tmp_path)]) == 0
+    res = json.load(open(next(iter(glob.glob(str(tmp_path / "producer_casts_*.json"))))))
+    rows = res["results"]
+    assert [(r["producer"], r["variant"]) for r in rows] == [
+        (p, v) for p in ("layernorm", "gelu", "gelu_backward")
+        for v in ("alone", "with_cast", "cast_only")]
+    assert all(r["ms"] > 0 and r["copy_ms"] > 0 for r in rows)
+    assert rows[1]["bytes"] == 48 * 32 * (2 + 3) + 48 * 4       # x read, y + q written, scales
+    for r in rows:
+        if r["variant"] == "with_cast":
+            assert r["scales_equal"] and r["levels_differ"] == 0.0, r

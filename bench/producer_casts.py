@@ -1,0 +1,182 @@
+"""What a row-wise e4m3 copy costs when Inductor fuses it into the kernel that produces the
+tensor: LayerNorm and GELU (what makes ViT-B's linear inputs) and GELU's backward (what
+makes fc1's g), each alone and with HOT's cast (``kernels.fp8_forward.e4m3_cast``, the
+FP8 forward's own aten ops).
+
+    python bench/producer_casts.py --out $OUT                  # ViT-B/16 bs64's shapes
+    python bench/producer_casts.py --device cpu --rows 256 --out /tmp/r
+
+Why: issue 12 asks ViT-B for 1.10x Inductor. On the H200 the FP8 GEMMs save 2.3 ms of its
+step, but torchao's Inductor-fused casts cost about 6.5 ms more than the kernels they joined
+(forty-sixth stop, docs/BENCHMARKS.md), where their bytes would take ~0.5 ms at copy speed.
+Whether a cast in its producer can run near copy speed decides whether that target needs
+kernels of HOT's own or only a better-shaped graph. Each variant is compiled by Inductor in
+default mode and timed from CUDA-graph replays (``triton.testing.do_bench_cudagraph``: no
+launch overhead), beside a device copy of the same bytes. The cast beside the bf16 output
+is compared with the eager twin on that output (``check_cast``; the cast alone has no
+output to compare on).
+Results: ``<out>/producer_casts_<date>_<device>[_tag].{json,md}``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import common as C  # noqa: E402
+from hotcompile.kernels.fp8_forward import e4m3_cast  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _ln(x, w, b):
+    return F.layer_norm(x, (x.shape[-1],), w, b, 1e-6)
+
+
+def _gelu_bwd(g, h):
+    return torch.ops.aten.gelu_backward.default(g, h)
+
+
+# name: (producer, the shape's width key, how many bf16 inputs it reads)
+PRODUCERS = {
+    "layernorm": (_ln, "d", 1),
+    "gelu": (lambda h: F.gelu(h), "mlp", 1),
+    "gelu_backward": (_gelu_bwd, "mlp", 2),
+}
+
+
+def variants(producer):
+    """The compiled functions of one producer: alone; with the cast beside its bf16 output
+    (a later reader still needs it: the saved input of a bf16 g_W, a residual); with the
+    cast alone (the producer's only reader is the FP8 GEMM)."""
+    def alone(*a):
+        return producer(*a)
+
+    def with_cast(*a):
+        y = producer(*a)
+        q, s = e4m3_cast(y, rowwise=True)
+        return y, q, s
+
+    def cast_only(*a):
+        return e4m3_cast(producer(*a), rowwise=True)
+    return {"alone": alone, "with_cast": with_cast, "cast_only": cast_only}
+
+
+def bytes_moved(rows: int, width: int, reads: int, variant: str) -> int:
+    """The variant's minimal bytes: its bf16 inputs read once, what it returns written once."""
+    out = {"alone": 2, "with_cast": 3, "cast_only": 1}[variant]
+    return rows * width * (2 * reads + out) + (0 if variant == "alone" else rows * 4)
+
+
+def timer(device: torch.device, reps: int):
+    """ms of one call of fn: CUDA-graph replays on a GPU, the median wall time on a CPU."""
+    if device.type == "cuda":
+        import triton.testing
+        return lambda fn: triton.testing.do_bench_cudagraph(fn, rep=reps)
+
+    def wall(fn):
+        ts = []
+        for _ in range(5):
+            t = time.perf_counter()
+            fn()
+            ts.append((time.perf_counter() - t) * 1e3)
+        return statistics.median(ts)
+    return wall
+
+
+def check_cast(fn, args, producer) -> dict:
+    """The compiled cast beside the bf16 output against the eager twin on that output: the
+    fraction of levels that differ, and of those how many equal the cast of the producer
+    computed in fp32 and never rounded to bf16 (the value the cast would see if Inductor
+    fused it past the bf16 rounding that ``e4m3_cast`` pins it to)."""
+    y, q, s = fn(*args)
+    q_ref, s_ref = e4m3_cast(y, rowwise=True)
+    differ = q.view(torch.uint8) != q_ref.view(torch.uint8)
+    q32, _ = e4m3_cast(producer(*[a.float() for a in args]), rowwise=True)
+    as_fp32 = (q.view(torch.uint8) == q32.view(torch.uint8)) & differ
+    return {"scales_equal": bool(torch.equal(s.reshape(-1), s_ref.reshape(-1))),
+            "levels_differ": float(differ.float().mean()),
+            "differing_as_unrounded_fp32": float(as_fp32.sum()) / max(1, int(differ.sum()))}
+
+
+def measure(device: torch.device, rows: int, widths: dict, reps: int) -> list:
+    gen = torch.Generator(device=device).manual_seed(0)
+    time_of = timer(device, reps)
+    results = []
+    for name, (producer, key, reads) in PRODUCERS.items():
+        width = widths[key]
+        args = [torch.randn(rows, width, generator=gen, device=device).bfloat16()
+                for _ in range(reads)]
+        if name == "layernorm":
+            args += [torch.randn(width, generator=gen, device=device).bfloat16(),
+                     torch.randn(width, generator=gen, device=device).bfloat16()]
+        for vname, fn in variants(producer).items():
+            compiled = torch.compile(fn, fullgraph=True)
+            for _ in range(3):            # compiles (and settles its first calls) untimed
+                compiled(*args)
+            check = check_cast(compiled, args, producer) if vname == "with_cast" else {}
+            C.sync(device)
+            ms = time_of(lambda: compiled(*args))
+            nbytes = bytes_moved(rows, width, reads, vname)
+            src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
+            dst = torch.empty_like(src)
+            copy_ms = time_of(lambda: dst.copy_(src))      # reads and writes nbytes in all
+            results.append({"producer": name, "variant": vname, "rows": rows, "width": width,
+                            "ms": ms, "bytes": nbytes, "copy_ms": copy_ms,
+                            "of_copy": copy_ms / ms, **check})
+    for r in results:
+        base = next(a for a in results if a["producer"] == r["producer"]
+                    and a["variant"] == "alone")
+        r["over_alone_ms"] = r["ms"] - base["ms"]
+    return results
+
+
+def table(results: list) -> str:
+    def check(r):
+        if "levels_differ" not in r:
+            return "-"
+        return (f"scales {'equal' if r['scales_equal'] else 'DIFFER'}, levels differ "
+                f"{100 * r['levels_differ']:.3g}% ({100 * r['differing_as_unrounded_fp32']:.0f}% "
+                "of those as from the unrounded fp32)")
+    return C.md_table(
+        ["producer", "variant", "rows x width", "ms", "+ms over alone", "MB", "% of copy",
+         "compiled cast vs eager twin"],
+        [[r["producer"], r["variant"], f"{r['rows']} x {r['width']}", C.fmt(r["ms"], 4),
+          C.fmt(r["over_alone_ms"], 4), C.fmt(r["bytes"] / 1e6, 1),
+          C.fmt(100 * r["of_copy"], 0) + "%", check(r)] for r in results])
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", type=int, default=64 * 197, help="tokens (ViT-B/16 bs64)")
+    p.add_argument("--d", type=int, default=768)
+    p.add_argument("--mlp", type=int, default=3072)
+    p.add_argument("--reps", type=int, default=200, help="ms of replays a timing (GPU)")
+    p.add_argument("--device", help="cuda / cpu (default: cuda when available)")
+    p.add_argument("--out", help="output folder (default bench/results)")
+    p.add_argument("--tag", default="")
+    args = p.parse_args(argv)
+    device = C.pick_device(args.device)
+    C.configure_cpu_compile(device)
+    out = os.path.abspath(args.out or os.path.join(HERE, "results"))
+    os.makedirs(out, exist_ok=True)
+    results = measure(device, args.rows, {"d": args.d, "mlp": args.mlp}, args.reps)
+    base = C.result_base(out, "producer_casts", device, args.tag)
+    C.write_json(base + ".json", {"env": C.environment(device), "options": vars(args),
+                                  "results": results})
+    text = "\n".join([f"# Row-wise e4m3 casts fused into their producers: "
+                      f"{C.device_name(device)}", "", table(results), ""])
+    C.write_text(base + ".md", text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
