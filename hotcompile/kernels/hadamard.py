@@ -173,7 +173,9 @@ def reciprocal_quotient(v, s, inv_s):
     nearest is symmetric), but v = -0 keeps its sign, as the division does. Written
     t0 + (v - t0 * s) / s, -0 came out +0 (-0 * -s + -0 = +0, then -0 + +0 = +0), and
     nearest e4m3 stored 0x00 where the reference stores 0x80. The negations fold into the
-    FMAs' operands (sm_90 code: the same instruction count, checked offline)."""
+    FMAs' operands (sm_90 code: the same instruction count, checked offline) because v's is
+    written ``v * -1.0``: Triton emits ``-v`` as ``0 - v``, which is not a negation at
+    +0 and stays a FADD of its own (32 more in g's HLA tile)."""
     t0 = v * inv_s
     return tl.math.fma(tl.math.fma(t0, s, v * -1.0), -inv_s, t0)
 
