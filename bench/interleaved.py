@@ -130,8 +130,8 @@ def main(argv=None) -> int:
     os.makedirs(out, exist_ok=True)
     device = C.pick_device(args.device)
     opts = {"device": args.device} if args.device else {}
-    for mode in modes:
-        split_compile_mode(mode, None)      # a bad '@' fails before anything compiles
+    # (name, compile mode) per mode, parsed once: a bad '@' fails before anything compiles
+    parsed = {mode: split_compile_mode(mode, args.compile_mode) for mode in modes}
     C.reset_compile_state()
     # compiled one after the other, the base last, and kept alive together. Why the base
     # last: the first backend called starts Inductor's compile workers, and HOT's start them
@@ -141,7 +141,7 @@ def main(argv=None) -> int:
     # shared by the copies, and guards on the backend): counted, and an error if not.
     runs, first, graphs = {}, {}, {}
     for mode in reversed(modes):
-        name, cmode = split_compile_mode(mode, args.compile_mode)
+        name, cmode = parsed[mode]
         run = T.setup_run(args.model, name, {**opts, **({"compile_mode": cmode} if cmode else {})})
         before, _ = T._counters()
         t = time.perf_counter()
@@ -159,7 +159,7 @@ def main(argv=None) -> int:
         runs[mode] = run
     rows = summarize(modes, interleave([runs[m] for m in modes], args.rounds))
     for row in rows:
-        name, cmode = split_compile_mode(row["mode"], args.compile_mode)
+        name, cmode = parsed[row["mode"]]
         if C.MODE_INFO[C.split_mode(name)[0]][0]:
             row["compile_mode"] = cmode or "default"
         row["first_step_s"] = first[row["mode"]]
