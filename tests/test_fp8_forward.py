@@ -41,6 +41,26 @@ def test_tensorwise_cast_scale_and_grid():
     assert rel <= 2 ** -4 + 1e-6                                     # half an e4m3 step
 
 
+def _scales(n: int = 1 << 16) -> torch.Tensor:
+    """Random positive fp32 scales over every binade a cast can make (its floor 1e-12 / 448
+    to fp32's largest / 448), random mantissas, and the ends themselves."""
+    g = torch.Generator().manual_seed(3)
+    e = torch.randint(-49, 119, (n,), generator=g).float()
+    s = (1 + torch.rand(n, generator=g)) * torch.exp2(e)
+    ends = torch.tensor([F8.AMAX_FLOOR, torch.finfo(torch.float32).max]) * (1 / 448)
+    return torch.cat([s, ends])
+
+
+def test_scale_reciprocal_is_the_correctly_rounded_fp32_reciprocal():
+    """``scale_reciprocal`` (fp64 divide, fp32 round) equals fp32's IEEE reciprocal, eager and
+    compiled by Inductor (on the GPU: ``test_gpu_fp8_forward``)."""
+    s = _scales()
+    want = torch.reciprocal(s)
+    assert torch.equal(F8.scale_reciprocal(s), want)
+    compiled = torch.compile(F8.scale_reciprocal, backend="inductor", fullgraph=True)
+    assert torch.equal(compiled(s), want)
+
+
 def test_tensorwise_cast_zeros_nan_and_layout():
     q, s = F8.e4m3_cast(torch.zeros(16, 16))
     assert torch.equal(q.float(), torch.zeros(16, 16)) and s > 0 and torch.isfinite(s)

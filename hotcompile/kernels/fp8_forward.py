@@ -11,8 +11,9 @@ reference by construction, and the tests compare the two on random data.
 
 Numerics (as torchao's float8 recipes): s = max(amax(|t|), 1e-12) * (1 / 448) over the tensor, or
 over each row (row-wise: each token of x, each output feature of W), q = e4m3(clamp(t * (1 /
-s), -448, 448)) rounded to nearest even; the GEMM computes (q_x q_w^T) * s_x * s_w with fp32
-accumulation. The clamp is needed: torch's
+s), -448, 448)) rounded to nearest even, 1 / s correctly rounded (``scale_reciprocal``: eager,
+compiled and HOT's W kernel give the same levels, bit for bit, on the GPU as on the CPU);
+the GEMM computes (q_x q_w^T) * s_x * s_w with fp32 accumulation. The clamp is needed: torch's
 fp32 -> e4m3fn conversion does not saturate (it gives NaN above 448). NaN in an operand
 makes its amax NaN, so the output is NaN, as a bf16 GEMM's would be somewhere.
 Under bf16 autocast, Inductor fuses autocast's bf16 cast of x (or W) into this one and
@@ -49,6 +50,20 @@ def scale_from_amax(amax):
     return aten.mul.Tensor(aten.clamp_min.default(amax, AMAX_FLOOR), 1.0 / E4M3_MAX)
 
 
+def scale_reciprocal(scale):
+    """1 / scale in fp32, correctly rounded on every device, eager or compiled: divided in
+    fp64 and rounded to fp32 once more. Why not ``aten.reciprocal`` on the fp32 scale: eager
+    CUDA divides IEEE-rounded, but Inductor compiles it to Triton's fp32 ``/``, the GPU's
+    approximate ``div.full.f32`` (up to 2 ulp off), so a compiled cast's level on a rounding
+    boundary could differ from the eager twin's, and from itself where it is fused into
+    another kernel (a producer's, a backward's). Triton's fp64 ``/`` is ``div.rn.f64``, and
+    rounding an IEEE fp64 quotient of fp32 operands to fp32 gives the correctly rounded fp32
+    quotient (53 >= 2 * 24 + 2 bits: double rounding is innocuous for division). One
+    division per scale (a row's, or the tensor's), not per element."""
+    inv64 = aten.reciprocal.default(prims.convert_element_type.default(scale, torch.float64))
+    return prims.convert_element_type.default(inv64, torch.float32)
+
+
 def e4m3_levels(t32, inv):
     """e4m3(clamp(t32 * inv, -448, 448)), ``inv`` the scale's reciprocal (broadcast).
     clamp_min / clamp_max, not clamp: the joint graph is past decomposition, and these two
@@ -81,7 +96,7 @@ def e4m3_cast(t, rowwise: bool = False, contiguous: bool = False, scale_as_row: 
     if amax is None:
         amax = aten.amax.default(aten.abs.default(t32), [1] if rowwise else [0, 1])
     scale = scale_from_amax(amax)
-    inv = aten.reciprocal.default(scale)
+    inv = scale_reciprocal(scale)
     q = e4m3_levels(t32, aten.unsqueeze.default(inv, 1) if rowwise else inv)
     if contiguous:
         q = aten.clone.default(q, memory_format=torch.contiguous_format)

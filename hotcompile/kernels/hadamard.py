@@ -569,9 +569,9 @@ def _store_forward_weight(f_ptr, fs_ptr, fmax_ptr, x, ins, o0, O, I, first,
                           BO: tl.constexpr, ROWWISE: tl.constexpr, INTERPRET: tl.constexpr):
     """The FP8 forward's W operand from the tile x = W[o0:o0+BO, ins] (fp32), bit for bit
     ``fp8_forward.e4m3_cast`` as Inductor compiles it: s = max(amax, 1e-12) * (1 / 448),
-    q = e4m3(clamp(x * (1 / s), +-448)), NaN kept. The reciprocal is Triton's ``/`` (the
-    GPU's approximate ``div.full``, what Inductor emits for ``aten.reciprocal``; exact in
-    the interpreter, as the CPU reference is). amax: W's row maxima (ROWWISE; int32 bits at ``fmax_ptr[o]``) or its
+    q = e4m3(clamp(x * (1 / s), +-448)), NaN kept, 1 / s correctly rounded
+    (``fp8_forward.scale_reciprocal``: Triton's fp32 ``/`` would be the GPU's approximate
+    ``div.full``). amax: W's row maxima (ROWWISE; int32 bits at ``fmax_ptr[o]``) or its
     maximum (``fmax_ptr[0]``). q goes to the row-major (O, I) buffer at ``f_ptr``; the
     programs of the first in-feature block (``first``) store s: per row at ``fs_ptr[o]``,
     or the one scale at ``fs_ptr[0]`` from the program that also holds row 0."""
@@ -581,7 +581,7 @@ def _store_forward_weight(f_ptr, fs_ptr, fmax_ptr, x, ins, o0, O, I, first,
     else:
         amax = tl.load(fmax_ptr).to(tl.float32, bitcast=True)
     s = tl.maximum(amax, E4M3_AMAX_FLOOR, propagate_nan=tl.PropagateNan.ALL) * E4M3_INV_MAX
-    inv = 1.0 / s       # Triton's division, as Inductor compiles e4m3_cast's reciprocal
+    inv = tl.math.div_rn(1.0, s)
     if ROWWISE:
         t = x * inv[:, None]
     else:

@@ -43,7 +43,7 @@ import dataclasses
 
 import torch
 
-from .fp8_forward import e4m3_levels, scale_from_amax
+from .fp8_forward import e4m3_levels, scale_from_amax, scale_reciprocal
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -105,7 +105,7 @@ def compress(t, rows: Rows | None = None):
     rows = rows or Rows.of(t)
     t32 = rows.split(prims.convert_element_type.default(t, torch.float32))
     scale = scale_from_amax(aten.amax.default(aten.abs.default(t32), [-1], True))
-    return rows.join(e4m3_levels(t32, aten.reciprocal.default(scale))), scale
+    return rows.join(e4m3_levels(t32, scale_reciprocal(scale))), scale
 
 
 def _centre(t32, n: int):
@@ -134,7 +134,7 @@ def compress_centred(t, rows: Rows | None = None):
     t32 = rows.split(prims.convert_element_type.default(t, torch.float32))
     mean, amax = _centre(t32, rows.block)
     scale = scale_from_amax(amax)
-    q = e4m3_levels(aten.sub.Tensor(t32, mean), aten.reciprocal.default(scale))
+    q = e4m3_levels(aten.sub.Tensor(t32, mean), scale_reciprocal(scale))
     return rows.join(q), scale, mean
 
 
