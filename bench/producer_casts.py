@@ -4,6 +4,7 @@ makes fc1's g), each alone and with HOT's cast (``kernels.fp8_forward.e4m3_cast`
 FP8 forward's own aten ops).
 
     python bench/producer_casts.py --out $OUT                  # ViT-B/16 bs64's shapes
+    python bench/producer_casts.py --persistent 4096 --code $OUT/code --out $OUT
     python bench/producer_casts.py --device cpu --rows 256 --out /tmp/r
 
 Why: issue 12 asks ViT-B for 1.10x Inductor. On the H200 the FP8 GEMMs save 2.3 ms of its
@@ -22,6 +23,7 @@ Results: ``<out>/producer_casts_<date>_<device>[_tag].{json,md}``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -71,6 +73,32 @@ def variants(producer):
     return {"alone": alone, "with_cast": with_cast, "cast_only": cast_only}
 
 
+@contextlib.contextmanager
+def persistent_reductions(up_to: int):
+    """Compiles in this context make a row reduction of up to ``up_to`` elements (an inner
+    one: rows along the last axis) persistent, one block holding the whole row, where
+    Inductor's own heuristic (``InductorChoices.should_use_persistent_reduction``) stops at
+    1024 and loops over the row instead, which reads the producer's inputs (and recomputes
+    it) once for the maxima and once for the cast. Inductor's FX graph cache is off here:
+    its key does not cover the choices handler."""
+    from torch._inductor.choices import InductorChoices
+    from torch._inductor.runtime.hints import ReductionHint
+    from torch._inductor.virtualized import V
+
+    class Persistent(InductorChoices):
+        @staticmethod
+        def should_use_persistent_reduction(features, cooperative_reduction):
+            if (features.get_reduction_hint() == ReductionHint.INNER
+                    and V.graph.sizevars.statically_known_leq(features.reduction_numel, up_to)):
+                return True
+            return InductorChoices.should_use_persistent_reduction(features,
+                                                                   cooperative_reduction)
+
+    with V.set_choices_handler(Persistent()), \
+            torch._inductor.config.patch(fx_graph_cache=False):
+        yield
+
+
 def bytes_moved(rows: int, width: int, reads: int, variant: str) -> int:
     """The variant's minimal bytes: its bf16 inputs read once, what it returns written once."""
     out = {"alone": 2, "with_cast": 3, "cast_only": 1}[variant]
@@ -108,7 +136,11 @@ def check_cast(fn, args, producer) -> dict:
             "differing_as_unrounded_fp32": float(as_fp32.sum()) / max(1, int(differ.sum()))}
 
 
-def measure(device: torch.device, rows: int, widths: dict, reps: int) -> list:
+def measure(device: torch.device, rows: int, widths: dict, reps: int,
+            persistent: int = 0, code_dir: str | None = None) -> list:
+    """Every producer and variant; with ``persistent`` (a row width), the cast variants
+    once more, compiled with row reductions up to that width persistent (variant names
+    ``+persistent``); with ``code_dir``, each one's Inductor output code written there."""
     gen = torch.Generator(device=device).manual_seed(0)
     time_of = timer(device, reps)
     results = []
@@ -119,14 +151,25 @@ def measure(device: torch.device, rows: int, widths: dict, reps: int) -> list:
         if name == "layernorm":
             args += [torch.randn(width, generator=gen, device=device).bfloat16(),
                      torch.randn(width, generator=gen, device=device).bfloat16()]
-        for vname, fn in variants(producer).items():
+        runs = [(v, fn, contextlib.nullcontext) for v, fn in variants(producer).items()]
+        if persistent:
+            runs += [(v + "+persistent", fn, lambda: persistent_reductions(persistent))
+                     for v, fn in variants(producer).items() if v != "alone"]
+        for vname, fn, context in runs:
             compiled = torch.compile(fn, fullgraph=True)
-            for _ in range(3):            # compiles (and settles its first calls) untimed
-                compiled(*args)
-            check = check_cast(compiled, args, producer) if vname == "with_cast" else {}
+            with context():
+                if code_dir:
+                    from torch._inductor.utils import run_and_get_code
+                    _, code = run_and_get_code(compiled, *args)
+                    os.makedirs(code_dir, exist_ok=True)
+                    C.write_text(os.path.join(code_dir, f"{name}_{vname}.py"),
+                                 "\n\n".join(code))
+                for _ in range(3):        # compiles (and settles its first calls) untimed
+                    compiled(*args)
+            check = check_cast(compiled, args, producer) if vname.startswith("with_cast") else {}
             C.sync(device)
             ms = time_of(lambda: compiled(*args))
-            nbytes = bytes_moved(rows, width, reads, vname)
+            nbytes = bytes_moved(rows, width, reads, vname.split("+")[0])
             src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
             dst = torch.empty_like(src)
             copy_ms = time_of(lambda: dst.copy_(src))      # reads and writes nbytes in all
@@ -161,6 +204,9 @@ def main(argv=None) -> int:
     p.add_argument("--d", type=int, default=768)
     p.add_argument("--mlp", type=int, default=3072)
     p.add_argument("--reps", type=int, default=200, help="ms of replays a timing (GPU)")
+    p.add_argument("--persistent", type=int, default=0, metavar="WIDTH",
+                   help="also compile the casts with row reductions up to WIDTH persistent")
+    p.add_argument("--code", help="write each variant's Inductor output code to this folder")
     p.add_argument("--device", help="cuda / cpu (default: cuda when available)")
     p.add_argument("--out", help="output folder (default bench/results)")
     p.add_argument("--tag", default="")
@@ -169,7 +215,8 @@ def main(argv=None) -> int:
     C.configure_cpu_compile(device)
     out = os.path.abspath(args.out or os.path.join(HERE, "results"))
     os.makedirs(out, exist_ok=True)
-    results = measure(device, args.rows, {"d": args.d, "mlp": args.mlp}, args.reps)
+    results = measure(device, args.rows, {"d": args.d, "mlp": args.mlp}, args.reps,
+                      args.persistent, args.code)
     base = C.result_base(out, "producer_casts", device, args.tag)
     C.write_json(base + ".json", {"env": C.environment(device), "options": vars(args),
                                   "results": results})

@@ -1199,7 +1199,8 @@ def test_producer_casts_compiled_cast_is_the_eager_twin_on_cpu(tmp_path):
     """bench/producer_casts.py on the CPU at small shapes: every producer and variant
     compiles, runs and is timed against a copy of its bytes, and the compiled row-wise cast
     beside the producer's bf16 output equals the eager twin's levels and scales on that
-    output (on the H200 its LayerNorm levels did not: forty-sixth stop)."""
+    output (on the H200 they did not while the compiled reciprocal was Triton's approximate
+    fp32 division: forty-sixth and forty-seventh stops)."""
     P = _load("producer_casts")
     assert P.main(["--device", "cpu", "--rows", "48", "--d", "32", "--mlp", "64",
                    "--out", str(tmp_path)]) == 0
