@@ -1214,3 +1214,47 @@ def test_producer_casts_compiled_cast_is_the_eager_twin_on_cpu(tmp_path):
     for r in rows:
         if r["variant"] == "with_cast":
             assert r["scales_equal"] and r["levels_differ"] == 0.0, r
+
+
+_ONE_PASS_CHECK = r"""
+import sys
+sys.path[:0] = [{bench!r}, {root!r}]
+import torch, torch.nn.functional as F
+import producer_casts as P
+from hotcompile.kernels.fp8_forward import e4m3_cast
+torch.manual_seed(0)
+for name in ("gelu", "gelu_backward"):
+    h = (torch.randn(5, 2500) * 3).bfloat16()      # three 1024-column chunks, a masked tail
+    h[1, 7] = float("nan")
+    args = (h,) if name == "gelu" else ((torch.randn(5, 2500)).bfloat16(), h)
+    want = (F.gelu(h.float()) if name == "gelu"
+            else torch.ops.aten.gelu_backward(args[0].float(), h.float()))
+    for br, warps in P.ONE_PASS_TILES:
+        y, q, s = P.one_pass(name, br, warps)(*args)
+        q_ref, s_ref = e4m3_cast(y, rowwise=True)
+        assert torch.equal(s.isnan(), s_ref.reshape(-1).isnan()) and s[1].isnan()
+        assert torch.equal(s.nan_to_num(), s_ref.reshape(-1).nan_to_num())
+        nan = q_ref.float().isnan()
+        assert torch.equal(q.float().isnan(), nan) and nan[1].all() and not nan[0].any()
+        assert torch.equal(q.view(torch.uint8)[~nan], q_ref.view(torch.uint8)[~nan])
+        # the interpreter's erf is numpy's: within a bf16 step of the fp32 value, plus what
+        # erf + 1 loses to cancellation in fp32 on GELU's negative tail (an ulp of 1, times g)
+        g = args[0].float().abs() if name == "gelu_backward" else 0.0
+        bound = want.abs() * 2 ** -7 + 2 ** -22 * (g + 1)
+        ok = ~want.isnan()
+        assert ((y.float() - want).abs() <= bound)[ok].all(), name
+print("ok")
+"""
+
+
+@pytest.mark.slow
+def test_producer_casts_one_pass_kernel_is_the_twin_under_the_interpreter():
+    """bench/producer_casts.py's one-pass GELU (and GELU-backward) + row-wise cast kernel on
+    Triton's interpreter: its e4m3 levels and scales equal the eager twin's on its own bf16
+    output, NaN rows included, for every tile it times; that output is GELU within a bf16
+    step (on the GPU it equals Inductor's compiled GELU bit for bit: forty-seventh stop)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = _ONE_PASS_CHECK.format(bench=os.path.join(root, "bench"), root=root)
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TRITON_INTERPRET": "1"},
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
