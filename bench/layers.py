@@ -411,12 +411,13 @@ def run_layer(group, name, L, I, O, args, copies):
     if args.explore:
         gm["hla_cublas_fast_acc"] = bench(lambda: G.cublas_fp8_mm(
             qgf, xqf, one, one, torch.bfloat16, fast_accum=True), [()])
-    del qgf, xqf
+    qgf = xqf = None        # freed (the lambdas above read them: not `del`)
     res["gemm_ms"] = gm
     res["gemm_tflops"] = {k: (flops_gx if k.startswith(("hq", "gx")) else
                               2 * O * I * (lr if k.startswith("hla") else L)) / v / 1e9
                           for k, v in gm.items()}
-    del a8, b8, a8f, b8f, qgt, xqt, abc_f, abc_r, sets, fsets, gsets
+    # freed; closures above read some of them, so assigned rather than `del`eted
+    a8 = b8 = a8f = b8f = qgt = xqt = abc_f = abc_r = sets = fsets = gsets = None
     torch.cuda.empty_cache()
     if args.check:
         try:
