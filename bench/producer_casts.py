@@ -267,7 +267,7 @@ def measure(device: torch.device, rows: int, widths: dict, reps: int,
                     from torch._inductor.utils import run_and_get_code
                     _, code = run_and_get_code(compiled, *args)
                     os.makedirs(code_dir, exist_ok=True)
-                    C.write_text(os.path.join(code_dir, f"{name}_{vname}.py"),
+                    C.write_text(os.path.join(code_dir, f"{name}_{vname.replace('+', '_')}.py"),
                                  "\n\n".join(code))
                 for _ in range(3):        # compiles (and settles its first calls) untimed
                     compiled(*args)
