@@ -938,10 +938,11 @@ def test_gpu_hq_full_shape_bit_exact(monkeypatch, I, O, per_token, fmt):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("O", [768, 2304, 3072, 4096, 11008, 12288])
+@pytest.mark.parametrize("O", [768, 2304, 3072, 4096, 10240, 11008, 12288, 16384])
 def test_gpu_hq_token_tiles_bit_exact(O):
-    """The per-token tile rule's picks (one 4096 tile; 512-, 4096-wide chunks with
-    padding) against the reference, 8192 tokens, an outlier row; the row maxima too."""
+    """The per-token tile rule's picks (one 4096 tile; 256- to 2048-wide chunks, with padding
+    at 11008; 4096-wide chunks on 8 warps at 16384) against the reference, 8192 tokens, an
+    outlier row; the row maxima too."""
     torch.manual_seed(O)
     g = _randn(8192, O, dtype=torch.bfloat16, device="cuda")
     g[5] *= 1e4
@@ -1052,42 +1053,78 @@ def _e4m3_of(t_ptr, u_ptr, q_ptr, N: tl.constexpr, STOCHASTIC: tl.constexpr,
 
 
 @triton.jit
-def _quotients_of(v_ptr, t_ptr, q_ptr, s, N: tl.constexpr, INTERPRET: tl.constexpr):
+def _quotients_of(v_ptr, u_ptr, t_ptr, q_ptr, l_ptr, s, N: tl.constexpr,
+                  INTERPRET: tl.constexpr):
     i = tl.arange(0, N)
     v = tl.load(v_ptr + i)
     inv_s = tl.math.div_rn(1.0, s)
-    tl.store(t_ptr + i, H.reciprocal_quotient(v, s, inv_s))
+    tl.store(t_ptr + i, H.scaled_quotient(v, s, inv_s, False, INTERPRET))
     tl.store(q_ptr + i, H.to_e4m3(v, s, inv_s, False, INTERPRET, 0.5, False, True, True))
+    tl.store(l_ptr + i, H.quantize(v, s, inv_s, tl.load(u_ptr + i), 7, False, False, INTERPRET))
+
+
+def _contraction_traps(scale: float, n: int, seed: int) -> tuple:
+    """(v, u): values whose exact product p = v * r (r = 1 / scale, rounded) lies just below
+    -u, within half an ulp of it: p rounds to -u, so the twin's floor(round(p) + u) is
+    level 0, where one FMA (floor(round(p + u)): a tiny negative sum) gives -1. (Only level
+    0 can be trapped: at a level k < 0 the spacing at k - u is no coarser than k's own, and
+    for k > 0 it is finer, so a sum that the product's rounding pushed over k is rounded
+    over it again.)"""
+    r = torch.tensor(1.0 / scale, dtype=torch.float64).float().double()
+    g = torch.Generator().manual_seed(seed)
+    vs, us = [], []
+    while len(vs) < n:
+        u = (int(torch.randint(0, 256, (1,), generator=g)) + 0.5) / 256
+        t = torch.tensor(-u, dtype=torch.float64)
+        beyond = torch.nextafter(t.float(), torch.tensor(-1.0)).double()  # -u's outer neighbour
+        v = (t / r).float()
+        for cand in (v, torch.nextafter(v, torch.tensor(0.0)), torch.nextafter(v, torch.tensor(-9.0))):
+            p = cand.double() * r                                      # exact: 24 x 24 bits
+            if t - (t - beyond) / 2 < p < t:
+                vs.append(float(cand))
+                us.append(u)
+                break
+    return torch.tensor(vs), torch.tensor(us)
 
 
 @pytest.mark.parametrize("scale", [0.125, 0.3711])
-def test_reciprocal_quotient_keeps_the_sign_of_zero(scale):
-    """The reciprocal's quotient (``hadamard.reciprocal_quotient``: v * (1/s) and one
-    Markstein correction) is v / s, -0 included, and nearest e4m3 on that path stores -0 as
-    0x80, as the reference does (it stored 0x00 before the forty-sixth stop). Runs under the
-    interpreter (CPU) and compiled (GPU); a scale that is not a power of two only on the GPU,
-    whose FMA is fused (the interpreter rounds the product, so its quotient may be 1 ulp off)."""
+def test_scaled_quotient_is_the_twins_product(scale):
+    """``hadamard.scaled_quotient`` is ``reference.scaled``: v times the correctly rounded
+    1 / s, rounded once, -0 kept; nearest e4m3 on that path stores -0 as 0x80 (as the
+    reference does); and the level floor(t + u) rounds t before adding u, as the twin does.
+    The last half is the trap for an FMA: Triton contracts ``v * r + u`` into one unless the
+    product is ``mul.rn`` (``hadamard.mul_rn``); on values whose product lies just under an
+    integer minus u, the contracted level is one lower (checked: with ``v * inv_s`` in
+    place of ``mul_rn``, 64 of 64 levels differ on the GPU). Runs under the interpreter
+    (CPU) and compiled (GPU)."""
     on_gpu = torch.cuda.is_available()
     if not on_gpu and not _INTERPRETED:
         pytest.skip("interpreter tests: see test_interpreter_suite_in_subprocess")
-    if not on_gpu and scale != 0.125:
-        pytest.skip("the reciprocal's correction needs a fused FMA: GPU only")
     dev = "cuda" if on_gpu else "cpu"
     torch.manual_seed(46)
     v = torch.cat([torch.tensor([0.0, -0.0, 0.0, -0.0, 1e-30, -1e-30]),
-                   _randn(58) * torch.exp(4 * torch.randn(58))]).to(dev)
+                   _randn(58) * torch.exp(4 * torch.randn(58))])
+    traps = scale != 0.125      # a power-of-two scale: every product exact, nothing to trap
+    trap_v, trap_u = _contraction_traps(scale, 64, 48) if traps else (_randn(64), torch.rand(64))
+    v = torch.cat([v, trap_v]).to(dev)
+    u = torch.cat([torch.full((64,), 0.5), trap_u]).to(dev)
     t = torch.full_like(v, float("nan"))
-    q = torch.full((64,), 0x7F, dtype=torch.uint8, device=dev).view(torch.float8_e4m3fn)
-    _quotients_of[(1,)](v, t, q, scale, 64, not on_gpu)
-    # elementwise fp32 division on the CPU: IEEE v / s (CUDA's tensor / Python scalar
-    # multiplies by a reciprocal instead)
-    exact = v.cpu() / torch.full((64,), scale)
+    q = torch.full((128,), 0x7F, dtype=torch.uint8, device=dev).view(torch.float8_e4m3fn)
+    lv = torch.full_like(v, float("nan"))
+    _quotients_of[(1,)](v, u, t, q, lv, scale, 128, not on_gpu)
+    exact = R.scaled(v.cpu()[None, :], torch.tensor(scale))[0]
     assert torch.equal(t.cpu().view(torch.int32), exact.view(torch.int32))
     assert torch.signbit(t[:2]).tolist() == [False, True]
-    qr, _ = R.quantize_e4m3(v[None, :].cpu(), per_row=False, stochastic=False,
+    qr, _ = R.quantize_e4m3(v[None, :64].cpu(), per_row=False, stochastic=False,
                             scale=torch.tensor(scale))
-    assert torch.equal(q.view(torch.uint8).cpu(), qr.view(torch.uint8).reshape(-1))
+    assert torch.equal(q[:64].view(torch.uint8).cpu(), qr.view(torch.uint8).reshape(-1))
     assert q.view(torch.uint8)[:6].tolist() == [0x00, 0x80, 0x00, 0x80, 0x00, 0x80]
+    levels = torch.floor(exact + u.cpu())
+    assert torch.equal(lv[64:].cpu(), levels[64:])
+    if traps:       # they do catch a contraction: one rounding of v * r + u is level -1
+        r = (1.0 / torch.tensor(scale).double()).float().double()
+        fused = torch.floor((v.cpu()[64:].double() * r + u.cpu()[64:].double()).float())
+        assert (fused == levels[64:] - 1).all()
 
 
 @pytest.mark.gpu
@@ -1096,7 +1133,7 @@ def test_gpu_e4m3_saturates_past_448_like_the_clamp():
     """``to_e4m3(FINITE=True, CLAMP=False)`` on the GPU leaves out the clamp to +-448 (the
     conversion saturates): values at, just past and well past +-448 give the clamped path's
     bytes, nearest and stochastic at uniforms across [0, 1), and the reference's; -0 too
-    (``hadamard.reciprocal_quotient`` keeps its sign)."""
+    (``hadamard.scaled_quotient`` keeps its sign)."""
     base = torch.tensor([448.0, 447.99997, 460.0, 464.0, 470.0, 479.0, 500.0, 511.0, 4096.0,
                          1.0, 3.0e-3, 255.9, 448.00003, 448.0001])
     t = torch.cat([base, -base, torch.tensor([0.0, -0.0])]).repeat(8).cuda()

@@ -13,8 +13,9 @@ Numerics are the contract of ``reference.py``, bit for bit:
   performs (so the transformed values are identical, not merely close).
 * ``philox_uniform8``: one ``tl.randint4x`` call (``reference.PHILOX_ROUNDS`` rounds)
   per 16 elements with the counter and byte map of ``reference.uniform8``.
-* ``quantize``: ``clamp(floor(v / s + u), -Q, Q)`` with an IEEE-rounded quotient and NaN
-  mapped to level 0, as ``reference.quantize`` does.
+* ``quantize``: ``clamp(floor(t + u), -Q, Q)``, t = v over its scale as
+  ``reference.scaled`` defines it (``scaled_quotient``), NaN mapped to level 0, as
+  ``reference.quantize`` does.
 
 The building blocks (``fwht16_lastdim``, ``philox_uniform8``, ``quantize``, ...) are
 shared with ``hla.py``, which applies the same transform along the token axis.
@@ -165,39 +166,56 @@ def counter_uniforms(seed, counter):
 
 
 @triton.jit
-def reciprocal_quotient(v, s, inv_s):
-    """v / s, correctly rounded, from the scale's correctly rounded reciprocal: t0 = v * (1/s)
-    and one Markstein correction, both FMAs (``quantize`` says when it holds).
-
-    The residual is taken negated, t0 * s - v, and subtracted: the same value (round to
-    nearest is symmetric), but v = -0 keeps its sign, as the division does. Written
-    t0 + (v - t0 * s) / s, -0 came out +0 (-0 * -s + -0 = +0, then -0 + +0 = +0), and
-    nearest e4m3 stored 0x00 where the reference stores 0x80. The negations fold into the
-    FMAs' operands (sm_90 code: the same instruction count, checked offline) because v's is
-    written ``v * -1.0``: Triton emits ``-v`` as ``0 - v``, which is not a negation at
-    +0 and stays a FADD of its own (32 more in g's HLA tile)."""
-    t0 = v * inv_s
-    return tl.math.fma(tl.math.fma(t0, s, v * -1.0), -inv_s, t0)
+def mul_rn(a, b):
+    """a * b rounded once to fp32 (PTX ``mul.rn.f32``). Why not ``a * b``: Triton contracts a
+    product and the sum that follows it into one FMA (one rounding instead of two), so
+    ``floor(v * r + u)`` would not be the twin's two roundings. ``.rn`` forbids the
+    contraction; libdevice's ``mul_rn`` would also flush subnormals (``.ftz``). GPU only:
+    the interpreter runs numpy, which never contracts (``scaled_quotient``)."""
+    return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b],
+                                     dtype=tl.float32, is_pure=True, pack=1)
 
 
 @triton.jit
-def quantize(v, s, inv_s, u, Q: tl.constexpr, IEEE_DIV, AS_INT: tl.constexpr):
-    """Levels clamp(floor(v / s + u), -Q, Q) with NaN -> 0, as int32 (AS_INT) or fp32.
-    ``IEEE_DIV``: a constexpr, or a run-time flag (``ieee_quotients``): then both quotients
-    are compiled as one branch around the division alone, not two copies of the caller.
+def scaled_quotient(v, s, inv_s, IEEE_DIV, INTERPRET: tl.constexpr):
+    """v over its scale s, as ``reference.scaled`` defines it: v * r rounded once, r = 1 / s
+    correctly rounded (``inv_s``: ``div_rn``), where r is finite and non-zero, and the IEEE
+    quotient v / s where it is not (s under ~2.9e-39, where r overflows; an inf or NaN s).
 
-    ``v / s`` must be the IEEE-rounded quotient or a level can flip at a rounding boundary.
-    A per-element ``div.rn`` costs a MUFU op and a slow-path check, so on the GPU the
-    quotient comes from the row's reciprocal with one Markstein correction,
-    t = v * (1/s); t += (v - t * s) * (1/s), both steps FMAs: correctly rounded whenever
-    1/s is correctly rounded and finite (callers take IEEE_DIV when it is not, and under
-    the interpreter, which has no fused FMA). Integer levels come from ``cvt.rmi`` (floor
-    and convert in one instruction).
+    One multiply an element. Until the forty-eighth stop the contract was v / s correctly
+    rounded, computed as v * r plus one Markstein correction (two more FMAs an element,
+    in kernels bound by instruction issue). The two differ by at most one fp32 ulp of t,
+    and a level only where t + u sits within that ulp of an integer (probability ~2**-21
+    an element), far below the rounding's own noise; -0 stays -0 (-0 * r).
 
-    The clamp is a no-op for Q < 64: |v| <= amax = Q * s up to two roundings of 2**-24,
-    so |v / s| <= Q (1 + 2**-23), and u lies in [2**-9, 1 - 2**-9] (or is 0.5), hence
-    -Q <= floor(v / s + u) <= Q whenever Q * 2**-23 < 2**-9. It is skipped there (two
-    instructions per element); 8-bit levels (Q = 127) keep it.
+    ``IEEE_DIV``: some scale of the program has no usable reciprocal (``ieee_quotients``,
+    a run-time flag or a constexpr); each element then picks by its own scale's, so the
+    levels do not depend on which rows share a program."""
+    if INTERPRET:
+        t = tl.where((inv_s < float("inf")) & (inv_s > 0.0), v * inv_s, tl.math.div_rn(v, s))
+    else:
+        if IEEE_DIV:
+            t = tl.where((inv_s < float("inf")) & (inv_s > 0.0), mul_rn(v, inv_s),
+                         tl.math.div_rn(v, s))
+        else:
+            t = mul_rn(v, inv_s)
+    return t
+
+
+@triton.jit
+def quantize(v, s, inv_s, u, Q: tl.constexpr, IEEE_DIV, AS_INT: tl.constexpr,
+             INTERPRET: tl.constexpr = False):
+    """Levels clamp(floor(t + u), -Q, Q) with NaN -> 0, t = v over s (``scaled_quotient``), as
+    int32 (AS_INT) or fp32. ``IEEE_DIV``: a constexpr, or a run-time flag
+    (``ieee_quotients``): then both paths are compiled as one branch around the quotient
+    alone, not two copies of the caller. Integer levels come from ``cvt.rmi`` (floor and
+    convert in one instruction).
+
+    The clamp is a no-op for Q < 64 on the reciprocal's path: |v| <= amax = Q * s up to two
+    roundings of 2**-24, r = 1 / s and the product one more each, so |t| <= Q (1 + 2**-22),
+    and u lies in [2**-9, 1 - 2**-9] (or is 0.5), hence -Q <= floor(t + u) <= Q whenever
+    Q * 2**-22 < 2**-9. It is skipped there (two instructions per element); 8-bit levels
+    (Q = 127) keep it.
 
     The IEEE path clamps before adding u: its scales are subnormal (or 0), too coarse for
     that bound (an fp32 row [10 * 2**-149, 0, ..] has s = 2**-149 at 4 bits, v / s = 10).
@@ -212,10 +230,10 @@ def quantize(v, s, inv_s, u, Q: tl.constexpr, IEEE_DIV, AS_INT: tl.constexpr):
         # clamped here: a subnormal s (this path's reason) has lost the precision the bound
         # below rests on, and a zero one gives inf; NaN -> level 0 (floor(0 + u) = 0, u < 1);
         # clamp(floor(t + u)) = floor(clamp(t) + u) for integer bounds and u in [0, 1)
-        t = tl.math.div_rn(v, s)
+        t = scaled_quotient(v, s, inv_s, True, INTERPRET)
         t = tl.where(t == t, tl.clamp(t, -Q * 1.0, Q * 1.0), 0.0)
     else:
-        t = reciprocal_quotient(v, s, inv_s)
+        t = scaled_quotient(v, s, inv_s, False, INTERPRET)
     t = t + u
     if Q >= 64:
         t = tl.clamp(t, -Q * 1.0, Q * 1.0)
@@ -230,8 +248,8 @@ def quantize(v, s, inv_s, u, Q: tl.constexpr, IEEE_DIV, AS_INT: tl.constexpr):
 def to_e4m3(v, s, inv_s, IEEE_DIV, INTERPRET: tl.constexpr, u=0.0,
             STOCHASTIC: tl.constexpr = False, FINITE: tl.constexpr = False,
             CLAMP: tl.constexpr = True):
-    """Scaled FP8 (reference.quantize_e4m3): v / s (IEEE-rounded, as in ``quantize``)
-    clamped to +-448, NaN -> 0, rounded to the nearest e4m3 (ties to even), or with
+    """Scaled FP8 (reference.quantize_e4m3): v over s (``scaled_quotient``) clamped to
+    +-448, NaN -> 0, rounded to the nearest e4m3 (ties to even), or with
     STOCHASTIC to a neighbour on the e4m3 grid: floor(t / step + u) * step, step the
     spacing of t's binade read from its exponent bits (exact powers of two, so the
     multiply by 1 / step is exact and the sum with u rounds as the reference's does).
@@ -254,11 +272,11 @@ def to_e4m3(v, s, inv_s, IEEE_DIV, INTERPRET: tl.constexpr, u=0.0,
     instruction an element; ptxas gave the HLA kernel's 2-channel tile 229 registers
     without it instead of 168, so only the word-pair tile takes it). ``IEEE_DIV`` as in ``quantize``."""
     if IEEE_DIV:
-        t = tl.math.div_rn(v, s)
+        t = scaled_quotient(v, s, inv_s, True, INTERPRET)
         t = tl.clamp(t, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
         t = tl.where(t == t, t, 0.0)
     else:
-        t = reciprocal_quotient(v, s, inv_s)
+        t = scaled_quotient(v, s, inv_s, False, INTERPRET)
         if FINITE:
             if CLAMP or INTERPRET:
                 t = tl.clamp(t, -448.0, 448.0)
@@ -296,7 +314,7 @@ def e4m3_from_clamped(t, INTERPRET: tl.constexpr, u=0.0, STOCHASTIC: tl.constexp
 @triton.jit
 def reciprocal_is_finite(inv_s):
     """Whether every reciprocal of a program's scales (one, or a tensor of them) is finite and
-    non-zero, a scalar condition. Markstein's correction needs it finite, and a scale under
+    non-zero, a scalar condition. The quotient v * r needs it finite, and a scale under
     ~2.9e-39 (1 / FLT_MAX: the maxima of subnormals) has an infinite one; a zero row's scale
     is 1. Non-zero excludes an infinite scale (a row holding an inf), and a NaN fails both
     tests (a max would skip it): where it holds, every quotient is finite (``quantize``)."""
@@ -366,7 +384,8 @@ def _quantize_store_rows(q_ptr, v, s, inv_s, seed, rows, col0, L, O_pad, ldq, gr
         tl.store(ptrs, to_e4m3(v, s, inv_s, IEEE_DIV or INTERPRET, INTERPRET, u, STOCHASTIC),
                  mask=mask)
     else:
-        q = quantize(v, s, inv_s, u, Q, IEEE_DIV or INTERPRET, not (INTERPRET or FP8))
+        q = quantize(v, s, inv_s, u, Q, IEEE_DIV or INTERPRET, not (INTERPRET or FP8),
+                     INTERPRET)
         store_levels(ptrs, q, mask, FP8)
 
 
@@ -981,8 +1000,10 @@ def token_tile(O_pad: int, interp: bool) -> tuple[int, int, int, int]:
     A power-of-two row up to 4096 (``HOT_HQ_TOKEN_TILE`` caps it) is one chunk; any other
     row is cut into the widest power-of-two chunks that pad it by at most 1/8. Up to
     ``HELD_CHUNKS`` chunks are held in registers (CHUNKS = their count: one read, one
-    transform); a wider row takes two sweeps (CHUNKS = 0). BR = 2048 / BC rows (1 to 8);
-    4 warps, 8 for a single row of more than 8192 values. The interpreter keeps small
+    transform); a wider row takes two sweeps (CHUNKS = 0). A row of three or more 4096-wide
+    chunks is held as 2048-wide ones where they fit (same padding, at most ``HELD_CHUNKS``).
+    BR = 2048 / BC rows (1 to 8); 4 warps, 8 for 4096-wide chunks of a row of more than
+    8192 values. The interpreter keeps small
     tiles (at most 1024 columns, 256 elements per row set, least padding): its cost is per
     operation, and the levels do not depend on the tile (Philox counters follow the
     element).
@@ -991,7 +1012,10 @@ def token_tile(O_pad: int, interp: bool) -> tuple[int, int, int, int]:
     two sweeps before it, ms: 768 as 3 x 256 (8 rows) 0.0094 vs 0.0126 as one 1024 tile;
     2304 as 5 x 512 (4 rows) 0.0245 vs 0.0356; 3072 as 3 x 1024 0.0285 vs 0.0400; 11008 as
     3 x 4096 on 8 warps 0.106 vs 0.135; 16384 0.136 vs 0.178. Held on 4 warps instead,
-    11008 took 0.140; 2304 with 2 rows a program 0.060. Earlier (H100, two sweeps only):
+    11008 took 0.140; 2304 with 2 rows a program 0.060. Forty-eighth stop
+    (kernel_ab_2026-11-30T200846): 11008 as 6 x 2048 on 4 warps 0.0931 vs 3 x 4096 on 8
+    warps 0.1016 (on 8 warps 0.278), 12288 0.0964 vs 0.1050; 16384 (8 such chunks, more
+    than are held) keeps 4 x 4096 on 8 warps (0.130). Earlier (H100, two sweeps only):
     4 warps never slower than 8 there, and wide chunks beat the least-padded narrow ones
     even with some padding. ``HOT_HQ_TOKEN_FORCE="BC,BR,WARPS[,CHUNKS]"`` sets the tile
     (tuning and tests; CHUNKS defaults to 1 when BC >= O_pad, else 0)."""
@@ -1015,9 +1039,12 @@ def token_tile(O_pad: int, interp: bool) -> tuple[int, int, int, int]:
         while bc > 16 and -(-O_pad // bc) * bc - O_pad > O_pad / 8:
             bc //= 2
     chunks = -(-O_pad // bc)
+    half = -(-O_pad // (bc // 2))
+    if bc == 4096 and chunks > 2 and half <= HELD_CHUNKS and half * bc // 2 == chunks * bc:
+        bc, chunks = bc // 2, half     # held as twice the 2048-wide chunks, on 4 warps
     chunks = chunks if chunks <= HELD_CHUNKS else 0
     br = max(1, min(8, 2048 // bc))
-    return bc, chunks, br, 8 if br == 1 and chunks * bc > 8192 else 4
+    return bc, chunks, br, 8 if br == 1 and bc >= 4096 and chunks * bc > 8192 else 4
 
 
 def input_amax_bits(x: torch.Tensor, dim=None):

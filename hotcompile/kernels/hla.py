@@ -287,12 +287,13 @@ def _quantize_store_tile(q_ptr, v, s, inv_s, seed, blk0, col0, n_blk, C, ldq, gr
 @triton.jit
 def _levels(v, s, inv_s, u, Q: tl.constexpr, STOCHASTIC: tl.constexpr, INTERPRET: tl.constexpr,
             IEEE_DIV, E4M3: tl.constexpr, CLAMP: tl.constexpr = True):
-    """v / s as scaled e4m3 (``to_e4m3``) or int8 levels (``quantize``), rounding by u."""
+    """v over s as scaled e4m3 (``to_e4m3``) or int8 levels (``quantize``), rounding by u."""
     if E4M3:
         return to_e4m3(v, s, inv_s, IEEE_DIV or INTERPRET, INTERPRET, u, STOCHASTIC, FINITE=True,
                        CLAMP=CLAMP)
     else:
-        return quantize(v, s, inv_s, u, Q, IEEE_DIV or INTERPRET, not INTERPRET).to(tl.int8)
+        return quantize(v, s, inv_s, u, Q, IEEE_DIV or INTERPRET, not INTERPRET,
+                        INTERPRET).to(tl.int8)
 
 
 @triton.jit

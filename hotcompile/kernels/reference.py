@@ -25,8 +25,9 @@ implementation must meet:
   2026-11-26).
 * Quantization to ``Q = 2**(bits-1) - 1`` symmetric levels (4 bits: -7..7,
   8 bits: -127..127), absmax scale ``s = amax / Q`` per row or per tensor,
-  ``s = 1`` where ``amax == 0``; stochastic rounding ``floor(v / s + u)``,
-  nearest rounding ``floor(v / s + 0.5)``; clamp to ``[-Q, Q]``. A non-finite
+  ``s = 1`` where ``amax == 0``; stochastic rounding ``floor(t + u)``,
+  nearest rounding ``floor(t + 0.5)``, t = v over s as ``scaled`` defines it (v times
+  the correctly rounded 1 / s, one rounding); clamp to ``[-Q, Q]``. A non-finite
   amax makes the scale non-finite, so non-finite inputs give non-finite
   outputs (never a silently finite gradient).
 * Scaled e4m3 (the cuBLAS FP8 paths): the value over its scale, rounded onto the e4m3
@@ -257,17 +258,34 @@ def absmax_scale(v: torch.Tensor, bits: int, per_row: bool, q: float | None = No
     return torch.where(amax == 0, torch.ones_like(s), s)
 
 
+def scaled(v: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """v (fp32, 2-D) over its scale s (fp32: (R,) per row, or 0-d): v * r rounded once, r =
+    1 / s correctly rounded to fp32, where r is finite and non-zero; v / s (IEEE) where it
+    is not (s under ~2.9e-39, where r overflows; an inf or NaN s).
+
+    Why a product and not the quotient v / s: every kernel computes it this way, one
+    multiply an element (``hadamard.scaled_quotient``), where the correctly rounded quotient
+    cost two more FMAs (a Markstein correction) in kernels bound by instruction issue. The
+    two differ by at most one ulp of fp32, which moves a level only where t + u lies within
+    that ulp of an integer: ~2**-21 of elements, far below the rounding's own noise
+    (forty-eighth stop). r is divided in fp64 and rounded to fp32, which is the correctly
+    rounded fp32 reciprocal on every device (``fp8_forward.scale_reciprocal``)."""
+    s = s[:, None] if s.dim() == 1 else s
+    r = (1.0 / s.double()).float()
+    return torch.where(torch.isfinite(r) & (r > 0), v * r, v / s)
+
+
 def quantize(v: torch.Tensor, bits: int, per_row: bool, stochastic: bool, seed=0,
              scale: torch.Tensor | None = None):
     """Symmetric quantization of a 2-D tensor: returns (int8 levels, fp32 scale)."""
     v = v.float()
     s = absmax_scale(v, bits, per_row) if scale is None else scale.float()
-    scaled = v / (s[:, None] if s.dim() == 1 else s)
+    scaled_v = scaled(v, s)
     if stochastic:
         noise = uniform8(seed, v.shape[0], v.shape[1], device=v.device)
     else:
-        noise = torch.full_like(scaled, 0.5)
-    q = torch.floor(scaled + noise).clamp_(-qmax(bits), qmax(bits))
+        noise = torch.full_like(scaled_v, 0.5)
+    q = torch.floor(scaled_v + noise).clamp_(-qmax(bits), qmax(bits))
     return torch.nan_to_num(q, nan=0.0).to(torch.int8), s
 
 
@@ -334,7 +352,7 @@ def block_sum_bound(m: torch.Tensor, block: int = 16, seq_len: int = 0,
 
 def quantize_e4m3(v: torch.Tensor, per_row: bool, stochastic: bool = False, seed=0,
                   u: torch.Tensor | None = None, scale: torch.Tensor | None = None):
-    """Scaled FP8: (v / s rounded to an e4m3 value, fp32 scale s = amax / 448, or the
+    """Scaled FP8: (v over s (``scaled``) rounded to an e4m3 value, fp32 scale s = amax / 448, or the
     given ``scale``, which must bound |v| / 448: ``e4m3_bound_scale``).
 
     The 8-bit operand format of cuBLAS's FP8 GEMM: 3 mantissa bits, so a relative step of
@@ -344,7 +362,7 @@ def quantize_e4m3(v: torch.Tensor, per_row: bool, stochastic: bool = False, seed
     quotient's last-bit overshoot.
 
     Rounding: to the nearest e4m3 (ties to even), or with ``stochastic`` to one of the two
-    e4m3 neighbours of t = v / s, the upper one with probability equal to t's distance from
+    e4m3 neighbours of t = ``scaled(v, s)``, the upper one with probability equal to t's distance from
     the lower in units of their spacing (unbiased, like ``quantize``'s levels): with
     step = 2**(max(floor(log2 |t|), -6) - 3) the spacing of t's binade (the subnormal step
     2**-9 below 2**-6), the result is floor(t / step + u) * step with u from ``uniform8``
@@ -355,7 +373,7 @@ def quantize_e4m3(v: torch.Tensor, per_row: bool, stochastic: bool = False, seed
     """
     v = v.float()
     s = absmax_scale(v, 8, per_row, q=E4M3_MAX) if scale is None else scale.float()
-    t = (v / (s[:, None] if s.dim() == 1 else s)).clamp(-E4M3_MAX, E4M3_MAX)
+    t = scaled(v, s).clamp(-E4M3_MAX, E4M3_MAX)
     t = torch.nan_to_num(t, nan=0.0)
     if stochastic:
         binade = (torch.frexp(t).exponent - 1).clamp_(min=-6)   # floor(log2 |t|), 0 -> -1
