@@ -190,20 +190,23 @@ def scaled_quotient(v, s, inv_s, IEEE_DIV, INTERPRET: tl.constexpr):
 
     ``IEEE_DIV``: some scale of the program has no usable reciprocal (``ieee_quotients``,
     a run-time flag or a constexpr); each element then picks by its own scale's, so the
-    levels do not depend on which rows share a program. A program of one scale (a 0-d
-    ``inv_s``) divides there: that scale is the one without a reciprocal, and the branch
-    stays as small as before (the int8 HLA tile, at 255 registers, spilled 712 bytes a
-    thread instead of 176 with the select in it, and ran 26% slower at 11008 channels:
-    kernel_ab_2026-11-30T200050)."""
+    levels do not depend on which rows share a program. Why not a select between the two
+    quotients: both would be live at once, and this branch, however rare, sets the whole
+    kernel's registers (the int8 HLA tile, at 255, spilled 712 bytes a thread instead of
+    176 and ran 26% slower at 11008 channels; the per-token HQ tile took 91 registers
+    instead of 72: kernel_ab_2026-11-30T200050, offline sm_90a). So a program of one scale
+    (a 0-d ``inv_s``) divides (that scale is the one without a reciprocal), and per-row
+    scales take one path, (v * r') / s' with r' = r, s' = 1 where r is usable and r' = 1,
+    s' = s where it is not: each exact where it is the identity."""
     if INTERPRET:
         t = tl.where((inv_s < float("inf")) & (inv_s > 0.0), v * inv_s, tl.math.div_rn(v, s))
     else:
         if IEEE_DIV:
             if len(inv_s.shape) == 0:      # one scale, and it has no usable reciprocal
                 t = tl.math.div_rn(v, s)
-            else:
-                t = tl.where((inv_s < float("inf")) & (inv_s > 0.0), mul_rn(v, inv_s),
-                             tl.math.div_rn(v, s))
+            else:   # per scale: (v * r) / 1 where r is usable, (v * 1) / s where it is not
+                ok = (inv_s < float("inf")) & (inv_s > 0.0)
+                t = tl.math.div_rn(mul_rn(v, tl.where(ok, inv_s, 1.0)), tl.where(ok, 1.0, s))
         else:
             t = mul_rn(v, inv_s)
     return t
