@@ -101,12 +101,31 @@ def current(name: str):
     raise LookupError(f"no kernel {name} in hotcompile.kernels")
 
 
+# constexprs renamed since the checked-in output codes were generated: kernel -> {old name:
+# (new name, the new value of an old one)}. The per-token kernel's ONE_TILE (the row is one
+# tile, held) became CHUNKS (how many chunks are held; 0: two sweeps) at the 42nd stop.
+RENAMED = {"_hq_token_kernel": {"ONE_TILE": ("CHUNKS", int)}}
+
+
+def _renamed(name: str, meta: dict) -> dict:
+    """``meta`` with the constexprs ``RENAMED`` lists under their new names and values (the
+    signature's order kept: the hints are keyed by position)."""
+    renames = RENAMED.get(name, {})
+    if not any(k in meta["signature"] for k in renames):
+        return meta
+    signature = {renames.get(k, (k,))[0]: v for k, v in meta["signature"].items()}
+    constants = {(renames[k][0] if k in renames else k): (renames[k][1](v) if k in renames else v)
+                 for k, v in meta["constants"].items()}
+    return dict(meta, signature=signature, constants=constants)
+
+
 def with_new_constexprs(name: str, fn, meta: dict) -> dict:
     """The code's launch metadata for this tree's kernel ``fn``: its parameters must be the
     code's, in order (the hints, ``attrs``, are keyed by position: a reordered kernel would
-    get them on the wrong arguments without an error), plus any trailing constexprs added
-    since the code was generated, which compile at their defaults (``--set`` another
-    value)."""
+    get them on the wrong arguments without an error), after the renames of ``RENAMED``,
+    plus any trailing constexprs added since the code was generated, which compile at their
+    defaults (``--set`` another value)."""
+    meta = _renamed(name, meta)
     code, tree = list(meta["signature"]), list(fn.arg_names)
     added = fn.params[len(code):]
     if tree[:len(code)] != code or not all(p.is_constexpr and p.has_default for p in added):

@@ -481,6 +481,13 @@ def test_kernel_compile_times_each_hot_kernel_of_an_output_code():
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "3 kernels," in out.stdout, out.stdout
     assert out.stdout.count(" 0 layout conversions, 0 barriers") == 3, out.stdout
+    # --current across a renamed constexpr (the per-token kernel's ONE_TILE, now CHUNKS:
+    # kernel_compile.RENAMED); it stopped with "parameters differ" before
+    out = subprocess.run([sys.executable, os.path.join(BENCH, "kernel_compile.py"), path,
+                          "--only", "_hq", "--current"], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "2 kernels," in out.stdout, out.stdout
     # --set: another constexpr value; a name the kernel does not have is an error naming it
     out = subprocess.run([sys.executable, os.path.join(BENCH, "kernel_compile.py"), path,
                           "--only", "_block", "--set", "NOPE=1"], cwd=REPO, env=env,
