@@ -1093,10 +1093,10 @@ def test_scaled_quotient_is_the_twins_product(scale):
     1 / s, rounded once, -0 kept; nearest e4m3 on that path stores -0 as 0x80 (as the
     reference does); and the level floor(t + u) rounds t before adding u, as the twin does.
     The last half is the trap for an FMA: Triton contracts ``v * r + u`` into one unless the
-    product is ``mul.rn`` (``hadamard.mul_rn``); on values whose product lies just under an
-    integer minus u, the contracted level is one lower (checked: with ``v * inv_s`` in
-    place of ``mul_rn``, 64 of 64 levels differ on the GPU). Runs under the interpreter
-    (CPU) and compiled (GPU)."""
+    product is ``mul.rn`` (``hadamard.mul_rn``); on values whose product lies just under
+    -u, the contracted level is one lower (-1 for 0), which the test asserts of its traps
+    by computing the fused value on the CPU. Not checked: that the GPU kernel with a plain
+    ``v * inv_s`` fails it. Runs under the interpreter (CPU) and compiled (GPU)."""
     on_gpu = torch.cuda.is_available()
     if not on_gpu and not _INTERPRETED:
         pytest.skip("interpreter tests: see test_interpreter_suite_in_subprocess")

@@ -184,9 +184,11 @@ def scaled_quotient(v, s, inv_s, IEEE_DIV, INTERPRET: tl.constexpr):
 
     One multiply an element. Until the forty-eighth stop the contract was v / s correctly
     rounded, computed as v * r plus one Markstein correction (two more FMAs an element,
-    in kernels bound by instruction issue). The two differ by at most one fp32 ulp of t,
-    and a level only where t + u sits within that ulp of an integer (probability ~2**-21
-    an element), far below the rounding's own noise; -0 stays -0 (-0 * r).
+    in kernels bound by instruction issue). The two differ by at most one fp32 ulp of t:
+    a stochastic level moves only where t + u sits within that ulp of an integer (0 to
+    6e-7 of levels measured), a nearest one also where the exact quotient is an e4m3 tie
+    (up to 3.4e-4 on bf16 inputs with a power-of-two maximum), one step each, far below
+    the rounding's own noise; -0 stays -0 (-0 * r).
 
     ``IEEE_DIV``: some scale of the program has no usable reciprocal (``ieee_quotients``,
     a run-time flag or a constexpr); each element then picks by its own scale's, so the

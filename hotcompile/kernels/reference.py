@@ -266,9 +266,10 @@ def scaled(v: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     Why a product and not the quotient v / s: every kernel computes it this way, one
     multiply an element (``hadamard.scaled_quotient``), where the correctly rounded quotient
     cost two more FMAs (a Markstein correction) in kernels bound by instruction issue. The
-    two differ by at most one ulp of fp32, which moves a level only where t + u lies within
-    that ulp of an integer: ~2**-21 of elements, far below the rounding's own noise
-    (forty-eighth stop). r is divided in fp64 and rounded to fp32, which is the correctly
+    two differ by at most one ulp of fp32, which moves a stochastic level only where t + u
+    lies within that ulp of an integer (0 to 6e-7 of levels), a nearest one also at an exact
+    e4m3 tie (up to 3.4e-4 on bf16 inputs with a power-of-two maximum): one step each, far
+    below the rounding's own noise (forty-eighth stop; the accuracy gates not re-run). r is divided in fp64 and rounded to fp32, which is the correctly
     rounded fp32 reciprocal on every device (``fp8_forward.scale_reciprocal``)."""
     s = s[:, None] if s.dim() == 1 else s
     r = (1.0 / s.double()).float()
