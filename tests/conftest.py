@@ -1,17 +1,7 @@
 import os
 
-# Inductor's CPU kernels as scalar C++ (set before torch is imported: Inductor reads it when
-# its config loads; child processes inherit it). Why: the CPU suite is compile-bound, and
-# g++ on the vectorized (at::vec) kernels is the largest part of it. One hypothesis suite
-# on 2 cores (test_properties.py::test_recompute_operands, cold caches): 121 s vectorized,
-# 92 s scalar; about half of the rest is Dynamo, AOTAutograd, the pass and Inductor's own
-# Python (cProfile, 2026-11-30). What the CPU suite checks (the pass's rewrites, the
-# reference twins, gradients against eager) does not depend on Inductor's vector ISA;
-# ``TORCHINDUCTOR_VEC_ISA_OK=1`` restores it.
-os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "0")
 os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "0")

@@ -155,7 +155,6 @@ def _blocked_round_trip(h, fmt):
 
 @pytest.mark.parametrize("fmt", ["fp8", "bf16"])
 @pytest.mark.parametrize("dynamic", [False, True])
-@torch._inductor.config.patch({"cpp.vec_isa_ok": None})
 def test_compiled_blocks_of_a_wide_row_are_the_reference(fmt, dynamic):
     """A kept fp32 h 2048 wide that no norm reads: in two blocks a row, each with its mean
     (and, as e4m3 under ``"fp8_all"``, its scale; as bf16 under ``"bf16"`` the blocks keep
@@ -163,10 +162,10 @@ def test_compiled_blocks_of_a_wide_row_are_the_reference(fmt, dynamic):
     batch (the blocks' view back reads the batch off the tensor); the gradients are the
     exact backward of h * h with h's blocked round trip.
 
-    On Inductor's vectorized CPU kernels (the default this test restores; the suite runs
-    scalar ones, tests/conftest.py): there the compiled block means sum in the eager
-    reduction's order and the e4m3 g_W is the twin's within 1e-7. Scalar kernels sum in
-    another, which flips a few e4m3 levels (5.5e-5, measured 2026-11-30)."""
+    On Inductor's vectorized CPU kernels (its default) the compiled block means sum in the
+    eager reduction's order and the e4m3 g_W is the twin's within 1e-7; scalar kernels
+    (``TORCHINDUCTOR_VEC_ISA_OK=0``) sum in another, which flips a few e4m3 levels (g_W
+    5.5e-5 off, measured 2026-11-30)."""
     torch.manual_seed(13)
     lin = torch.nn.Linear(48, 2048, bias=False)
     with torch.no_grad():
