@@ -675,7 +675,7 @@ def _hq_weight_program(pid, w_ptr, q_ptr, s_ptr, amax_ptr, f_ptr, fs_ptr, fmax_p
             cols = o0 + tl.arange(0, BO)
             mask = (ins < I)[:, None] & (cols < O_pad)[None, :]
             ptrs = q_ptr + ins.to(tl.int64)[:, None] * ldq + cols[None, :]
-            if INTERPRET:                                   # no fused FMA there
+            if INTERPRET:     # the interpreter's path (``scaled_quotient``) in one copy
                 tl.store(ptrs, to_e4m3(v, s[:, None], inv_s[:, None], True, INTERPRET), mask=mask)
             elif reciprocal_is_finite(inv_s):
                 tl.store(ptrs, to_e4m3(v, s[:, None], inv_s[:, None], False, INTERPRET), mask=mask)

@@ -45,6 +45,8 @@ import math
 
 import torch
 
+from .fp8_forward import scale_reciprocal
+
 PHILOX_KEY_A = 0x9E3779B9
 PHILOX_KEY_B = 0xBB67AE85
 PHILOX_ROUND_A = 0xD2511F53
@@ -272,7 +274,7 @@ def scaled(v: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     below the rounding's own noise (forty-eighth stop; the accuracy gates not re-run). r is divided in fp64 and rounded to fp32, which is the correctly
     rounded fp32 reciprocal on every device (``fp8_forward.scale_reciprocal``)."""
     s = s[:, None] if s.dim() == 1 else s
-    r = (1.0 / s.double()).float()
+    r = scale_reciprocal(s)
     return torch.where(torch.isfinite(r) & (r > 0), v * r, v / s)
 
 
