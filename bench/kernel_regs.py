@@ -194,7 +194,8 @@ def kernels_for(L: int, I: int, O: int, rank: int):
                                   Q=(28 if bound else 448) if e4m3 else 127,
                                   STOCHASTIC=stochastic, TRANSPOSED=stochastic or e4m3,
                                   INTERPRET=False, E4M3=e4m3, CPT=cpt, FLAT=True,
-                                  EVEN_C=C % bcc == 0, BOUND=bound, STEP=step, PAIRS=pairs),
+                                  EVEN_C=C % bcc == 0, BOUND=bound, STEP=step, PAIRS=pairs,
+                                  ROW_STRIDE=C if pairs else 0),
                              warps))
     bt, bcc, warps, hr = grad_out.tile_shape(o_pad, False)
     for phase in (1, 2):

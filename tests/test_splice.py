@@ -606,7 +606,7 @@ def _declared_launches():
             groups_per_row=32, PHASE=phase, BT=4, BC=2 * (32 // (step or 4)) * 4 if pairs
             else 64, RP=16, RANK=16, KEPT=0, Q=7, STOCHASTIC=stoch, TRANSPOSED=trans,
             INTERPRET=False, E4M3=e4m3, CPT=1, FLAT=flat, EVEN_C=True, BOUND=bound, STEP=step,
-            PAIRS=pairs)
+            PAIRS=pairs, ROW_STRIDE=512 if pairs else 0)
     yield hla._block_bound_kernel, dict(m_ptr=T(f32), out_ptr=T(i32), S=256, n_sblk=16,
                                         stride_b=4096, stride_s=16, n_blk=16, BB=64)
 

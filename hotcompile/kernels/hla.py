@@ -233,16 +233,16 @@ def _pair_half(w, HALF: tl.constexpr, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _channel_uniforms(seed, first, NG: tl.constexpr):
+def _channel_uniforms(seed, first, NG: tl.constexpr, INTERPRET: tl.constexpr):
     """(BC, NG * 16) uniforms: counters first[c] .. first[c] + NG - 1 of each channel c,
     joined one counter at a time so every counter stays in the registers of the thread that
     owns its channel (a (BC, NG) counter tensor spreads NG over lanes)."""
     BC: tl.constexpr = first.shape[0]
     if NG == 1:
-        return tl.reshape(counter_uniforms(seed, first.to(tl.uint32)), (BC, 16))
+        return tl.reshape(counter_uniforms(seed, first.to(tl.uint32), not INTERPRET), (BC, 16))
     else:
-        lo = _channel_uniforms(seed, first, NG // 2)
-        hi = _channel_uniforms(seed, first + NG // 2, NG // 2)
+        lo = _channel_uniforms(seed, first, NG // 2, INTERPRET)
+        hi = _channel_uniforms(seed, first + NG // 2, NG // 2, INTERPRET)
         return tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), (BC, NG * 16))
 
 
@@ -267,7 +267,7 @@ def _quantize_store_tile(q_ptr, v, s, inv_s, seed, blk0, col0, n_blk, C, ldq, gr
         # (reference.hla_uniforms): counters c * groups_per_row + (blk * RP + j) // 16, all
         # of them in the thread that owns channel c (blk0 * RP is a multiple of 16)
         u = _channel_uniforms(seed, cols.to(tl.int64) * groups_per_row + blk0 * RP // 16,
-                              BT * RP // 16)                                  # (BC, NG*16)
+                              BT * RP // 16, INTERPRET)                       # (BC, NG*16)
         u = tl.permute(tl.reshape(u, (BC, BT, RP)), (1, 0, 2))
     elif STOCHASTIC:   # uniforms follow the (L', C) layout: generate there, then turn
         u = philox_uniform8(seed, tl.reshape(rows, (BT * RP,)), col0, groups_per_row, BC)
@@ -313,7 +313,8 @@ def _quantize_store_half(q_ptr, v, s, inv_s, seed, blk0, cols, n_blk, C, ldq, gr
     if STOCHASTIC:
         tl.static_assert(E4M3 and RP == 16, "pairs: e4m3 uniforms, one counter a block")
         counters = cols.to(tl.int64)[None, :] * groups_per_row + blk[:, None]
-        u = tl.reshape(counter_uniforms(seed, counters.to(tl.uint32)), (BT, N, RP))
+        u = tl.reshape(counter_uniforms(seed, counters.to(tl.uint32), not INTERPRET),
+                       (BT, N, RP))
     else:
         u = 0.5
     q = _levels(v, s, inv_s, u, Q, STOCHASTIC, INTERPRET, IEEE_DIV, E4M3, CLAMP=False)
@@ -335,7 +336,8 @@ def _hla_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, seed_ptr, seed_add, scale_mul, S,
                 KEPT: tl.constexpr, Q: tl.constexpr, STOCHASTIC: tl.constexpr,
                 TRANSPOSED: tl.constexpr, INTERPRET: tl.constexpr, E4M3: tl.constexpr,
                 CPT: tl.constexpr, FLAT: tl.constexpr, EVEN_C: tl.constexpr,
-                BOUND: tl.constexpr, STEP: tl.constexpr = 0, PAIRS: tl.constexpr = False):
+                BOUND: tl.constexpr, STEP: tl.constexpr = 0, PAIRS: tl.constexpr = False,
+                ROW_STRIDE: tl.constexpr = 0):
     """One tile of BT token blocks x BC channels per program (phase 2: ``_phase2_tiles``).
 
     Phase 1: project, atomically max the amax of the kept coefficients into ``amax_ptr``
@@ -345,7 +347,11 @@ def _hla_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, seed_ptr, seed_add, scale_mul, S,
     saved x's bound scale, ``reference.abc_compress``), rounded to the type x is read as
     (``hadamard.input_max_bits``). g's e4m3 operand also runs phase 2 alone, ``amax_ptr``
     holding its ``reference.token_block_bound`` (an fp32 word, used as it is).
+    ``ROW_STRIDE`` > 0: x's row stride, known when the kernel is compiled (``row_stride``),
+    used in place of ``stride_x``.
     """
+    if ROW_STRIDE > 0:
+        stride_x = ROW_STRIDE
     pid = tl.program_id(0)
     n_ct = tl.cdiv(C, BC)
     if PHASE == 1:
@@ -623,6 +629,19 @@ def _pairs_fit(x: torch.Tensor) -> bool:
     return is_fake(x) or x.data_ptr() % 4 == 0
 
 
+def row_stride(x: torch.Tensor, pairs: bool) -> int:
+    """x's row stride as the kernel's constexpr ``ROW_STRIDE`` (0: a run-time argument).
+
+    Why: the word-pair tile reads each block's 16 rows as its first row's address plus k
+    strides. With the stride a run-time value, sm_90 code adds it in 64 bits before every
+    load (2 instructions a 4-byte word); known at compile time, the 16 loads take it as
+    immediate offsets from one address. That is one kernel compiled per row width (a
+    model has a few), so only the word-pair tile, which every site's bf16 g and x takes,
+    gets it, and a symbolic stride (dynamic shapes) stays a run-time argument."""
+    stride = x.stride(0)
+    return stride if pairs and isinstance(stride, int) and stride > 0 else 0
+
+
 def _stepped_blocks(bt: int, rp: int) -> tuple[int, int]:
     """(BT, STEP) of g's stochastic e4m3 operand: ``bt`` token blocks a program
     (``_tile_shape``'s: a 32-byte run per channel), in one step (STEP 0) unless tuned.
@@ -730,7 +749,7 @@ def hla_quant(x: torch.Tensor, rank: int, select: str, bits: int, *, stochastic:
                 STOCHASTIC=stochastic, BOUND=bound,
                 TRANSPOSED=transposed, INTERPRET=interpreting(), E4M3=e4m3, CPT=cpt,
                 FLAT=_blocks_are_row_runs(S, stride_b, stride_s), EVEN_C=C % bc == 0,
-                STEP=step, PAIRS=pairs, num_warps=warps)
+                STEP=step, PAIRS=pairs, ROW_STRIDE=row_stride(x, pairs), num_warps=warps)
     groups = ref.philox_counters(n_blk * rp if channel_major else C)   # per row of uniforms
     seed_t = seed_pointer(seed, dev) if stochastic else amax    # amax: an unread placeholder
     args = (x, q, s, amax, seed_t, int(seed_add), float(scale_mul), S, n_sblk, stride_b,
