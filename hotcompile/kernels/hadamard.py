@@ -51,6 +51,8 @@ _GRAD_E4M3_FLOOR_BITS = tl.constexpr((127 + math.frexp(GRAD_E4M3_FLOOR)[1] - 1) 
 _PRMT_BYTE = [tl.constexpr("{ .reg .b32 c; mov.b32 c, 0x4B000000; "
                            f"prmt.b32 $0, c, $1, 0x300{4 + k}; }}") for k in range(4)]
 _PRMT_BYTE0, _PRMT_BYTE1, _PRMT_BYTE2, _PRMT_BYTE3 = _PRMT_BYTE
+# held chunks from which the per-token kernel builds its uniforms by ``prmt``
+_PERMUTE_CHUNKS = tl.constexpr(int(os.environ.get("HOT_HQ_PERMUTE_CHUNKS", "3")))
 
 
 @triton.jit
@@ -158,7 +160,8 @@ def _words_in_order(w0, w1, w2, w3, K: tl.constexpr, PERMUTE: tl.constexpr):
 
 
 @triton.jit
-def philox_uniform8(seed, rows, col0, groups_per_row, BC: tl.constexpr):
+def philox_uniform8(seed, rows, col0, groups_per_row, BC: tl.constexpr,
+                    PERMUTE: tl.constexpr = False):
     """Uniforms u = (u8 + 0.5) / 256 for elements (rows[i], col0 + j), j < BC, of a tensor
     whose rows hold ``groups_per_row`` = ceil(C / 16) Philox counters (reference.uniform8).
 
@@ -178,7 +181,7 @@ def philox_uniform8(seed, rows, col0, groups_per_row, BC: tl.constexpr):
     BR: tl.constexpr = rows.shape[0]
     groups = col0 // 16 + tl.arange(0, BC // 16)
     counter = (rows.to(tl.int64)[:, None] * groups_per_row + groups[None, :]).to(tl.uint32)
-    return tl.reshape(counter_uniforms(seed, counter, False), (BR, BC))
+    return tl.reshape(counter_uniforms(seed, counter, PERMUTE), (BR, BC))
 
 
 @triton.jit
@@ -413,11 +416,12 @@ def _load_fwht_rows(g_ptr, rows, col0, L, O, stride_g, BC: tl.constexpr):
 def _quantize_store_rows(q_ptr, v, s, inv_s, seed, rows, col0, L, O_pad, ldq, groups_per_row,
                          BC: tl.constexpr, Q: tl.constexpr, STOCHASTIC: tl.constexpr,
                          FP8: tl.constexpr, INTERPRET: tl.constexpr, IEEE_DIV,
-                         PLAIN: tl.constexpr = False):
+                         PLAIN: tl.constexpr = False, PERMUTE: tl.constexpr = False):
     """Quantize a (BR, BC) tile at (rows, col0) and store it: integer levels, or with
-    ``PLAIN`` the scaled e4m3 values themselves (``to_e4m3``)."""
+    ``PLAIN`` the scaled e4m3 values themselves (``to_e4m3``). ``PERMUTE``: the uniforms'
+    bytes by ``prmt`` (``_byte_float_bits``; GPU only)."""
     if STOCHASTIC:
-        u = philox_uniform8(seed, rows, col0, groups_per_row, BC)
+        u = philox_uniform8(seed, rows, col0, groups_per_row, BC, PERMUTE)
     else:
         u = 0.5
     cols = col0 + tl.arange(0, BC)
@@ -528,7 +532,7 @@ def _hq_token_kernel(g_ptr, q_ptr, s_ptr, seed_ptr, m_ptr, z_ptr, L, O, O_pad, s
         for i in tl.static_range(CHUNKS):
             _quantize_store_rows(q_ptr, held[i], s[:, None], inv_s[:, None], seed, rows, i * BC,
                                  L, O_pad, ldq, groups_per_row, BC, Q, True, FP8, INTERPRET,
-                                 ieee, PLAIN)
+                                 ieee, PLAIN, (CHUNKS >= _PERMUTE_CHUNKS) and not INTERPRET)
     else:
         amax = tl.zeros((BR, BC), dtype=tl.int32)
         xmax = tl.zeros((BR, BC), dtype=tl.int32)
