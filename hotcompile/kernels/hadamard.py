@@ -48,9 +48,8 @@ _GRAD_E4M3_FLOOR_BITS = tl.constexpr((127 + math.frexp(GRAD_E4M3_FLOOR)[1] - 1) 
 # constant is a, the word b, so d = (b.byte K = 4 + K, a.byte 0 = 0, 0, a.byte 3 = 0x4B):
 # with the constant as b, ptxas folds it into the instruction's immediate and loads each
 # selector into a register instead (a move a use: more instructions than the masks saved)
-_PRMT_BYTE = [tl.constexpr("{ .reg .b32 c; mov.b32 c, 0x4B000000; "
-                           f"prmt.b32 $0, c, $1, 0x300{4 + k}; }}") for k in range(4)]
-_PRMT_BYTE0, _PRMT_BYTE1, _PRMT_BYTE2, _PRMT_BYTE3 = _PRMT_BYTE
+_PRMT_BYTE = tl.constexpr(tuple("{ .reg .b32 c; mov.b32 c, 0x4B000000; "
+                                 f"prmt.b32 $0, c, $1, 0x300{4 + k}; }}" for k in range(4)))
 # held chunks from which the per-token kernel builds its uniforms by ``prmt``
 _PERMUTE_CHUNKS = tl.constexpr(int(os.environ.get("HOT_HQ_PERMUTE_CHUNKS", "3")))
 
@@ -131,18 +130,8 @@ def _byte_float_bits(w, K: tl.constexpr, PERMUTE: tl.constexpr):
     per-token HQ tile at 4096 wide took 80 registers instead of 64 with it and ran 13%
     slower, so row-major tiles (``philox_uniform8``) keep the arithmetic."""
     if PERMUTE:
-        if K == 0:
-            return tl.inline_asm_elementwise(_PRMT_BYTE0, "=r,r", [w],
-                                             dtype=tl.uint32, is_pure=True, pack=1)
-        elif K == 1:
-            return tl.inline_asm_elementwise(_PRMT_BYTE1, "=r,r", [w],
-                                             dtype=tl.uint32, is_pure=True, pack=1)
-        elif K == 2:
-            return tl.inline_asm_elementwise(_PRMT_BYTE2, "=r,r", [w],
-                                             dtype=tl.uint32, is_pure=True, pack=1)
-        else:
-            return tl.inline_asm_elementwise(_PRMT_BYTE3, "=r,r", [w],
-                                             dtype=tl.uint32, is_pure=True, pack=1)
+        return tl.inline_asm_elementwise(_PRMT_BYTE[K], "=r,r", [w], dtype=tl.uint32,
+                                         is_pure=True, pack=1)
     else:
         if K == 0:
             b = w & 0xFF
