@@ -50,8 +50,10 @@ _GRAD_E4M3_FLOOR_BITS = tl.constexpr((127 + math.frexp(GRAD_E4M3_FLOOR)[1] - 1) 
 # selector into a register instead (a move a use: more instructions than the masks saved)
 _PRMT_BYTE = tl.constexpr(tuple("{ .reg .b32 c; mov.b32 c, 0x4B000000; "
                                  f"prmt.b32 $0, c, $1, 0x300{4 + k}; }}" for k in range(4)))
-# held chunks from which the per-token kernel builds its uniforms by ``prmt``
-_PERMUTE_CHUNKS = tl.constexpr(int(os.environ.get("HOT_HQ_PERMUTE_CHUNKS", "3")))
+# held chunks from which the per-token kernel builds its uniforms by ``prmt``: 3 and 6 held
+# chunks (ViT's 3072, Llama's 11008) were level or 2-3% faster with it, one chunk (4096)
+# 13% slower (H200, forty-ninth stop: kernel_ab_2026-11-30T230644 and ..T233032)
+_PERMUTE_CHUNKS = tl.constexpr(3)
 
 
 @triton.jit
