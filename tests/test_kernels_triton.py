@@ -472,10 +472,18 @@ def _odd_stride_copy(x):
     return y.copy_(x)
 
 
+def _wide_stride_copy(x):
+    """x with a row stride of C + 2: still word pairs (``hla._pairs_fit``), its row stride a
+    constexpr other than C (``hla.row_stride``)."""
+    y = torch.empty(x.shape[0], x.shape[1] + 2, dtype=x.dtype, device=x.device)[:, :x.shape[1]]
+    return y.copy_(x)
+
+
 def _hla_operands_both_loads(x, rank, seq_len=0):
     """g's stochastic e4m3 operand and the saved x's e4m3 and int8 K-major buffers (all
-    channel-major tiles), each from x read as word pairs and from its odd-stride copy: the
-    written columns (int8 leaves the K-major pad unwritten) and the scale."""
+    channel-major tiles), each from x read as word pairs, from its odd-stride copy (the
+    2-channel vector loads) and from its wide-stride copy (word pairs at another row
+    stride): the written columns (int8 leaves the K-major pad unwritten) and the scale."""
     seed = torch.tensor(31, device=x.device)
     rows = HL.token_layout(x.shape[0], seq_len)[4] * rank
     calls = (dict(stochastic=True, seed=seed, seed_add=3, e4m3=True),
@@ -483,7 +491,7 @@ def _hla_operands_both_loads(x, rank, seq_len=0):
     out = []
     for kw in calls:
         pair = []
-        for t in (x, _odd_stride_copy(x)):
+        for t in (x, _odd_stride_copy(x), _wide_stride_copy(x)):
             q, s = HL.hla_quant(t, rank, "1d", 8, transposed=True, pad_to=16, seq_len=seq_len,
                                 **kw)
             pair.append((q[:, :rows] if not kw["e4m3"] else q, s))
@@ -492,14 +500,17 @@ def _hla_operands_both_loads(x, rank, seq_len=0):
 
 
 def _assert_both_loads_agree(x, rank, seq_len):
-    """Word pairs and 2-channel vectors write the same bytes and scale (not all zero); a
-    NaN then makes both scales NaN and every level 0."""
-    for kw, ((q, s), (q2, s2)) in _hla_operands_both_loads(x, rank, seq_len):
-        assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8)), kw
-        assert torch.equal(s, s2) and q.float().abs().sum() > 0, kw
+    """Word pairs (at x's row stride and at a wider one) and 2-channel vectors write the same
+    bytes and scale (not all zero); a NaN then makes every scale NaN and every level 0."""
+    for kw, ((q, s), *others) in _hla_operands_both_loads(x, rank, seq_len):
+        assert q.float().abs().sum() > 0, kw
+        for q2, s2 in others:
+            assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8)), kw
+            assert torch.equal(s, s2), kw
     x[x.shape[0] // 2, x.shape[1] - 1] = float("nan")
-    for kw, ((q, s), (q2, s2)) in _hla_operands_both_loads(x, rank, seq_len):
-        assert torch.isnan(s) and torch.isnan(s2) and not q.float().any(), kw
+    for kw, ((q, s), *others) in _hla_operands_both_loads(x, rank, seq_len):
+        assert torch.isnan(s) and not q.float().any(), kw
+        assert all(torch.isnan(s2) and not q2.float().any() for q2, s2 in others), kw
 
 
 @cpu
@@ -513,6 +524,8 @@ def test_hla_word_pairs_write_the_same_bytes(poison, dtype, L, C, rank, seq_len)
     NaN (scale NaN, levels 0)."""
     x = (_randn(L, C) * torch.exp(torch.randn(1, C))).to(dtype)
     assert HL._pairs_fit(x) and not HL._pairs_fit(_odd_stride_copy(x))
+    wide = _wide_stride_copy(x)
+    assert HL._pairs_fit(wide) and HL.row_stride(wide, True) == C + 2
     assert not HL._pairs_fit(x.float()) and not HL._pairs_fit(x[:, 1:])
     buf = bytearray(2 * (L * C + 2))       # even offset, address 2 past a 4-byte boundary
     skip = 1 if torch.frombuffer(buf, dtype=dtype).data_ptr() % 4 == 0 else 0
