@@ -310,6 +310,41 @@ def test_compiled_rowwise_forward_is_the_reference_bit_for_bit():
                for r in fp32.report.layers)
 
 
+@pytest.mark.parametrize("forward", ["fp8", "fp8_rowwise"])
+def test_saved_x_takes_its_bound_from_the_forward_cast(forward):
+    """Where the saved x is e4m3 (its scale from the bound max |x|) and x goes to the FP8
+    forward, the compression takes that bound from the cast's maxima (``F8.max_bits``):
+    the same maxima the cast's scale comes from, so no reduction over x of its own
+    (``test_abc_bound_from_the_forward_cast_is_its_own`` checks the buffers are equal).
+    int8 levels take their scale from the projection: nothing handed over there."""
+    torch.manual_seed(12)
+    m, x = MLP(64, 96, 48).bfloat16(), torch.randn(4, 8, 64).bfloat16()
+    abc = torch.ops.hot.abc_compress.default
+    for fmt in ("e4m3", "int8"):
+        be, y, graphs = _run(m, _cfg(forward=forward, gw_format=fmt), x)
+        assert [r.forward for r in be.report.layers] == [forward] * 2
+        # fc1's x (the input) is compressed in the forward; fc2's, ReLU's output, is needed
+        # in backward anyway (ReLU's gradient reads it), so the pass compresses it there
+        # (where the partitioner puts the op is its own choice): it keeps its own reduction
+        assert [r.abc.split(" (")[0] for r in be.report.layers] == ["forward", "backward"]
+        comps = [n for g in graphs for n in g.nodes if n.target == abc]
+        bound = [n for n in comps if len(n.args) == 9]
+        assert len(comps) == 2 and len(bound) == (1 if fmt == "e4m3" else 0)
+        for comp in bound:
+            assert len(comp.args) == 9
+            bits = comp.args[8]
+            assert bits.target == aten.view.dtype and bits.args[1] == torch.int32
+            m_ = bits.args[0].args[0]
+            if forward == "fp8_rowwise":        # the max of the cast's row maxima
+                assert m_.target == aten.amax.default and list(m_.args[1]) == [0]
+                m_ = m_.args[0]
+            assert m_.target == aten.amax.default
+            assert any(u.target == aten.clamp_min.default for u in m_.users)  # the scale's
+            src = m_.args[0].args[0]            # |t32|, t32 the pinned x as fp32
+            assert src.target == torch.ops.prims.convert_element_type.default
+        assert torch.isfinite(y.float()).all()
+
+
 def test_emit_records_the_function_with_metadata():
     """graph_utils.emit: every op the function calls becomes a node, in order, before the
     anchor, with a fake value, the partitioner tag, provenance copied from ``like`` and the

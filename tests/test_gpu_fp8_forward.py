@@ -107,6 +107,40 @@ def test_gpu_default_forward_is_rowwise_fp8_on_hopper():
     assert [(r.forward, r.forward_reason) for r in be.report.layers] == [("bf16", "")] * 2
 
 
+@pytest.mark.parametrize("forward", ["fp8", "fp8_rowwise"])
+def test_gpu_saved_x_bound_from_the_cast_changes_no_bit(monkeypatch, forward):
+    """The saved x's e4m3 bound handed over from the FP8 forward's cast (``passes/forward.py``,
+    ``fp8_forward.max_bits``) in a compiled step: the forward's outputs and every gradient
+    bit-equal to the same step with the compression's own reduction over x, and no more
+    Inductor kernels (the reduction it drops is one when Inductor cannot fuse it into x's
+    producer: Llama's down_proj)."""
+    from torch._inductor.utils import run_and_get_code
+    from hotcompile.debug.launches import launches
+    from hotcompile.passes import forward as FW
+    from helpers import Block
+
+    def run():
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = Block(d=256, heads=4).cuda()
+        x = torch.randn(8, 256, 256, device="cuda")
+        be = hotcompile.backend(HOTConfig(forward=forward, **CFG))
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = torch.compile(model, backend=be)(x)
+        out.float().square().mean().backward()
+        return out.detach(), [p.grad.clone() for p in model.parameters()]
+
+    (y, ours), codes = run_and_get_code(run)
+    n_ours = sum(launches(c)["inductor"] for c in codes)
+    monkeypatch.setattr(FW, "_bound_reader", lambda s, buffers: None)
+    (y_own, theirs), codes = run_and_get_code(run)
+    n_theirs = sum(launches(c)["inductor"] for c in codes)
+    assert torch.equal(y, y_own)
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a, b)
+    assert n_ours <= n_theirs, (n_ours, n_theirs)
+
+
 def _rms_norm(x, w):
     x32 = x.float()
     return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype) * w

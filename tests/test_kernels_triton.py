@@ -711,6 +711,45 @@ def test_gw_e4m3_path_matches_reference(poison, dtype, L, O, I, rank, seq_len):
         assert rel(out.double(), exact) < 0.1
 
 
+def _abc_bound_from_the_forward_cast(device):
+    """``abc_compress``'s e4m3 buffer with its bound handed in from an FP8 forward cast of
+    the same x (``fp8_forward.max_bits`` of the row-wise cast's maxima, or of the
+    tensor-wise one's) is the buffer it makes with its own reduction over x, bit for bit;
+    with a NaN or an inf in x too. Why it matters: the pass hands the bound over
+    (``passes/forward.py``) and drops that read of x."""
+    from hotcompile.kernels import fp8_forward as F8
+    torch.manual_seed(11)
+    for dtype, (L, I), rank, seq_len in ((torch.bfloat16, (96, 48), 16, 0),
+                                         (torch.float16, (64, 32), 8, 32),
+                                         (torch.float32, (48, 40), 16, 0)):
+        x = _randn(L, I, dtype=dtype, device=device)
+        for bad in (None, float("inf"), float("nan")):
+            if bad is not None:
+                x[L // 3, I // 2] = bad
+            own = F.abc_compress(x, rank, fmt="e4m3", seq_len=seq_len)
+            for rowwise in (True, False):
+                if rowwise and dtype == torch.float32:
+                    continue
+                _, _, bound = F8.e4m3_cast(x, rowwise, bound=True)
+                assert bound.dtype == torch.int32 and bound.shape == (1,)
+                given = F.abc_compress(x, rank, fmt="e4m3", seq_len=seq_len, amax=bound)
+                assert torch.equal(given[0].view(torch.uint8), own[0].view(torch.uint8)), \
+                    (dtype, bad, rowwise)
+                assert torch.equal(given[1], own[1]) or (bad != bad and given[1].isnan() and
+                                                         own[1].isnan()), (dtype, bad, rowwise)
+
+
+@cpu
+def test_abc_bound_from_the_forward_cast_is_its_own():
+    _abc_bound_from_the_forward_cast("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_abc_bound_from_the_forward_cast_is_its_own():
+    _abc_bound_from_the_forward_cast("cuda")
+
+
 @cpu
 def test_gw_e4m3_gemm_accumulates_exactly(monkeypatch):
     """g_W's cuBLAS GEMM asks for exact accumulation (``gemm.cublas_fp8_mm``: fast

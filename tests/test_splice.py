@@ -149,6 +149,36 @@ def test_the_forward_abc_keeps_its_save_policy(hopper):
 
 
 @compiled
+def test_an_abc_handed_its_bound_reads_x_once(hopper):
+    """``hot::abc_compress`` given max |x| (the FP8 forward cast's, ``passes/forward.py``)
+    splices into its kernel alone: no reduction over x of its own (without the bound, one
+    ``amax``: ``test_a_site_splices_into_kernel_nodes_with_the_ops_outputs``)."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    x, = _fakes(mode, (256, 384))
+    with mode:
+        bound = torch.empty((1,), device="cuda", dtype=torch.int32)
+
+    def f(x, bound):
+        return hot.abc_compress(x, 16, 8, 16, 0, False, "auto", "e4m3", bound)
+
+    with mode:
+        gm = make_fx(f, tracing_mode="fake")(x, bound)
+    for n in gm.graph.nodes:
+        n.meta["partitioner_tag"] = "is_forward"
+    how = SP.splice_ops(gm.graph, _nodes(gm, SP.BODIES), mode)
+    assert list(how.values()) == ["Inductor"], how
+    gm.graph.eliminate_dead_code()
+    kernels = _nodes(gm, {WRAPPER})
+    assert len(kernels) == 1
+    assert not _nodes(gm, {torch.ops.aten.amax.default,
+                           torch.ops.aten.linalg_vector_norm.default})
+    reads = kernels[0].kwargs["kwargs"]["amax_ptr"]
+    while reads.op != "placeholder":      # the bound, through the splice's layout pin
+        reads = reads.args[0]
+    assert reads.name == "bound_1"
+
+
+@compiled
 @pytest.mark.parametrize("case,reason", [
     ("lqs", "gx_scale='lqs'"),
     ("measure", "rank calibration"),

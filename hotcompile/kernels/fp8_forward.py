@@ -75,7 +75,7 @@ def e4m3_levels(t32, inv):
 
 
 def e4m3_cast(t, rowwise: bool = False, contiguous: bool = False, scale_as_row: bool = False,
-              dtype: torch.dtype | None = None, amax=None):
+              dtype: torch.dtype | None = None, amax=None, bound: bool = False):
     """(e4m3 levels of ``t``, fp32 dequantization scale). ``t``: 2-D, any float dtype,
     ``dtype`` its dtype when ``t`` is a graph proxy (default: ``t.dtype``): a bf16 / fp16
     ``t`` is pinned to it first (a bitcast round trip; see the module's docstring).
@@ -87,7 +87,9 @@ def e4m3_cast(t, rowwise: bool = False, contiguous: bool = False, scale_as_row: 
     1-D scale: Inductor gives a view made by ``unsqueeze`` (or a keepdim reduction) any
     stride on its size-1 axis (0 or R seen on CPU), which ``_scaled_mm`` rejects.
     ``amax``: max |t| (fp32: 0-d, or (R,) row-wise) when the caller has it: the same value
-    the reduction here would give, so the same levels and scale without that read of t."""
+    the reduction here would give, so the same levels and scale without that read of t.
+    ``bound``: also return max |t| over the whole of t (``max_bits``), from the maxima the
+    cast takes anyway."""
     dtype = dtype or t.dtype
     if dtype in _BITS:          # the identity "& -1" keeps Inductor from folding the pair
         bits = aten.bitwise_and.Scalar(aten.view.dtype(t, _BITS[dtype]), -1)
@@ -104,7 +106,22 @@ def e4m3_cast(t, rowwise: bool = False, contiguous: bool = False, scale_as_row: 
         n = aten.sym_size.int(t, 0)
         scale = aten.as_strided.default(scale, [1, n] if scale_as_row else [n, 1],
                                         [n, 1] if scale_as_row else [1, 1])
+    if bound:
+        return q, scale, max_bits(amax, rowwise)
     return q, scale
+
+
+def max_bits(amax, rowwise: bool):
+    """max |t| over all of t from a cast's maxima (0-d, or one per row) as a (1,) int32
+    word of fp32 bits, the form HOT's kernels read a bound in (``hadamard.input_amax_bits``:
+    the saved x's e4m3 scale, ``hot::abc_compress``'s ``amax``). Why: where a site's x goes
+    to the FP8 forward, its cast already reduces x to these maxima (of the values pinned to
+    x's dtype: the values ABC reads); their max is the tensor's, NaN included, without
+    another read of x. At Llama's down_proj that read was a kernel of its own (180 MB at
+    8192 x 11008: Inductor does not fuse a whole-tensor reduction into the SwiGLU
+    product's row reduction; the thirty-ninth stop's output code)."""
+    m = aten.amax.default(amax, [0]) if rowwise else amax
+    return aten.view.dtype(aten.reshape.default(m, [-1]), torch.int32)
 
 
 def scaled_linear(xq, sx, wtq, sw, bias, dtype: torch.dtype, fast_accum: bool = FAST_ACCUM):

@@ -129,9 +129,11 @@ def weight_operands(calls: list, forward: str, hq: bool = True) -> list:
 
 def abc_compress(x: torch.Tensor, rank: int, select: str = "1d", bits: int = 8,
                  block: int = 16, *, seq_len: int = 0, seq_first: bool = False,
-                 fmt: str = "int8"):
+                 fmt: str = "int8", amax: torch.Tensor | None = None):
     """The saved activation: HLA-projected x (hla_rows, I) as int8 levels, or with
     ``fmt="e4m3"`` as scaled FP8 (the cuBLAS g_W GEMM's operand); fp32 scale ().
+    ``amax`` (e4m3): max |x| as ``hadamard.input_amax_bits`` gives it, where the caller
+    has it (default: a reduction over x here).
 
     Written K-major by the kernel (``reference.k_major_saved``: an (L', I) view of an
     (I, L'_pad) buffer), the layout both g_W GEMMs read, so no transpose runs in backward.
@@ -141,8 +143,9 @@ def abc_compress(x: torch.Tensor, rank: int, select: str = "1d", bits: int = 8,
     if block != _FUSED_BLOCK or not _fused_bits(bits) or x.numel() == 0:
         q, s = ref.abc_compress(x, rank, select, bits, block, **lay, fmt=fmt)
         return ref.k_major_saved(q), s
-    q, s = hla.hla_quant(x, rank, select, bits, stochastic=False, e4m3=fmt == "e4m3",
-                         transposed=True, pad_to=16, **lay)
+    e4m3 = fmt == "e4m3"
+    q, s = hla.hla_quant(x, rank, select, bits, stochastic=False, e4m3=e4m3,
+                         transposed=True, pad_to=16, amax=amax if e4m3 else None, **lay)
     return q.narrow(1, 0, ref.hla_rows(x.shape[0], rank, block, seq_len)).t(), s
 
 

@@ -145,16 +145,21 @@ def _(g, w, bits, w_bits, block, scale, site, kernels, seeds=None, seed_index=0)
 
 # ----------------------------------------------------------------------- ABC (forward)
 def abc_compress_body(x: Tensor, rank: int, bits: int, block: int, seq_len: int,
-                      seq_first: bool, kernels: str, fmt: str) -> tuple[Tensor, Tensor]:
+                      seq_first: bool, kernels: str, fmt: str,
+                      amax: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """x (L, I) -> (HLA-projected x (hla_rows, I), fp32 scale ()): int8 levels, or with
     ``fmt="e4m3"`` scaled FP8, the cuBLAS g_W GEMM's operand (``formats.gw_rule``), held
     K-major (``reference.k_major_saved``) on every path.
 
     Blocks hold ``block`` neighbouring tokens of one sequence of ``seq_len`` tokens
-    (rows ``b*S + s``, or ``s*B + b`` with ``seq_first``); ``seq_len=0``: one flat axis."""
+    (rows ``b*S + s``, or ``s*B + b`` with ``seq_first``); ``seq_len=0``: one flat axis.
+    ``amax``: max |x| as a (1,) int32 word of fp32 bits (``hadamard.input_amax_bits``'s
+    form), where the graph has it already (the FP8 forward's cast of the same x,
+    ``fp8_forward.e4m3_cast(bound=True)``): the e4m3 levels' bound, without a read of x
+    of its own. The reference twin computes it from x: the same value."""
     lay = dict(seq_len=seq_len, seq_first=seq_first, fmt=fmt)
     if triton_usable(x, kernels):
-        return _fused().abc_compress(x, rank, "1d", bits, block, **lay)
+        return _fused().abc_compress(x, rank, "1d", bits, block, amax=amax, **lay)
     q, s = ref.abc_compress(x, rank, "1d", bits, block, **lay)
     return ref.k_major_saved(q), s
 
@@ -164,7 +169,7 @@ abc_compress = torch.library.custom_op("hot::abc_compress", mutates_args=())(
 
 
 @abc_compress.register_fake
-def _(x, rank, bits, block, seq_len, seq_first, kernels, fmt):
+def _(x, rank, bits, block, seq_len, seq_first, kernels, fmt, amax=None):
     rows = ref.hla_rows(x.shape[0], rank, block, seq_len)
     dtype = torch.float8_e4m3fn if fmt == "e4m3" else torch.int8
     ld = (rows + 15) // 16 * 16          # reference.k_major_saved: K-major, as every path

@@ -15,13 +15,14 @@ the cast wrote (``site.w_max``) and W's FP8 cast is one pointwise read of the co
 """
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Optional, Tuple
 
 import torch
-from torch.fx import Graph
+from torch.fx import Graph, Node
 
 from ..kernels import fp8_forward as F8
 from . import cost
+from .abc import ABC_OP
 from .find import LinearSite
 from .graph_utils import emit
 
@@ -61,9 +62,27 @@ def gate_forward(sites: List[LinearSite], config) -> None:
         s.forward, s.forward_reason = fmt, why
 
 
-def rewrite_forward(graph: Graph, sites: List[LinearSite], config, fake_mode) -> None:
+def _bound_reader(s: LinearSite, buffers: Dict[str, Tuple[Node, Node]]) -> Optional[Node]:
+    """The ``hot::abc_compress`` node of ``s``'s group when it can take its e4m3 bound,
+    max |x|, from this site's FP8 cast of x: it runs in the forward, saves e4m3 (a bound
+    scale; int8 levels take their scale from the projection instead), reads the very node
+    the cast reads, and has no bound yet."""
+    outs = buffers.get(s.group or s.key)
+    comp = outs[0].args[0] if outs else None
+    if comp is None or comp.target is not ABC_OP or len(comp.args) != 8:
+        return None
+    if comp.meta.get("partitioner_tag") != "is_forward" or comp.args[7] != "e4m3" or \
+            comp.args[0] is not s.x:
+        return None
+    return comp
+
+
+def rewrite_forward(graph: Graph, sites: List[LinearSite], config, fake_mode,
+                    buffers: Optional[Dict[str, Tuple[Node, Node]]] = None) -> None:
     """Replace the forward GEMM of every rewritten site the gate (``gate_forward``, run
-    first) let through."""
+    first) let through. ``buffers``: ``abc.compress_inputs``'s; a group's compression
+    that reads the x the FP8 forward casts takes its bound from the cast's maxima
+    (``fp8_forward.max_bits``): the cast goes before it."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     todo = sorted((s for s in sites if s.forward != "bf16"), key=lambda s: order[s.fwd])
     casts: Dict[object, tuple] = {}
@@ -73,9 +92,13 @@ def rewrite_forward(graph: Graph, sites: List[LinearSite], config, fake_mode) ->
         key = (s.group or s.key, rowwise)
         if key not in casts:     # the group's first forward GEMM: cast x there, once
             x_dtype = s.x.meta["val"].dtype
-            casts[key] = emit(graph, lambda x: F8.e4m3_cast(x, rowwise, contiguous=True,
-                                                            dtype=x_dtype),
-                              (s.x,), s.fwd, "is_forward", s.fwd, fake_mode, meta)
+            comp = _bound_reader(s, buffers or {})
+            out = emit(graph, lambda x: F8.e4m3_cast(x, rowwise, contiguous=True, dtype=x_dtype,
+                                                     bound=comp is not None),
+                       (s.x,), comp or s.fwd, "is_forward", s.fwd, fake_mode, meta)
+            if comp is not None:
+                comp.args = comp.args + (out[2],)
+            casts[key] = out[:2]
         xq, sx = casts[key]
         dtype = s.fwd.meta["val"].dtype
         w_dtype = s.wt.meta["val"].dtype
