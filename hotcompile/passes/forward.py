@@ -69,10 +69,10 @@ def _bound_reader(s: LinearSite, buffers: Dict[str, Tuple[Node, Node]]) -> Optio
     the cast reads, and has no bound yet."""
     outs = buffers.get(s.group or s.key)
     comp = outs[0].args[0] if outs else None
-    if comp is None or comp.target is not ABC_OP or len(comp.args) != 8:
+    if comp is None or comp.target is not ABC_OP or s.gw_format != "e4m3":
         return None
-    if comp.meta.get("partitioner_tag") != "is_forward" or comp.args[7] != "e4m3" or \
-            comp.args[0] is not s.x:
+    has_bound = len(comp.args) == len(ABC_OP._schema.arguments)     # ``amax`` given
+    if has_bound or comp.meta.get("partitioner_tag") != "is_forward" or comp.args[0] is not s.x:
         return None
     return comp
 
