@@ -26,6 +26,21 @@ def test_gw_rule(requested, device, cap, expect):
     assert formats.gw_rule(requested, device, cap) == expect
 
 
+@pytest.mark.parametrize("dims,expect", [
+    ((768, 3072), "e4m3"),
+    ((768, 1000), "int8"),        # ViT's head: 1000 outputs, not a multiple of 16
+    ((24, 32, 32, 48), "int8"),   # one site of a shared x 24 wide makes the group int8
+    ((4096, "s0"), "int8"),       # a size without a hint: not provably aligned
+])
+def test_gw_rule_needs_cublas_fp8_sizes_on_cuda(dims, expect):
+    """cuBLAS's FP8 GEMM takes only multiples of 16: other sizes take the INT8 kernel on a
+    GPU (the property suite on the GPU raised "mat2 shape (16x24) must be divisible by
+    16" before); the CPU's reference twin takes e4m3 at any size."""
+    assert formats.gw_rule("auto", "cuda", H100, dims) == expect
+    assert formats.gw_rule("e4m3", "cuda", H100, dims) == expect
+    assert formats.gw_rule("e4m3", "cpu", None, dims) == "e4m3"
+
+
 def test_gw_rule_rejects_unknown_formats():
     with pytest.raises(ValueError, match="gw_format"):
         formats.gw_rule("fp4", "cuda", H100)
@@ -39,6 +54,7 @@ def test_cost_gate_predicts_the_saved_format():
     g = torch.empty(8, 64, dtype=torch.bfloat16)       # a CPU stand-in is taken as an H100
     assert cost.gw_gemm_kernel(HOTConfig(), g) == "hla_cublas"
     assert cost.gw_gemm_kernel(HOTConfig(gw_format="int8"), g) == "hla_int8"
+    assert cost.gw_gemm_kernel(HOTConfig(), g, (768, 1000)) == "hla_int8"   # unaligned
     e4 = cost.site_kernels(True, True, 16, "hq_cublas", "hla_cublas")
     assert "hla_cublas" in e4 and "hla_int8" not in e4
     assert "transpose_xq" not in e4         # ABC writes the saved x K-major

@@ -297,7 +297,8 @@ class Net(torch.nn.Module):
                 self.ps[f"t{k}_w"] = self._param((blk.v, blk.d), blk.d, blk.frozen)
                 self.linears.append(((blk.d, blk.v), not blk.frozen))
                 e = P(f"t{k}_w")
-                src.append(f"h = h + F.embedding(torch.arange(h.shape[-2], device=h.device) % {blk.v}, {e})")
+                src.append(f"h = h + F.embedding(torch.arange(h.shape[-2], device=h.device)"
+                           f" % {blk.v}, {e})")
                 src.append(f"h = F.linear(h, {e})" if blk.functional else f"h = h @ {e}.t()")
             elif isinstance(blk, FrozenPair):
                 a = lin(f"f{k}a", blk.spells[0], blk.i, blk.o, blk.bias, False)
@@ -539,7 +540,7 @@ def run_case(case: Case, device="cpu", config_fn=None, **config) -> Result:
             warnings.simplefilter("always")
             out_c, leaf_c, extras_c = _step(model_c, leaf, view, extras, case, compiled_with=be)
     except Exception:  # noqa: BLE001 - property 1, reported with the model
-        tail = "".join(traceback.format_exc().splitlines(True)[-12:])
+        tail = "".join(traceback.format_exc().splitlines(True)[-40:])
         raise AssertionError(f"P1: compile/forward/backward raised for {case}\n"
                              f"{model_e.source}{tail}") from None
     _fresh()

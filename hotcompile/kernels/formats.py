@@ -47,7 +47,15 @@ def unit_w_is_e4m3(g: torch.Tensor, n: int, block: int, g_bits: int, w_bits: int
 GW_FORMATS = ("auto", "int8", "e4m3")
 
 
-def gw_rule(requested: str, device_type: str, capability: tuple[int, int] | None) -> str:
+def fp8_gemm_dims(*dims) -> bool:
+    """Whether every size is a multiple of 16, as cuBLAS's FP8 GEMM (``_scaled_mm``) asks of
+    both operands' dimensions. A symbolic size counts as not: the formats are fixed at
+    compile time, and a size that may not be a multiple of 16 must not crash at run time."""
+    return all(isinstance(d, int) and d % 16 == 0 for d in dims)
+
+
+def gw_rule(requested: str, device_type: str, capability: tuple[int, int] | None,
+            dims: tuple = ()) -> str:
     """The g_W path's operand format, fixed at compile time (the forward saves x in it):
     "e4m3" (scaled FP8 on both sides, cuBLAS ``_scaled_mm``) or "int8" (8-bit levels, the
     INT8 Triton GEMM).
@@ -61,19 +69,25 @@ def gw_rule(requested: str, device_type: str, capability: tuple[int, int] | None
     times smaller where channel magnitudes spread (``test_reference``); the byte-level GPT
     and digits gates pass with it (accuracy_2026-11-24T024525, ..T031414). A forced "e4m3"
     on a CUDA device without FP8 falls back to int8.
+
+    ``dims``: the in- and out-features of the sites that share the saved x. On a CUDA device
+    e4m3 needs all of them multiples of 16 (``fp8_gemm_dims``: the g_W GEMM's N and M on
+    cuBLAS); any other size takes int8, whose Triton GEMM masks its edges. Found by the
+    property suite on the GPU (fiftieth stop): a 24-wide layer forced onto e4m3 raised
+    "mat2 shape (16x24) must be divisible by 16" in its backward.
     """
     if requested not in GW_FORMATS:
         raise ValueError(f"HOTConfig.gw_format must be one of {GW_FORMATS}, got {requested!r}")
     fp8_ok = device_type != "cuda" or (capability is not None and capability >= (8, 9))
-    if requested == "int8" or not fp8_ok:
+    if requested == "int8" or not fp8_ok or (device_type == "cuda" and not fp8_gemm_dims(*dims)):
         return "int8"
     return "e4m3" if requested == "e4m3" or device_type == "cuda" else "int8"
 
 
-def gw_format_for(requested: str, device: torch.device) -> str:
-    """``gw_rule`` for a tensor's device (compile time: the pass and the cost gate)."""
+def gw_format_for(requested: str, device: torch.device, dims: tuple = ()) -> str:
+    """``gw_rule`` for a tensor's device and the sites' sizes (compile time: the pass)."""
     cap = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-    return gw_rule(requested, device.type, cap)
+    return gw_rule(requested, device.type, cap, dims)
 
 
 def e4m3_gx_fused(device: torch.device, dtype: torch.dtype, O: int, I: int) -> bool:

@@ -74,12 +74,13 @@ def rebuild_chain(group: List[LinearSite], x: Node, config):
     return recompute_chain(x, gws)
 
 
-def saved_format(config, x: Node) -> str:
-    """The saved activation's format for input ``x`` (``formats.gw_rule``): it decides
-    the g_W GEMM's path, so the forward fixes it at compile time from the device."""
+def saved_format(config, x: Node, sites) -> str:
+    """The saved activation's format for input ``x`` read by ``sites`` (``formats.gw_rule``):
+    it decides the g_W GEMM's path, so the forward fixes it at compile time from the device
+    and the sites' in- and out-features (e4m3 only where cuBLAS's FP8 GEMM takes them all)."""
     val = x.meta.get("val")
     device = val.device if isinstance(val, torch.Tensor) else torch.device("cpu")
-    return gw_format_for(config.gw_format, device)
+    return gw_format_for(config.gw_format, device, tuple(d for s in sites for d in (s.I, s.O)))
 
 
 def compress_inputs(graph: Graph, groups: Dict[tuple, List[LinearSite]], config, fake_mode,
@@ -114,7 +115,7 @@ def compress_inputs(graph: Graph, groups: Dict[tuple, List[LinearSite]], config,
                          key=order.__getitem__)
             tag = "is_backward"
         rank, seq_len, seq_first = layout_args(group, anchor, tag)
-        fmt = saved_format(config, x)
+        fmt = saved_format(config, x, group)
         for s in group:
             s.gw_format = fmt
         args = (x, rank, config.gw_bits, config.block, seq_len, seq_first, config.kernels, fmt)

@@ -92,10 +92,11 @@ def gx_gemm_kernel(config, g: torch.Tensor, n: int) -> str:
     return "hq_cublas" if path == "cublas_fp8" else "hq_int8"
 
 
-def gw_gemm_kernel(config, g: torch.Tensor) -> str:
+def gw_gemm_kernel(config, g: torch.Tensor, dims: tuple = ()) -> str:
     """The table key of a site's g_W GEMM: the format ``formats.gw_rule`` fixes for this
-    device (a non-CUDA stand-in is taken as an H100, the table's device)."""
-    fmt = gw_rule(config.gw_format, "cuda", _capability(g))
+    device and the site's (I, O) (a non-CUDA stand-in is taken as an H100, the table's
+    device)."""
+    fmt = gw_rule(config.gw_format, "cuda", _capability(g), dims)
     return "hla_cublas" if fmt == "e4m3" else "hla_int8"
 
 

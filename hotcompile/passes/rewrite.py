@@ -90,9 +90,9 @@ def _precheck(site: LinearSite, config, fake_mode, rank: int, layered: bool) -> 
             s = (lay.seq_len if isinstance(lay.seq_len, int)
                  else lay.source.meta["val"].shape[lay.axis]) if layered else 0
             seq_first = layered and lay.seq_first
+            fmt = saved_format(config, site.x, [site])
             xq, xs = fake_run(ABC_OP, (site.x, rank, config.gw_bits, config.block, s,
-                                       seq_first, config.kernels, saved_format(config, site.x)),
-                              fake_mode)
+                                       seq_first, config.kernels, fmt), fake_mode)
             with fake_mode:
                 gw = HLA_OP(site.grad.meta["val"], xq, xs, rank, config.gw_bits, config.block,
                             s, seq_first, "", config.kernels)
@@ -137,7 +137,7 @@ def _cost_gate(sites: List[LinearSite], groups, config) -> None:
         price = lambda gx_e4m3: model.predict(  # noqa: E731
             *dims, rank, config.block, s.gx is not None, s.gw is not None,
             1.0 / size.get(s.key, 1), graphs, cost.gx_gemm_kernel(config, val, s.I),
-            cost.gw_gemm_kernel(config, val), w_fp32=s.w_chain is not None,
+            cost.gw_gemm_kernel(config, val, (s.I, s.O)), w_fp32=s.w_chain is not None,
             rebuild_x=s.key in rebuilt, gx_e4m3=gx_e4m3)
         mode = 'CUDA graphs' if graphs else 'default mode, host time included'
         fails = lambda e, h: config.min_speedup > 0 and e < config.min_speedup * h  # noqa: E731
