@@ -155,6 +155,43 @@ def test_compiled_forward_is_the_reference_bit_for_bit():
     assert " fp8 " in str(be.report)
 
 
+@pytest.mark.parametrize("forward,autocast", [("fp8", None), ("fp8_rowwise", torch.bfloat16)])
+def test_two_linears_back_to_back_on_a_transposed_input(forward, autocast):
+    """Two failures the GPU property suite found on 7f4c0b2 (fiftieth stop). (1) The second
+    linear reads the first's GEMM with no op between: its x still named the GEMM the FP8
+    forward had replaced, and the compile failed ("referenced nonexistent value addmm").
+    (2) With x a transposed view, Inductor wrote x's e4m3 copy column-major and cuBLASLt
+    refused it: every FP8 forward GEMM's operands now carry their layouts
+    (``fp8_forward.gemm_layouts``: x row-major, W column-major), checked in the graph here;
+    the output against the eager model."""
+    class Two(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(32, 48), torch.nn.Linear(48, 16)
+
+        def forward(self, x):
+            return self.b(self.a(x))
+
+    torch.manual_seed(11)
+    m, x = Two(), torch.randn(32, 40).t()          # (40, 32), column-major
+    ctx = torch.autocast("cpu", dtype=autocast) if autocast else torch.autocast("cpu",
+                                                                              enabled=False)
+    with ctx:
+        be, y, graphs = _run(m, _cfg(forward=forward), x)
+        ref = m(x)
+    assert [r.forward for r in be.report.layers] == [forward] * 2
+    mms = [n for g in graphs for n in g.nodes if n.target == aten._scaled_mm.default]
+    assert len(mms) == 2
+    force = torch.ops.prims.inductor_force_stride_order.default
+    for mm in mms:
+        xq, wq = mm.args[:2]
+        assert xq.target == force and wq.target == force
+        i = xq.args[1][0]
+        assert list(xq.args[1]) == [i, 1] and list(wq.args[1]) == [1, i]
+    assert (y.float() - ref.float()).norm() / ref.float().norm() < 0.08
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in m.parameters())
+
+
 def test_sites_reading_one_input_share_its_cast():
     """Block: qkv and fc1 read different inputs; the MLP's fc1 and a second projection of the
     same LayerNorm output would share. Here: three projections of one x, one x cast."""

@@ -39,7 +39,7 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 GPU_FEATS = (16, 32, 48, 16, 32, 48, 24)
-GPU_TOL = {None: (0.20, 0.98), torch.bfloat16: (0.25, 0.97), torch.float16: (0.25, 0.97)}
+GPU_TOL = P.FP8_TOL
 DEFAULTS_TOL = {d: (0.6, 0.8) for d in (None, torch.bfloat16, torch.float16)}
 
 

@@ -103,6 +103,11 @@ def near_exact_config(**extra) -> "hotcompile.HOTConfig":
 
 
 TOL = {None: (0.10, 0.99), torch.bfloat16: (0.15, 0.985), torch.float16: (0.15, 0.985)}
+# where operands are e4m3 (the FP8 forward; on a GPU also g_W's operands): 3 mantissa bits,
+# ~2-4% RMS relative noise per operand instead of 8-bit levels' ~1%, compounding through
+# stacked layers; still far below a structural error (a wrong pairing or role: ~1, cosine
+# ~0; a dropped term of a shared weight's two: ~0.5)
+FP8_TOL = {None: (0.20, 0.98), torch.bfloat16: (0.25, 0.97), torch.float16: (0.25, 0.97)}
 
 # feature sizes of parameter linears; activation products get widths and token counts
 # outside this set, so their (I, O) signature can never be a parameter linear's
@@ -706,6 +711,22 @@ def test_recompute_operands(case):
     W read from the parameter, on shared, tied and frozen weights, under autocast and in
     fp32: the same properties."""
     check_case(case, recompute_operands=True)
+
+
+@pytest.mark.slow     # 15 examples of 1-4 compiles each
+@settings(max_examples=15, **SETTINGS)
+@given(case=cases(kinds=("linear", "linear", "linear", "shared", "tied", "frozen_pair",
+                         "mixed_use", "break", "swap", "token_slice"),
+                  dtypes=(torch.bfloat16, None), max_blocks=4, feats=(16, 32, 48, 16, 24)))
+def test_fp8_forward_rewritten_into_every_spelling(case):
+    """The FP8 forward (x's cast, W's operand, the scaled GEMM: ``passes/forward.py``) on
+    every spelling, layout and view, two linears back to back included: row-wise under
+    bf16 autocast, tensor-wise in fp32. Mostly multiples of 16 wide, so most sites take
+    it (24: stays bf16 with its reason). On the CPU ``_scaled_mm`` runs its reference
+    kernel; the GPU suite (``test_gpu_properties.py``) runs cuBLAS's."""
+    fwd = "fp8_rowwise" if case.dtype == torch.bfloat16 else "fp8"
+    r = run_case(case, forward=fwd, min_speedup=0)
+    check_properties(r, FP8_TOL)
 
 
 # ----------------------------------------------------------------------------- regressions

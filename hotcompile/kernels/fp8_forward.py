@@ -32,6 +32,7 @@ with it (docs/BENCHMARKS.md).
 from __future__ import annotations
 
 import torch
+from torch._inductor import inductor_prims  # noqa: F401  registers inductor_force_stride_order
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -131,13 +132,27 @@ def scaled_linear(xq, sx, wtq, sw, bias, dtype: torch.dtype, fast_accum: bool = 
     with its bias fused), fp16 through an fp32 output and a cast."""
     out = torch.float32 if dtype == torch.float16 else dtype
     fused_bias = bias is not None and out == torch.bfloat16
-    y = aten._scaled_mm.default(xq, wtq, sx, sw, bias if fused_bias else None, None, out,
-                                fast_accum)
+    y = aten._scaled_mm.default(*gemm_layouts(xq, wtq), sx, sw, bias if fused_bias else None,
+                                None, out, fast_accum)
     if bias is not None and not fused_bias:
         y = aten.add.Tensor(y, bias)
     if out != dtype:
         y = prims.convert_element_type.default(y, dtype)
     return y
+
+
+def gemm_layouts(xq, wtq):
+    """(xq row-major, wtq column-major): the only layouts cuBLAS's FP8 GEMM multiplies.
+    Why not the casts' own ``contiguous`` clone alone: Inductor lays out a pointwise
+    result as it likes unless a consumer pins it, and ``_scaled_mm``'s lowering does not;
+    with x a transposed view of the model's input it wrote the e4m3 x column-major and
+    cuBLASLt raised "Only multiplication of row-major and column-major matrices" (the GPU
+    property suite, fiftieth stop). ``inductor_force_stride_order`` pins each operand's
+    layout for Inductor (no copy where it is there already); eagerly it copies only an
+    operand that is not."""
+    i = aten.sym_size.int(xq, 1)
+    force = prims.inductor_force_stride_order.default
+    return force(xq, [i, 1]), force(wtq, [1, i])
 
 
 def weight_operand(wt, rowwise: bool = False, dtype: torch.dtype | None = None,

@@ -15,6 +15,7 @@ the cast wrote (``site.w_max``) and W's FP8 cast is one pointwise read of the co
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -116,4 +117,19 @@ def rewrite_forward(graph: Graph, sites: List[LinearSite], config, fake_mode,
                      s.fwd, fake_mode, meta)
         s.fwd.replace_all_uses_with(y)
         graph.erase_node(s.fwd)
-        s.fwd = y
+        _repoint(sites, s.fwd, y)
+
+
+def _repoint(sites: List[LinearSite], old: Node, new: Node) -> None:
+    """Every site field (and token layout) that held ``old``, a forward GEMM just replaced,
+    holds ``new`` instead: the site's own ``fwd``, and the ``x`` of a site that reads it
+    with no op between (two linears back to back). Why: that ``x`` kept the erased node,
+    and the next site's FP8 cast read a node no longer in the graph ("referenced
+    nonexistent value addmm": the GPU property suite, fiftieth stop)."""
+    for t in sites:
+        for f in dataclasses.fields(t):
+            if getattr(t, f.name) is old:
+                setattr(t, f.name, new)
+        if t.layout is not None and getattr(t.layout, "source", None) is old:
+            t.layout.source = new
+
