@@ -19,9 +19,10 @@ defaults (4-bit HQ, rank 16) with a bound only gross errors cross.
 
 Tolerance (property 2): e4m3 keeps 3 mantissa bits, so each FP8 operand carries ~2-4% RMS
 relative noise (rounding to nearest, more with stochastic rounding), against ~1% for the
-CPU suite's 8-bit levels; it compounds through stacked layers. The bounds
-(``GPU_TOL``) sit well below what a structural error gives (a wrong pairing or role: error
-~1, cosine ~0; a dropped term of a shared weight's two: ~0.5). Each example's worst error
+CPU suite's 8-bit levels; it compounds through stacked layers, most where a gradient
+cancels (a key projection's, across the softmax). The bounds (``GPU_TOL``, with what they
+were set from) sit below what a structural error gives (a wrong pairing or role: error ~1,
+cosine ~0; a dropped term of a shared weight's two: ~0.5). Each example's worst error
 is appended to ``$HOT_PROPS_LOG`` (a JSON line) when it is set, so a run documents the
 noise it met.
 """
@@ -39,7 +40,12 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 GPU_FEATS = (16, 32, 48, 16, 32, 48, 24)
-GPU_TOL = P.FP8_TOL
+# Measured on the H200 (calls 232-234, 93 examples): worst 0.287 / cosine 0.969, three
+# attentions stacked in fp32 whose last key projection is 16 wide: the CPU's reference twins
+# give that case's gradient 0.351 / 0.951 with e4m3 g_W operands and 0.163 with int8 ones
+# (quantization noise of a gradient that cancels across the softmax's keys, not a kernel's);
+# the next worst 0.115. A dropped term (~0.5) or a wrong pairing (~1) still crosses it.
+GPU_TOL = {d: (0.40, 0.94) for d in (None, torch.bfloat16, torch.float16)}
 DEFAULTS_TOL = {d: (0.6, 0.8) for d in (None, torch.bfloat16, torch.float16)}
 
 
