@@ -132,4 +132,3 @@ def _repoint(sites: List[LinearSite], old: Node, new: Node) -> None:
                 setattr(t, f.name, new)
         if t.layout is not None and getattr(t.layout, "source", None) is old:
             t.layout.source = new
-
