@@ -1097,9 +1097,56 @@ def test_gpu_hla_e4m3_channel_major_bit_exact(monkeypatch, L, C, rank, seq_len):
 def _e4m3_of(t_ptr, u_ptr, q_ptr, N: tl.constexpr, STOCHASTIC: tl.constexpr,
              CLAMP: tl.constexpr):
     i = tl.arange(0, N)
-    q = H.to_e4m3(tl.load(t_ptr + i), 1.0, 1.0, False, False, tl.load(u_ptr + i), STOCHASTIC,
-                  True, CLAMP)
+    inc = (tl.load(u_ptr + i) * 1048576.0).to(tl.int32)    # (b + 0.5) * 2**12: the increment
+    q = H.to_e4m3(tl.load(t_ptr + i), 1.0, 1.0, False, False, inc, STOCHASTIC, True, CLAMP)
     tl.store(q_ptr + i, q)
+
+
+@triton.jit
+def _stochastic_e4m3_of(t_ptr, q_ptr, inc_ptr, u_ptr, seed, N: tl.constexpr,
+                        INTERPRET: tl.constexpr):
+    c = tl.arange(0, N // 16).to(tl.uint32)
+    inc = tl.reshape(H.counter_uniforms(seed, c, not INTERPRET, True), (N,))
+    u = tl.reshape(H.counter_uniforms(seed, c, not INTERPRET), (N,))
+    i = tl.arange(0, N)
+    tl.store(inc_ptr + i, inc)
+    tl.store(u_ptr + i, u)
+    tl.store(q_ptr + i, H.e4m3_from_clamped(tl.load(t_ptr + i), INTERPRET, inc, True))
+
+
+def _check_stochastic_e4m3_on_every_binade(device):
+    """``hadamard.stochastic_e4m3`` (integer adds to t * 2**-120's bits) against its twin
+    ``reference.stochastic_e4m3``, bit for bit, on values across every e4m3 binade
+    (subnormals, their edge 2**-6, 448, both zeros, both signs), each drawn with every
+    position of a Philox counter; and the increments (``prmt`` on the GPU, masks in the
+    interpreter) are the uniforms' bytes: (u * 2**20) = (b << 12) | 0x800."""
+    n = 4096
+    g = torch.Generator().manual_seed(12)
+    mag = torch.ldexp(1 + torch.rand(n // 2, generator=g),
+                      torch.randint(-14, 9, (n // 2,), generator=g)).clamp(max=448.0)
+    mag[:8] = torch.tensor([0.0, 2.0 ** -9, 3 * 2.0 ** -10, 2.0 ** -6, 2.0 ** -6 - 2.0 ** -30,
+                            2.0 ** -7 + 2.0 ** -30, 448.0, 416.0 + 2.0 ** -10])
+    t = torch.cat([mag, -mag]).to(device)
+    q = torch.full((n,), float("nan"), device=device).to(torch.float8_e4m3fn)   # poisoned
+    inc = torch.full((n,), -1, dtype=torch.int32, device=device)
+    u = torch.full((n,), float("nan"), device=device)
+    _stochastic_e4m3_of[(1,)](t, q, inc, u, 31, n, device == "cpu")
+    assert torch.equal(u.cpu(), R.uniform8(31, 1, n)[0])
+    assert torch.equal(inc.cpu(), (u.cpu() * 2.0 ** 20).to(torch.int32))
+    qr, _ = R.quantize_e4m3(t[None].cpu(), per_row=False, stochastic=True, u=u[None].cpu(),
+                            scale=torch.tensor(1.0))
+    assert torch.equal(q.view(torch.uint8).cpu(), qr.view(torch.uint8)[0])
+
+
+@cpu
+def test_stochastic_e4m3_on_every_binade_is_its_twin():
+    _check_stochastic_e4m3_on_every_binade("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_stochastic_e4m3_on_every_binade_is_its_twin():
+    _check_stochastic_e4m3_on_every_binade("cuda")
 
 
 @triton.jit

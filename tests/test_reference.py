@@ -223,6 +223,37 @@ def test_e4m3_stochastic_rounding_is_unbiased_and_on_the_grid():
     assert float(sz) == 1.0 and not qz.float().any()
 
 
+def test_stochastic_e4m3_on_the_bits_is_the_floor_form_on_magnitudes():
+    """``stochastic_e4m3`` rounds by integer adds to t * 2**-120's bits; an independent float64
+    form of its contract: sign(t) * floor(|t'| / step + u) * step, step = 2**(max(floor(log2
+    |t'|), -6) - 3), t' = t except below 2**-6, where it is t rounded (to even) to a multiple
+    of 2**-29. Checked bit for bit over every e4m3 binade (subnormals, 448 and the binade
+    edges included), both signs and both zeros, with every byte of u; and the first draw of
+    a positive t equals the float form the kernels used before (floor(t / step + u) * step in
+    fp32), so only negative values' draws moved."""
+    g = torch.Generator().manual_seed(11)
+    mag = torch.ldexp(1 + torch.rand(4096, generator=g), torch.randint(-14, 9, (4096,), generator=g))
+    edges = torch.tensor([0.0, 2.0 ** -9, 3 * 2.0 ** -10, 2.0 ** -6, 2.0 ** -6 - 2.0 ** -30,
+                          2.0 ** -7 + 2.0 ** -30, 1.0, 15.5, 448.0, 416.0 + 2.0 ** -10])
+    mag = torch.cat([edges, mag.clamp(max=448.0)])
+    t = torch.cat([mag, -mag])
+    for b in range(0, 256, 5):
+        u = torch.full_like(t, (b + 0.5) / 256)
+        got = R.stochastic_e4m3(t, u)
+        a = t.double().abs()
+        sub = a < 2.0 ** -6
+        a = torch.where(sub, torch.round(a * 2.0 ** 29) / 2.0 ** 29, a)   # round() is to even
+        e = torch.where(a > 0, torch.floor(torch.log2(a)), torch.zeros_like(a)).clamp(min=-6)
+        step = torch.exp2(e - 3)
+        want = torch.copysign(torch.floor(a / step + (b + 0.5) / 256) * step, t.double())
+        assert torch.equal(got.double(), want), b
+        assert torch.equal(torch.signbit(got), torch.signbit(t))     # -0 stays -0
+        pos = t > 0
+        e32 = (torch.frexp(t[pos]).exponent - 1).clamp(min=-6)
+        step32 = torch.ldexp(torch.ones_like(t[pos]), e32 - 3)
+        assert torch.equal(got[pos], torch.floor(t[pos] / step32 + u[pos]) * step32), b
+
+
 @pytest.mark.parametrize("layout", [dict(), dict(seq_len=40), dict(seq_len=40, seq_first=True),
                                     dict(seq_len=48)])
 def test_token_block_bound_bounds_every_coefficient_and_is_tight_at_an_outlier(layout):

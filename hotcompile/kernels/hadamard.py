@@ -50,6 +50,10 @@ _GRAD_E4M3_FLOOR_BITS = tl.constexpr((127 + math.frexp(GRAD_E4M3_FLOOR)[1] - 1) 
 # selector into a register instead (a move a use: more instructions than the masks saved)
 _PRMT_BYTE = tl.constexpr(tuple("{ .reg .b32 c; mov.b32 c, 0x4B000000; "
                                  f"prmt.b32 $0, c, $1, 0x300{4 + k}; }}" for k in range(4)))
+# byte K of a word as the word 0x0000bb80 (``_byte_increment``): d = (a.byte 0 = 0x80, b.byte
+# K = 4 + K, a.byte 1 = 0, a.byte 1 = 0), the constant again prmt's first source
+_PRMT_INCREMENT = tl.constexpr(tuple("{ .reg .b32 c; mov.b32 c, 0x00000080; "
+                                      f"prmt.b32 $0, c, $1, 0x11{4 + k}0; }}" for k in range(4)))
 # held chunks from which the per-token kernel builds its uniforms by ``prmt``: 3 and 6 held
 # chunks (ViT's 3072, Llama's 11008) were level or 2-3% faster with it, one chunk (4096)
 # 13% slower (H200, forty-ninth stop: kernel_ab_2026-11-30T230644 and ..T233032)
@@ -143,16 +147,45 @@ def _byte_float_bits(w, K: tl.constexpr, PERMUTE: tl.constexpr):
 
 
 @triton.jit
-def _words_in_order(w0, w1, w2, w3, K: tl.constexpr, PERMUTE: tl.constexpr):
+def _byte_increment(w, K: tl.constexpr, PERMUTE: tl.constexpr):
+    """Byte K of a Philox word as the stochastic e4m3 step's increment (b << 12) | 0x800, the
+    uniform (b + 0.5) / 256 in units of 2**-20 of a binade's e4m3 spacing
+    (``stochastic_e4m3``). ``PERMUTE``: one ``prmt`` gives 0x0000bb80 (``_PRMT_INCREMENT``),
+    whose shift by 4 ptxas folds into the add that uses it (``LEA``)."""
+    if PERMUTE:
+        d = tl.inline_asm_elementwise(_PRMT_INCREMENT[K], "=r,r", [w], dtype=tl.uint32,
+                                      is_pure=True, pack=1)
+        return d << 4
+    else:
+        if K == 0:
+            b = w & 0xFF
+        else:
+            b = (w >> (8 * K)) & 0xFF
+        return (b << 12) | 0x800
+
+
+@triton.jit
+def _byte_word(w, K: tl.constexpr, PERMUTE: tl.constexpr, INCREMENTS: tl.constexpr):
+    if INCREMENTS:
+        return _byte_increment(w, K, PERMUTE)
+    else:
+        return _byte_float_bits(w, K, PERMUTE)
+
+
+@triton.jit
+def _words_in_order(w0, w1, w2, w3, K: tl.constexpr, PERMUTE: tl.constexpr,
+                    INCREMENTS: tl.constexpr = False):
     """Byte K of the four words, joined so that the flattened trailing axes list the words
     in order (join adds the *last* axis: [..., word // 2, word % 2])."""
-    return tl.join(tl.join(_byte_float_bits(w0, K, PERMUTE), _byte_float_bits(w2, K, PERMUTE)),
-                   tl.join(_byte_float_bits(w1, K, PERMUTE), _byte_float_bits(w3, K, PERMUTE)))
+    return tl.join(tl.join(_byte_word(w0, K, PERMUTE, INCREMENTS),
+                           _byte_word(w2, K, PERMUTE, INCREMENTS)),
+                   tl.join(_byte_word(w1, K, PERMUTE, INCREMENTS),
+                           _byte_word(w3, K, PERMUTE, INCREMENTS)))
 
 
 @triton.jit
 def philox_uniform8(seed, rows, col0, groups_per_row, BC: tl.constexpr,
-                    PERMUTE: tl.constexpr = False):
+                    PERMUTE: tl.constexpr = False, INCREMENTS: tl.constexpr = False):
     """Uniforms u = (u8 + 0.5) / 256 for elements (rows[i], col0 + j), j < BC, of a tensor
     whose rows hold ``groups_per_row`` = ceil(C / 16) Philox counters (reference.uniform8).
 
@@ -168,26 +201,33 @@ def philox_uniform8(seed, rows, col0, groups_per_row, BC: tl.constexpr,
     (A Philox round written with 64-bit products saves two IMADs per round, but 64-bit
     values stop Triton from moving the join layouts back onto the counter, and the
     shared-memory layout conversions that result cost more than the IMADs saved.)
+
+    ``INCREMENTS``: the same draws as the stochastic e4m3 step's int32 increments
+    (``_byte_increment``) instead of floats.
     """
     BR: tl.constexpr = rows.shape[0]
     groups = col0 // 16 + tl.arange(0, BC // 16)
     counter = (rows.to(tl.int64)[:, None] * groups_per_row + groups[None, :]).to(tl.uint32)
-    return tl.reshape(counter_uniforms(seed, counter, PERMUTE), (BR, BC))
+    return tl.reshape(counter_uniforms(seed, counter, PERMUTE, INCREMENTS), (BR, BC))
 
 
 @triton.jit
-def counter_uniforms(seed, counter, PERMUTE: tl.constexpr):
+def counter_uniforms(seed, counter, PERMUTE: tl.constexpr, INCREMENTS: tl.constexpr = False):
     """The 16 uniforms of each Philox counter of a uint32 tensor, as trailing axes
     (2, 2, 2, 2) that flatten to element 4 * word + byte (``reference.uniform8``);
-    ``PERMUTE``: bytes picked by ``prmt`` (``_byte_float_bits``; GPU only)."""
+    ``PERMUTE``: bytes picked by ``prmt`` (``_byte_float_bits``; GPU only). ``INCREMENTS``:
+    each as the stochastic e4m3 step's int32 increment (``_byte_increment``), not a float."""
     w0, w1, w2, w3 = tl.randint4x(seed, counter, _ROUNDS)   # 32-bit counter: high word 0
-    b0 = _words_in_order(w0, w1, w2, w3, 0, PERMUTE)
-    b1 = _words_in_order(w0, w1, w2, w3, 1, PERMUTE)
-    b2 = _words_in_order(w0, w1, w2, w3, 2, PERMUTE)
-    b3 = _words_in_order(w0, w1, w2, w3, 3, PERMUTE)
+    b0 = _words_in_order(w0, w1, w2, w3, 0, PERMUTE, INCREMENTS)
+    b1 = _words_in_order(w0, w1, w2, w3, 1, PERMUTE, INCREMENTS)
+    b2 = _words_in_order(w0, w1, w2, w3, 2, PERMUTE, INCREMENTS)
+    b3 = _words_in_order(w0, w1, w2, w3, 3, PERMUTE, INCREMENTS)
     bits = tl.join(tl.join(b0, b2), tl.join(b1, b3))   # [.., 4 w + b]
-    # (2**23 + b) / 256 - (2**15 - 2**-9) = (b + 0.5) / 256: both steps exact, one FMA
-    return tl.math.fma(bits.to(tl.float32, bitcast=True), 0.00390625, -32767.998046875)
+    if INCREMENTS:
+        return bits.to(tl.int32, bitcast=True)
+    else:
+        # (2**23 + b) / 256 - (2**15 - 2**-9) = (b + 0.5) / 256: both steps exact, one FMA
+        return tl.math.fma(bits.to(tl.float32, bitcast=True), 0.00390625, -32767.998046875)
 
 
 @triton.jit
@@ -282,14 +322,13 @@ def quantize(v, s, inv_s, u, Q: tl.constexpr, IEEE_DIV, AS_INT: tl.constexpr,
 
 
 @triton.jit
-def to_e4m3(v, s, inv_s, IEEE_DIV, INTERPRET: tl.constexpr, u=0.0,
+def to_e4m3(v, s, inv_s, IEEE_DIV, INTERPRET: tl.constexpr, inc=0,
             STOCHASTIC: tl.constexpr = False, FINITE: tl.constexpr = False,
             CLAMP: tl.constexpr = True):
     """Scaled FP8 (reference.quantize_e4m3): v over s (``scaled_quotient``) clamped to
-    +-448, NaN -> 0, rounded to the nearest e4m3 (ties to even), or with
-    STOCHASTIC to a neighbour on the e4m3 grid: floor(t / step + u) * step, step the
-    spacing of t's binade read from its exponent bits (exact powers of two, so the
-    multiply by 1 / step is exact and the sum with u rounds as the reference's does).
+    +-448, NaN -> 0, rounded to the nearest e4m3 (ties to even), or with STOCHASTIC to
+    one of its two e4m3 neighbours drawn by the int32 increments ``inc``
+    (``stochastic_e4m3``).
 
     On the GPU the nearest conversion is the hardware's ``cvt.rn``. Triton 3.6's
     interpreter rounds wrongly when the mantissa carries into the exponent (31.9 -> 16), so
@@ -300,9 +339,7 @@ def to_e4m3(v, s, inv_s, IEEE_DIV, INTERPRET: tl.constexpr, u=0.0,
     conversion gives; the add-and-subtract alone would give +0). A stochastic result is
     on the grid already.
 
-    The binade's step and its reciprocal are built from the exponent field left in place
-    (max(bits & 0x7F800000, bits of 2**-6) minus or subtracted from a constant): four
-    integer operations instead of seven. ``FINITE``: the caller has proved every quotient
+    ``FINITE``: the caller has proved every quotient
     of the reciprocal's path finite (taken only for a per-tensor scale that is finite and
     non-zero, with |v| <= the amax it came from), so there the NaN -> 0 select is dropped;
     with ``CLAMP`` False, on the GPU, the clamp too (the conversion saturates: one
@@ -323,25 +360,54 @@ def to_e4m3(v, s, inv_s, IEEE_DIV, INTERPRET: tl.constexpr, u=0.0,
         else:
             t = tl.clamp(t, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
             t = tl.where(t == t, t, 0.0)
-    return e4m3_from_clamped(t, INTERPRET, u, STOCHASTIC)
+    return e4m3_from_clamped(t, INTERPRET, inc, STOCHASTIC)
 
 
 @triton.jit
-def e4m3_from_clamped(t, INTERPRET: tl.constexpr, u=0.0, STOCHASTIC: tl.constexpr = False):
+def stochastic_e4m3(t, inc, INTERPRET: tl.constexpr):
+    """fp32 ``t`` (finite; past +-448 only where a saturating conversion follows) rounded to
+    one of its two e4m3 neighbours, the one further from zero with probability equal to |t|'s
+    distance from the nearer one in units of their spacing (``reference.stochastic_e4m3``,
+    bit for bit): on the bits of t * 2**-120, add ``inc`` = (b << 12) | 0x800 (b a random
+    byte: the uniform (b + 0.5) / 256 in units of 2**-20 of the spacing) and clear the 20
+    bits below e4m3's mantissa, then scale back by 2**120.
+
+    Why 2**-120: it maps e4m3's smallest normal 2**-6 to fp32's, 2**-126, so e4m3's
+    subnormals (a fixed spacing of 2**-9) land on fp32's, whose mantissa bits sit where a
+    normal's do: one mask is the floor onto the e4m3 grid in every binade, and a carry out
+    of the mantissa is the rounding up into the next binade. Both products are exact but the
+    first where t * 2**-120 is subnormal, which rounds t to a multiple of 2**-29 (the spacing
+    over 2**20). Five instructions an element (two ``mul.rn``, a shifted add, a mask and
+    the conversion's half) where the float form floor(t / step + u) * step took nine with
+    its uniform (the exponent's step and reciprocal, an FMA, a floor, a multiply): g's HLA
+    operand is bound by instruction issue (forty-ninth stop). ``mul.rn.f32`` keeps
+    subnormals (libdevice's ``mul_rn`` and ``.ftz`` would flush them); the interpreter's
+    numpy keeps them too."""
+    if INTERPRET:
+        ts = t * 7.52316384526264e-37                       # 2**-120
+    else:
+        ts = mul_rn(t, 7.52316384526264e-37)
+    bits = (ts.to(tl.int32, bitcast=True) + inc) & -1048576     # 0xFFF00000
+    q = bits.to(tl.float32, bitcast=True)
+    if INTERPRET:
+        return q * 1.329227995784916e+36                    # 2**120
+    else:
+        return mul_rn(q, 1.329227995784916e+36)
+
+
+@triton.jit
+def e4m3_from_clamped(t, INTERPRET: tl.constexpr, inc=0, STOCHASTIC: tl.constexpr = False):
     """fp32 ``t`` already within +-448 (NaN allowed) -> e4m3: the nearest (ties to even), or
-    with STOCHASTIC a neighbour drawn with ``u`` (``to_e4m3``'s docstring says how, and why
-    the interpreter rounds onto the grid first)."""
-    if STOCHASTIC or INTERPRET:
+    with STOCHASTIC a neighbour drawn by the increments ``inc`` (``stochastic_e4m3``; why
+    the interpreter rounds onto the grid first: ``to_e4m3``)."""
+    if STOCHASTIC:
+        t = stochastic_e4m3(t, inc, INTERPRET)
+    elif INTERPRET:
         # biased exponent in place, at least 2**-6's (the subnormal step 2**-9 below it)
         ebits = tl.maximum(t.to(tl.int32, bitcast=True) & 0x7F800000, 121 << 23)
         step = (ebits - (3 << 23)).to(tl.float32, bitcast=True)          # 2**(e - 3)
-        if STOCHASTIC:
-            # 2**(3 - e): (257 << 23) - ebits, split so no constant leaves int32
-            inv_step = ((0x7F000000 - ebits) + 0x01800000).to(tl.float32, bitcast=True)
-            t = tl.floor(t * inv_step + u) * step
-        else:
-            r = ((t / step + 12582912.0) - 12582912.0) * step   # |t / step| <= 16: RNE via 1.5 * 2**23
-            t = tl.where(r == 0.0, t * 0.0, r)    # an underflow keeps its sign, as cvt.rn's -0
+        r = ((t / step + 12582912.0) - 12582912.0) * step   # |t / step| <= 16: RNE via 1.5 * 2**23
+        t = tl.where(r == 0.0, t * 0.0, r)    # an underflow keeps its sign, as cvt.rn's -0
     q = t.to(tl.float8e4nv)
     if INTERPRET:       # its conversion turns NaN into 384; the GPU's gives NaN (0x7F)
         q = tl.where(t == t, q, tl.full(t.shape, 0x7F, tl.uint8).to(tl.float8e4nv, bitcast=True))
@@ -411,8 +477,8 @@ def _quantize_store_rows(q_ptr, v, s, inv_s, seed, rows, col0, L, O_pad, ldq, gr
     """Quantize a (BR, BC) tile at (rows, col0) and store it: integer levels, or with
     ``PLAIN`` the scaled e4m3 values themselves (``to_e4m3``). ``PERMUTE``: the uniforms'
     bytes by ``prmt`` (``_byte_float_bits``; GPU only)."""
-    if STOCHASTIC:
-        u = philox_uniform8(seed, rows, col0, groups_per_row, BC, PERMUTE)
+    if STOCHASTIC:   # e4m3 (PLAIN) rounds by integer increments, levels by float uniforms
+        u = philox_uniform8(seed, rows, col0, groups_per_row, BC, PERMUTE, PLAIN)
     else:
         u = 0.5
     cols = col0 + tl.arange(0, BC)

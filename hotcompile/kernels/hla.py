@@ -239,7 +239,8 @@ def _channel_uniforms(seed, first, NG: tl.constexpr, INTERPRET: tl.constexpr):
     owns its channel (a (BC, NG) counter tensor spreads NG over lanes)."""
     BC: tl.constexpr = first.shape[0]
     if NG == 1:
-        return tl.reshape(counter_uniforms(seed, first.to(tl.uint32), not INTERPRET), (BC, 16))
+        return tl.reshape(counter_uniforms(seed, first.to(tl.uint32), not INTERPRET, True),
+                          (BC, 16))
     else:
         lo = _channel_uniforms(seed, first, NG // 2, INTERPRET)
         hi = _channel_uniforms(seed, first + NG // 2, NG // 2, INTERPRET)
@@ -313,7 +314,7 @@ def _quantize_store_half(q_ptr, v, s, inv_s, seed, blk0, cols, n_blk, C, ldq, gr
     if STOCHASTIC:
         tl.static_assert(E4M3 and RP == 16, "pairs: e4m3 uniforms, one counter a block")
         counters = cols.to(tl.int64)[None, :] * groups_per_row + blk[:, None]
-        u = tl.reshape(counter_uniforms(seed, counters.to(tl.uint32), not INTERPRET),
+        u = tl.reshape(counter_uniforms(seed, counters.to(tl.uint32), not INTERPRET, True),
                        (BT, N, RP))
     else:
         u = 0.5

@@ -365,26 +365,43 @@ def quantize_e4m3(v: torch.Tensor, per_row: bool, stochastic: bool = False, seed
     quotient's last-bit overshoot.
 
     Rounding: to the nearest e4m3 (ties to even), or with ``stochastic`` to one of the two
-    e4m3 neighbours of t = ``scaled(v, s)``, the upper one with probability equal to t's distance from
-    the lower in units of their spacing (unbiased, like ``quantize``'s levels): with
-    step = 2**(max(floor(log2 |t|), -6) - 3) the spacing of t's binade (the subnormal step
-    2**-9 below 2**-6), the result is floor(t / step + u) * step with u from ``uniform8``
-    (element (r, c) of the (R, C) tensor), or the given ``u``. t / step is exact (a power
-    of two) and the fp32 sum with u rounds the same in the kernels; the result is always
-    an e4m3 value (at most 448: |t| <= 448 = 14 * 2**5 is itself on the grid of its
-    binade).
+    e4m3 neighbours of t = ``scaled(v, s)`` (``stochastic_e4m3``) with u from ``uniform8``
+    (element (r, c) of the (R, C) tensor), or the given ``u``; the result is always an
+    e4m3 value (at most 448: |t| <= 448 = 14 * 2**5 is itself on the grid of its binade).
     """
     v = v.float()
     s = absmax_scale(v, 8, per_row, q=E4M3_MAX) if scale is None else scale.float()
     t = scaled(v, s).clamp(-E4M3_MAX, E4M3_MAX)
     t = torch.nan_to_num(t, nan=0.0)
     if stochastic:
-        binade = (torch.frexp(t).exponent - 1).clamp_(min=-6)   # floor(log2 |t|), 0 -> -1
-        step = torch.ldexp(torch.ones_like(t), binade - 3)
         if u is None:
             u = uniform8(seed, t.shape[0], t.shape[1], device=t.device)
-        t = torch.floor(t / step + u) * step
+        t = stochastic_e4m3(t, u)
     return t.to(torch.float8_e4m3fn), s
+
+
+def stochastic_e4m3(t: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """fp32 t (finite) rounded to one of its two e4m3 neighbours: the one further from zero
+    with probability equal to |t|'s distance from the nearer in units of their spacing
+    (unbiased, like ``quantize``'s levels), drawn by u = (b + 0.5) / 256 from ``uniform8``.
+
+    Computed on the bits, as the kernels do (``hadamard.stochastic_e4m3``): t * 2**-120 maps
+    e4m3's smallest normal 2**-6 onto fp32's 2**-126, so e4m3's fixed subnormal spacing
+    2**-9 lands on fp32's subnormals, whose mantissa bits sit where a normal's do; adding
+    u * 2**20 = (b << 12) + 2**11 to the bits and clearing the 20 below e4m3's 3 mantissa
+    bits rounds the magnitude up exactly when frac + u >= 1 (frac: the distance from the
+    lower neighbour over the spacing, in 2**-20 steps), a carry out of the mantissa being
+    the step into the next binade; times 2**120 scales back. Both products are exact but
+    the first where it is subnormal (|t| < 2**-6), rounding t to a multiple of 2**-29.
+    So for t >= 0 this is floor(t / step + u) * step, step = 2**(max(floor(log2 t), -6) -
+    3), the float form the kernels used until the fifty-first stop; for t < 0 it
+    is that of |t| with its sign (the same law: the byte that rounded a negative t towards
+    zero now rounds it away, with the same probability), and -0 stays -0. Subnormal
+    products (CPU and CUDA eager keep them; ``torch.set_flush_denormal(True)`` would not)."""
+    inc = (u * 1048576.0).to(torch.int32)        # (b + 0.5) * 2**12: exact
+    ts = t.float() * 2.0 ** -120
+    bits = (ts.view(torch.int32) + inc) & -(1 << 20)
+    return bits.view(torch.float32) * 2.0 ** 120
 
 
 def dequantize(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
