@@ -167,6 +167,47 @@ def test_fp32_sites_are_predicted_on_the_int8_kernel(monkeypatch):
     assert seen and set(seen) == {"hq_cublas"}
 
 
+class Siblings(torch.nn.Module):
+    """One input read by two layers: 64 -> 64 (sizes cuBLAS's FP8 GEMM takes) and 64 -> 40
+    (not a multiple of 16)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(64, 64)
+        self.b = torch.nn.Linear(64, 40)
+
+    def forward(self, x):
+        return self.a(x).sum(-1) + self.b(x).sum(-1)
+
+
+def test_sites_sharing_a_saved_x_are_priced_on_the_groups_gw_format(monkeypatch):
+    """Sites reading one x share one saved buffer, whose format is the group's: int8 on a GPU
+    when any of them is unaligned (``formats.gw_rule``), so the aligned sibling's g_W runs the
+    INT8 kernel too and the gate prices it there (it priced it on cuBLAS FP8 from its own
+    sizes before). Each site alone is priced on its own sizes' format."""
+    seen = []
+    real = cost.CostModel.predict
+
+    def spy(self, *a, **k):
+        seen.append((a[1], a[2], k.get("gw_gemm", a[10] if len(a) > 10 else "hla_int8")))
+        return real(self, *a, **k)
+    monkeypatch.setattr(cost.CostModel, "predict", spy)
+    monkeypatch.setattr(cost, "model_for", lambda device: cost.H100)
+    monkeypatch.setattr(cost, "_capability", lambda g: (9, 0))   # the stand-in: a GPU's rule
+    cfg = HOTConfig(min_features=0, exclude=(), kernels="reference", min_speedup=0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        be = hotcompile.backend(cfg)
+        torch.compile(Siblings(), backend=be)(torch.randn(2, 32, 64)).sum().backward()
+    assert {(i, o) for i, o, _ in seen} == {(64, 64), (64, 40)}
+    assert {g for *_, g in seen} == {"hla_int8"}
+    seen.clear()
+    torch._dynamo.reset()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        be = hotcompile.backend(cfg)
+        torch.compile(Two(), backend=be)(torch.randn(2, 32, 64)).sum().backward()
+    assert seen and {g for *_, g in seen} == {"hla_cublas"}
+
+
 FORWARD_RESULTS = [(cost.H100, os.path.join(RESULTS, "forward_layers_2026-11-24T052226_h100-80gb-hbm3.json")),
                    (cost.H200, os.path.join(RESULTS, "forward_layers_2026-11-29T005353_h200_s34.json"))]
 

@@ -116,6 +116,9 @@ def _cost_gate(sites: List[LinearSite], groups, config) -> None:
     exact where HOT is not predicted to be ``config.min_speedup`` times faster."""
     graphs = bool(torch._inductor.config.triton.cudagraphs)   # mode="reduce-overhead"
     size = {s.key: len(g) for g in groups.values() for s in g}
+    # the g_W format is the group's (``abc.saved_format``: one saved x for all its sites, e4m3
+    # only where every site's sizes suit cuBLAS's FP8 GEMM), so each site is priced on it
+    gw_dims = {s.key: tuple(d for t in g for d in (t.I, t.O)) for g in groups.values() for s in g}
     rebuilt = set()             # recompute_operands: sites whose x backward rebuilds
     if config.recompute_operands:
         order = {n: i for i, n in enumerate(sites[0].fwd.graph.nodes)} if sites else {}
@@ -137,7 +140,8 @@ def _cost_gate(sites: List[LinearSite], groups, config) -> None:
         price = lambda gx_e4m3: model.predict(  # noqa: E731
             *dims, rank, config.block, s.gx is not None, s.gw is not None,
             1.0 / size.get(s.key, 1), graphs, cost.gx_gemm_kernel(config, val, s.I),
-            cost.gw_gemm_kernel(config, val, (s.I, s.O)), w_fp32=s.w_chain is not None,
+            cost.gw_gemm_kernel(config, val, gw_dims.get(s.key, (s.I, s.O))),
+            w_fp32=s.w_chain is not None,
             rebuild_x=s.key in rebuilt, gx_e4m3=gx_e4m3)
         mode = 'CUDA graphs' if graphs else 'default mode, host time included'
         fails = lambda e, h: config.min_speedup > 0 and e < config.min_speedup * h  # noqa: E731
