@@ -46,6 +46,8 @@ def test_host_time_counts_only_without_cuda_graphs():
     eg, hg = cost.H100.predict(1024, 512, 512, 16, 16, True, True, 1.0, graphs=True)
     assert h == pytest.approx(cost.H100.host_hot_ms) and hg < h
     assert eg <= e
+    _, hs = cost.H100.predict(1024, 512, 512, 16, 16, True, True, 1.0, graphs=False, spliced=True)
+    assert hs == pytest.approx(max(hg, cost.H100.host_spliced_ms)) and hs < h
 
 
 class Two(torch.nn.Module):

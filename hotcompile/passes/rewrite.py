@@ -23,6 +23,7 @@ from typing import Dict, List, Optional, Set
 import torch
 from torch._dynamo.utils import dynamo_timed
 from torch.fx import Graph, Node
+from torch.utils.checkpoint import CheckpointPolicy
 
 from ..kernels.formats import e4m3_gx_fused
 from ..runtime import rank as RANK
@@ -111,6 +112,15 @@ def _precheck(site: LinearSite, config, fake_mode, rank: int, layered: bool) -> 
         site.reason = f"shape check failed: {type(e).__name__}: {e}"
 
 
+def _spliced(site: LinearSite, config) -> bool:
+    """Whether the site's ops will be spliced (``splice.refusal`` of ops not yet built): the
+    gate runs on static sizes only; the other refusals are the config's run-time choices and
+    activation checkpointing."""
+    keep = (None, CheckpointPolicy.MUST_SAVE)
+    return (bool(config.splice) and config.kernels != "reference" and config.gx_scale != "lqs"
+            and config.rank != "auto" and site.fwd.meta.get("recompute") in keep)
+
+
 def _cost_gate(sites: List[LinearSite], groups, config) -> None:
     """Predict each eligible site's backward both ways (``passes/cost.py``) and leave it
     exact where HOT is not predicted to be ``config.min_speedup`` times faster."""
@@ -142,7 +152,7 @@ def _cost_gate(sites: List[LinearSite], groups, config) -> None:
             1.0 / size.get(s.key, 1), graphs, cost.gx_gemm_kernel(config, val, s.I),
             cost.gw_gemm_kernel(config, val, gw_dims.get(s.key, (s.I, s.O))),
             w_fp32=s.w_chain is not None,
-            rebuild_x=s.key in rebuilt, gx_e4m3=gx_e4m3)
+            rebuild_x=s.key in rebuilt, gx_e4m3=gx_e4m3, spliced=_spliced(s, config))
         mode = 'CUDA graphs' if graphs else 'default mode, host time included'
         fails = lambda e, h: config.min_speedup > 0 and e < config.min_speedup * h  # noqa: E731
         exact, hot = price(False)
