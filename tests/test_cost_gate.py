@@ -50,6 +50,19 @@ def test_host_time_counts_only_without_cuda_graphs():
     assert hs == pytest.approx(max(hg, cost.H100.host_spliced_ms)) and hs < h
 
 
+def test_gate_prices_host_time_as_the_site_will_launch():
+    """Spliced sites on ``host_spliced_ms``; a config that keeps ``hot::`` ops (``splice.refusal``
+    of its ops: no splicing, reference kernels, LQS, rank calibration, a checkpointed
+    region) on ``host_hot_ms``."""
+    from hotcompile.passes.splice import config_splices
+    from torch.utils.checkpoint import CheckpointPolicy
+    assert config_splices(HOTConfig()) and config_splices(HOTConfig(), CheckpointPolicy.MUST_SAVE)
+    for cfg in (HOTConfig(splice=False), HOTConfig(kernels="reference"),
+                HOTConfig(gx_scale="lqs"), HOTConfig(rank="auto")):
+        assert not config_splices(cfg), cfg
+    assert not config_splices(HOTConfig(), CheckpointPolicy.PREFER_RECOMPUTE)
+
+
 class Two(torch.nn.Module):
     def __init__(self):
         super().__init__()

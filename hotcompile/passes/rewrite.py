@@ -23,7 +23,6 @@ from typing import Dict, List, Optional, Set
 import torch
 from torch._dynamo.utils import dynamo_timed
 from torch.fx import Graph, Node
-from torch.utils.checkpoint import CheckpointPolicy
 
 from ..kernels.formats import e4m3_gx_fused
 from ..runtime import rank as RANK
@@ -35,7 +34,7 @@ from .forward import gate_forward, rewrite_forward
 from .grad_cast import fold_gw_cast
 from .recompute import parameter_weight_chain, replay_without_cast
 from .graph_utils import add_node, fake_mode_of, fake_run
-from .splice import refusal, splice_ops
+from .splice import config_splices, refusal, splice_ops
 from .weight_cast import own_weight_casts
 from .tokens import AxisLabels
 
@@ -112,15 +111,6 @@ def _precheck(site: LinearSite, config, fake_mode, rank: int, layered: bool) -> 
         site.reason = f"shape check failed: {type(e).__name__}: {e}"
 
 
-def _spliced(site: LinearSite, config) -> bool:
-    """Whether the site's ops will be spliced (``splice.refusal`` of ops not yet built): the
-    gate runs on static sizes only; the other refusals are the config's run-time choices and
-    activation checkpointing."""
-    keep = (None, CheckpointPolicy.MUST_SAVE)
-    return (bool(config.splice) and config.kernels != "reference" and config.gx_scale != "lqs"
-            and config.rank != "auto" and site.fwd.meta.get("recompute") in keep)
-
-
 def _cost_gate(sites: List[LinearSite], groups, config) -> None:
     """Predict each eligible site's backward both ways (``passes/cost.py``) and leave it
     exact where HOT is not predicted to be ``config.min_speedup`` times faster."""
@@ -152,7 +142,7 @@ def _cost_gate(sites: List[LinearSite], groups, config) -> None:
             1.0 / size.get(s.key, 1), graphs, cost.gx_gemm_kernel(config, val, s.I),
             cost.gw_gemm_kernel(config, val, gw_dims.get(s.key, (s.I, s.O))),
             w_fp32=s.w_chain is not None,
-            rebuild_x=s.key in rebuilt, gx_e4m3=gx_e4m3, spliced=_spliced(s, config))
+            rebuild_x=s.key in rebuilt, gx_e4m3=gx_e4m3, spliced=config_splices(config, s.fwd.meta.get("recompute")))
         mode = 'CUDA graphs' if graphs else 'default mode, host time included'
         fails = lambda e, h: config.min_speedup > 0 and e < config.min_speedup * h  # noqa: E731
         exact, hot = price(False)

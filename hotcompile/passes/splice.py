@@ -104,6 +104,16 @@ def refusal(node: Node) -> Optional[str]:
     return None
 
 
+def config_splices(config, recompute=None) -> bool:
+    """Whether ``refusal`` will pass a site's ops, told before they exist (the cost gate
+    prices the host time of spliced and unspliced sites differently): the config's run-time
+    choices and activation checkpointing (``recompute``, the site's forward node's policy).
+    Device and sizes are the gate's own conditions (CUDA, static sizes)."""
+    return (bool(config.splice) and config.kernels != "reference" and config.gx_scale != "lqs"
+            and config.rank != "auto"
+            and recompute in (None, torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE))
+
+
 def _rebuild(node: Node, tensors) -> tuple:
     """The op's (args, kwargs) with its Node inputs (``_inputs`` order) replaced by ``tensors``."""
     args, kwargs, it = list(node.args), dict(node.kwargs), iter(tensors)
