@@ -1149,6 +1149,55 @@ def test_gpu_stochastic_e4m3_on_every_binade_is_its_twin():
     _check_stochastic_e4m3_on_every_binade("cuda")
 
 
+def _check_stochastic_e4m3_past_the_folded_reciprocal(device):
+    """The stochastic e4m3 step takes t * 2**-120 as v times the reciprocal with 2**-120
+    folded in (``hadamard.folded_quotient``), usable while r >= 2**-6; a larger scale (an
+    amax past 448 * 2**6) divides instead. At such scales g's HLA operand (one scale a
+    tensor: the program's IEEE branch) and g's plain per-token copy (rows of both kinds in
+    one program: the per-row select) stay their twins bit for bit; so do values whose t
+    falls among the subnormal products (|t| < 2**-6: one rounding, not two)."""
+    g = torch.Generator().manual_seed(21)
+    L, C, rank = 48, 40, 16
+    x = (torch.randn(L, C, generator=g) * 3e4).to(torch.bfloat16)
+    x[:, 1] *= 1e-7
+    x = x.to(device)
+    bound = R.absmax_scale(R.token_block_bound(x.cpu()), 8, False, q=R.E4M3_MAX)
+    assert 1 / float(bound) < R.FOLD_MIN_RECIPROCAL
+    for scale in (2.0 ** 24, 1.0, 2.0 ** -12):   # far past the fold, past it, within it
+        xs = x * scale
+        proj = _hla_butterfly_reference(xs.float().cpu(), rank, "1d", 0, False, 0,
+                                        project_only=True)
+        bound = R.absmax_scale(R.token_block_bound(xs.cpu()), 8, False, q=R.E4M3_MAX)
+        qr, sr = R.quantize_e4m3(proj, per_row=False, stochastic=True, scale=bound,
+                                 u=R.hla_uniforms(9, C, L // 16, rank))
+        q, s = HL.hla_quant(xs, rank, "1d", 8, stochastic=True, seed=7, seed_add=2, e4m3=True)
+        assert float(s) == float(sr) and torch.equal(q.view(torch.uint8).cpu(),
+                                                     qr.view(torch.uint8)), scale
+        assert q.float().abs().amax() > 0
+    rows = (torch.randn(64, 96, generator=g) * torch.exp2(torch.randint(-4, 4, (64, 1),
+                                                                        generator=g)))
+    rows[::2] *= 2.0 ** 20                        # every other row past the fold,
+    rows[::4] *= 2.0 ** 16                        # half of those far past it
+    rows = rows.to(torch.bfloat16).to(device)
+    r = 1 / R.grad_e4m3_scale(rows.cpu())
+    assert bool((r[::2] < R.FOLD_MIN_RECIPROCAL).all()) and bool((r[1::2] >= 1).all())
+    q, s = H.grad_e4m3(rows, 77)
+    qr, sr = R.grad_e4m3(rows.cpu(), 77)
+    assert torch.equal(s.cpu(), sr) and torch.equal(q.view(torch.uint8).cpu(),
+                                                    qr.view(torch.uint8))
+
+
+@cpu
+def test_stochastic_e4m3_past_the_folded_reciprocal_is_its_twin():
+    _check_stochastic_e4m3_past_the_folded_reciprocal("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_stochastic_e4m3_past_the_folded_reciprocal_is_its_twin():
+    _check_stochastic_e4m3_past_the_folded_reciprocal("cuda")
+
+
 @triton.jit
 def _quotients_of(v_ptr, u_ptr, t_ptr, q_ptr, l_ptr, s, N: tl.constexpr,
                   INTERPRET: tl.constexpr):

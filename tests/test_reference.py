@@ -223,6 +223,36 @@ def test_e4m3_stochastic_rounding_is_unbiased_and_on_the_grid():
     assert float(sz) == 1.0 and not qz.float().any()
 
 
+def test_folded_scaled_rounds_once_and_divides_past_the_fold():
+    """``folded_scaled``, the stochastic e4m3 step's input t * 2**-120: where r = 1 / s is at
+    least 2**-6 it is ``scaled``'s t times 2**-120 wherever that is a normal fp32 (|t| >=
+    2**-6), and below, t rounded once (to even) to a multiple of 2**-29 from the exact
+    product, which for about a quarter of t in [2**-7, 2**-6) is not the two roundings'
+    value; past the fold (r < 2**-6) it is the IEEE quotient times 2**-120; a NaN or inf
+    scale gives NaN or 0 as ``scaled`` does."""
+    g = torch.Generator().manual_seed(5)
+    v = torch.ldexp(torch.rand(2048, generator=g) + 1, torch.randint(-16, 8, (2048,), generator=g))
+    v = torch.where(torch.rand(2048, generator=g) < 0.5, v, -v)[None]
+    for s in (torch.tensor(0.7071), torch.tensor(3.0), torch.tensor(1 / 40.0)):
+        r = R.scale_reciprocal(s)
+        t = R.scaled(v, s)
+        got = R.folded_scaled(v, s)
+        normal = t.abs() >= 2.0 ** -6
+        assert torch.equal(got[normal], t[normal] * R.FOLD)
+        exact = v[~normal].double() * float(r)
+        want = torch.round(exact * 2.0 ** 29) / 2.0 ** 29           # round() is to even
+        assert torch.equal(got[~normal].double() * 2.0 ** 120, want)
+        assert bool((got[~normal] != t[~normal] * R.FOLD).any())     # one rounding, not two
+    big = torch.tensor([448.0 * 2 ** 6 * 1.5, 3e30])
+    for s in big:
+        assert float(R.scale_reciprocal(s)) < R.FOLD_MIN_RECIPROCAL
+        assert torch.equal(R.folded_scaled(v, s), (v / s) * R.FOLD)
+    rows = torch.tensor([1.0, float(big[0]), float("nan"), float("inf")])
+    got = R.folded_scaled(v[:, :4].expand(4, 4), rows)
+    assert torch.equal(got[1], (v[0, :4] / rows[1]) * R.FOLD)
+    assert bool(got[2].isnan().all()) and not got[3].any()
+
+
 def test_stochastic_e4m3_on_the_bits_is_the_floor_form_on_magnitudes():
     """``stochastic_e4m3`` rounds by integer adds to t * 2**-120's bits; an independent float64
     form of its contract: sign(t) * floor(|t'| / step + u) * step, step = 2**(max(floor(log2

@@ -33,13 +33,20 @@ from triton.language.extra.cuda import libdevice
 
 from .fp8_forward import AMAX_FLOOR, E4M3_MAX
 from .launch import declare_writes, launch
-from .reference import E4M3_BOUND_Q, GRAD_E4M3_FLOOR, PHILOX_ROUNDS, philox_counters
+from .reference import (E4M3_BOUND_Q, FOLD, FOLD_MIN_RECIPROCAL, GRAD_E4M3_FLOOR, PHILOX_ROUNDS,
+                        philox_counters)
 
 _ROUNDS = tl.constexpr(PHILOX_ROUNDS)
 E4M3_AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
 E4M3_INV_MAX = tl.constexpr(1.0 / E4M3_MAX)
 # reference.GRAD_E4M3_FLOOR's fp32 bits (a power of two: its exponent field alone)
 _GRAD_E4M3_FLOOR_BITS = tl.constexpr((127 + math.frexp(GRAD_E4M3_FLOOR)[1] - 1) << 23)
+# the stochastic e4m3 step works on t * 2**-120 (``stochastic_e4m3``); a reciprocal of at
+# least 2**-6 times 2**-120 is still a normal fp32, so exact (``folded_quotient``)
+_FOLD = tl.constexpr(FOLD)
+_UNFOLD = tl.constexpr(2.0 ** 120)
+_FOLDED_E4M3_MAX = tl.constexpr(E4M3_MAX * FOLD)
+_FOLD_MIN_RECIPROCAL = tl.constexpr(FOLD_MIN_RECIPROCAL)
 
 # =========================================================================== building blocks
 
@@ -345,27 +352,74 @@ def to_e4m3(v, s, inv_s, IEEE_DIV, INTERPRET: tl.constexpr, inc=0,
     with ``CLAMP`` False, on the GPU, the clamp too (the conversion saturates: one
     instruction an element; ptxas gave the HLA kernel's 2-channel tile 229 registers
     without it instead of 168, so only the word-pair tile takes it). ``IEEE_DIV`` as in ``quantize``."""
+    if STOCHASTIC:      # the step's input is t * 2**-120 (``folded_quotient``)
+        top = _FOLDED_E4M3_MAX
+    else:
+        top = 448.0
     if IEEE_DIV:
-        t = scaled_quotient(v, s, inv_s, True, INTERPRET)
-        t = tl.clamp(t, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
+        t = _e4m3_input(v, s, inv_s, True, INTERPRET, STOCHASTIC)
+        t = tl.clamp(t, -top, top, propagate_nan=tl.PropagateNan.ALL)
         t = tl.where(t == t, t, 0.0)
     else:
-        t = scaled_quotient(v, s, inv_s, False, INTERPRET)
+        t = _e4m3_input(v, s, inv_s, False, INTERPRET, STOCHASTIC)
         if FINITE:
             if CLAMP or INTERPRET:
-                t = tl.clamp(t, -448.0, 448.0)
+                t = tl.clamp(t, -top, top)
             # else no clamp: the GPU's conversion (cvt.rn.satfinite) saturates at +-448, and
             # past 448 both roundings give a value at or past it (floor(t / step + u) >= 14
             # steps of 32), so the bytes are the clamped ones (``test_gpu_e4m3_saturates``)
         else:
-            t = tl.clamp(t, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
+            t = tl.clamp(t, -top, top, propagate_nan=tl.PropagateNan.ALL)
             t = tl.where(t == t, t, 0.0)
-    return e4m3_from_clamped(t, INTERPRET, inc, STOCHASTIC)
+    return e4m3_from_clamped(t, INTERPRET, inc, STOCHASTIC, FOLDED=True)
 
 
 @triton.jit
-def stochastic_e4m3(t, inc, INTERPRET: tl.constexpr):
-    """fp32 ``t`` (finite; past +-448 only where a saturating conversion follows) rounded to
+def _e4m3_input(v, s, inv_s, IEEE_DIV: tl.constexpr, INTERPRET: tl.constexpr,
+                STOCHASTIC: tl.constexpr):
+    if STOCHASTIC:
+        return folded_quotient(v, s, inv_s, IEEE_DIV, INTERPRET)
+    else:
+        return scaled_quotient(v, s, inv_s, IEEE_DIV, INTERPRET)
+
+
+@triton.jit
+def folded_quotient(v, s, inv_s, IEEE_DIV, INTERPRET: tl.constexpr):
+    """t * 2**-120 for t = v over s, the stochastic e4m3 step's input (``stochastic_e4m3``;
+    ``reference.folded_scaled``, bit for bit): v * (r * 2**-120) rounded once, r = 1 / s
+    correctly rounded, where r is finite and at least 2**-6 (so r * 2**-120 is a normal
+    fp32, exact); (v / s) * 2**-120, the IEEE quotient, where it is not.
+
+    Why: the step used to take t = v * r and multiply it by 2**-120; the constant folded
+    into the reciprocal saves that multiply, one instruction of ~17 an element in g's HLA
+    operand, which is bound by instruction issue: 0.7-2% faster, bytes unchanged on
+    Gaussian g (H200, fifty-third stop, ``kernel_ab_2026-12-01T143553``). The one rounding
+    differs from the two only where the product is an fp32 subnormal (|t| < 2**-6),
+    rounding t to a multiple of 2**-29 either way. Only scales over 448 * 2**6 (an amax
+    past 28672) lose the fast path, and take the IEEE one (``ieee_quotients(FOLDED)``).
+    ``IEEE_DIV`` as in ``scaled_quotient``: per-row scales then pick per row, so a row's
+    values do not depend on which rows share its program."""
+    if INTERPRET:
+        ok = (inv_s < float("inf")) & (inv_s >= _FOLD_MIN_RECIPROCAL)
+        t = tl.where(ok, v * (inv_s * _FOLD), tl.math.div_rn(v, s) * _FOLD)
+    else:
+        if IEEE_DIV:
+            if len(inv_s.shape) == 0:      # one scale, and it has no usable reciprocal
+                t = mul_rn(tl.math.div_rn(v, s), _FOLD)
+            else:   # per scale: ((v * r') / 1) * 1 where r' is usable, ((v * 1) / s) * 2**-120
+                ok = (inv_s < float("inf")) & (inv_s >= _FOLD_MIN_RECIPROCAL)
+                q = tl.math.div_rn(mul_rn(v, tl.where(ok, inv_s * _FOLD, 1.0)),
+                                   tl.where(ok, 1.0, s))
+                t = mul_rn(q, tl.where(ok, 1.0, _FOLD))
+        else:
+            t = mul_rn(v, inv_s * _FOLD)
+    return t
+
+
+@triton.jit
+def stochastic_e4m3(ts, inc, INTERPRET: tl.constexpr):
+    """fp32 t, given as ``ts`` = t * 2**-120 (finite; past +-448 only where a saturating
+    conversion follows; ``folded_quotient``), rounded to
     one of its two e4m3 neighbours, the one further from zero with probability equal to |t|'s
     distance from the nearer one in units of their spacing (``reference.stochastic_e4m3``,
     bit for bit): on the bits of t * 2**-120, add ``inc`` = (b << 12) | 0x800 (b a random
@@ -377,30 +431,33 @@ def stochastic_e4m3(t, inc, INTERPRET: tl.constexpr):
     normal's do: one mask is the floor onto the e4m3 grid in every binade, and a carry out
     of the mantissa is the rounding up into the next binade. Both products are exact but the
     first where t * 2**-120 is subnormal, which rounds t to a multiple of 2**-29 (the spacing
-    over 2**20). Five instructions an element (two ``mul.rn``, a shifted add, a mask and
-    the conversion's half) where the float form floor(t / step + u) * step took nine with
-    its uniform (the exponent's step and reciprocal, an FMA, a floor, a multiply): g's HLA
-    operand is bound by instruction issue (forty-ninth stop). ``mul.rn.f32`` keeps
-    subnormals (libdevice's ``mul_rn`` and ``.ftz`` would flush them); the interpreter's
-    numpy keeps them too."""
-    if INTERPRET:
-        ts = t * 7.52316384526264e-37                       # 2**-120
-    else:
-        ts = mul_rn(t, 7.52316384526264e-37)
+    over 2**20). Four instructions an element here (a shifted add, a mask, a ``mul.rn`` and
+    the conversion's half; the 2**-120 rides on the scale's reciprocal, ``folded_quotient``)
+    where the float form floor(t / step + u) * step took nine with its uniform (the
+    exponent's step and reciprocal, an FMA, a floor, a multiply): g's HLA operand is bound
+    by instruction issue (forty-ninth stop). ``mul.rn.f32`` keeps subnormals (libdevice's
+    ``mul_rn`` and ``.ftz`` would flush them); the interpreter's numpy keeps them too."""
     bits = (ts.to(tl.int32, bitcast=True) + inc) & -1048576     # 0xFFF00000
     q = bits.to(tl.float32, bitcast=True)
     if INTERPRET:
-        return q * 1.329227995784916e+36                    # 2**120
+        return q * _UNFOLD
     else:
-        return mul_rn(q, 1.329227995784916e+36)
+        return mul_rn(q, _UNFOLD)
 
 
 @triton.jit
-def e4m3_from_clamped(t, INTERPRET: tl.constexpr, inc=0, STOCHASTIC: tl.constexpr = False):
+def e4m3_from_clamped(t, INTERPRET: tl.constexpr, inc=0, STOCHASTIC: tl.constexpr = False,
+                      FOLDED: tl.constexpr = False):
     """fp32 ``t`` already within +-448 (NaN allowed) -> e4m3: the nearest (ties to even), or
     with STOCHASTIC a neighbour drawn by the increments ``inc`` (``stochastic_e4m3``; why
-    the interpreter rounds onto the grid first: ``to_e4m3``)."""
+    the interpreter rounds onto the grid first: ``to_e4m3``). ``FOLDED``: ``t`` is given
+    times 2**-120 (``folded_quotient``), stochastic rounding only."""
     if STOCHASTIC:
+        if not FOLDED:
+            if INTERPRET:
+                t = t * _FOLD
+            else:
+                t = mul_rn(t, _FOLD)
         t = stochastic_e4m3(t, inc, INTERPRET)
     elif INTERPRET:
         # biased exponent in place, at least 2**-6's (the subnormal step 2**-9 below it)
@@ -415,26 +472,31 @@ def e4m3_from_clamped(t, INTERPRET: tl.constexpr, inc=0, STOCHASTIC: tl.constexp
 
 
 @triton.jit
-def reciprocal_is_finite(inv_s):
+def reciprocal_is_finite(inv_s, FOLDED: tl.constexpr = False):
     """Whether every reciprocal of a program's scales (one, or a tensor of them) is finite and
     non-zero, a scalar condition. The quotient v * r needs it finite, and a scale under
     ~2.9e-39 (1 / FLT_MAX: the maxima of subnormals) has an infinite one; a zero row's scale
     is 1. Non-zero excludes an infinite scale (a row holding an inf), and a NaN fails both
-    tests (a max would skip it): where it holds, every quotient is finite (``quantize``)."""
-    ok = (inv_s < float("inf")) & (inv_s > 0.0)
+    tests (a max would skip it): where it holds, every quotient is finite (``quantize``).
+    ``FOLDED``: at least 2**-6 (``folded_quotient``'s r * 2**-120 exact), not just non-zero."""
+    if FOLDED:
+        ok = (inv_s < float("inf")) & (inv_s >= _FOLD_MIN_RECIPROCAL)
+    else:
+        ok = (inv_s < float("inf")) & (inv_s > 0.0)
     return tl.min(ok.to(tl.int32) + tl.zeros((1,), tl.int32)) == 1   # (1,): a scale alone
 
 
 @triton.jit
-def ieee_quotients(inv_s):
+def ieee_quotients(inv_s, FOLDED: tl.constexpr = False):
     """The run-time ``IEEE_DIV`` of a program whose scales' reciprocals are ``inv_s``: not
     ``reciprocal_is_finite``. Every kernel takes it from here: a copy of the condition that
     tested only ``inv_s < inf`` sent an inf in g down the reciprocal's path (grad_out's HLA
     half, forty-second stop). Why a flag and not two calls under a branch: each call inlines
     the whole tile loop (loads, transform, Philox, stores), which doubled the kernels'
     code and their compile time (an HLA variant took 2.45 s, H200, fortieth stop), for a
-    path only scales under ~2.9e-39 take."""
-    return reciprocal_is_finite(inv_s) == 0
+    path only scales under ~2.9e-39 take. ``FOLDED``: for the stochastic e4m3 step, whose
+    reciprocal carries 2**-120 (``folded_quotient``: scales over 448 * 2**6 divide too)."""
+    return reciprocal_is_finite(inv_s, FOLDED) == 0
 
 
 @triton.jit
@@ -585,7 +647,7 @@ def _hq_token_kernel(g_ptr, q_ptr, s_ptr, seed_ptr, m_ptr, z_ptr, L, O, O_pad, s
                      mask=rows < L)
         s = _token_scale(tl.max(vm, axis=1), Q, PLAIN)
         inv_s = tl.math.div_rn(1.0, s)
-        ieee = ieee_quotients(inv_s)
+        ieee = ieee_quotients(inv_s, PLAIN)
         for i in tl.static_range(CHUNKS):
             _quantize_store_rows(q_ptr, held[i], s[:, None], inv_s[:, None], seed, rows, i * BC,
                                  L, O_pad, ldq, groups_per_row, BC, Q, True, FP8, INTERPRET,
@@ -610,7 +672,7 @@ def _hq_token_kernel(g_ptr, q_ptr, s_ptr, seed_ptr, m_ptr, z_ptr, L, O, O_pad, s
         inv_s = tl.math.div_rn(1.0, s)
         _quantize_row_chunks(g_ptr, q_ptr, s[:, None], inv_s[:, None], seed, rows, L, O, O_pad,
                              stride_g, ldq, groups_per_row, BC, Q, FP8, INTERPRET,
-                             ieee_quotients(inv_s), PLAIN)
+                             ieee_quotients(inv_s, PLAIN), PLAIN)
     tl.store(s_ptr + rows, s, mask=rows < L)
 
 

@@ -385,7 +385,7 @@ def _hla_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, seed_ptr, seed_add, scale_mul, S,
         n_tiles = tl.cdiv(n_blk, BT) * n_ct
         # s finite and non-zero: every quotient is finite, the reciprocal's path is taken
         # (a run-time flag, not two inlined copies of the loop: ``hadamard.ieee_quotients``)
-        ieee = ieee_quotients(inv_s)
+        ieee = ieee_quotients(inv_s, STOCHASTIC and E4M3)
         _phase2_tiles(x_ptr, q_ptr, s, inv_s, seed, pid, n_tiles, n_ct, S, n_sblk, stride_b,
                       stride_s, C, stride_x, ldq, n_blk, groups_per_row, BT, BC, RP, RANK,
                       KEPT, Q, STOCHASTIC, TRANSPOSED, INTERPRET, ieee, E4M3, CPT, FLAT,

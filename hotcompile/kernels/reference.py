@@ -371,19 +371,46 @@ def quantize_e4m3(v: torch.Tensor, per_row: bool, stochastic: bool = False, seed
     """
     v = v.float()
     s = absmax_scale(v, 8, per_row, q=E4M3_MAX) if scale is None else scale.float()
-    t = scaled(v, s).clamp(-E4M3_MAX, E4M3_MAX)
-    t = torch.nan_to_num(t, nan=0.0)
     if stochastic:
+        t = folded_scaled(v, s).clamp(-E4M3_MAX * FOLD, E4M3_MAX * FOLD)
+        t = torch.nan_to_num(t, nan=0.0)
         if u is None:
             u = uniform8(seed, t.shape[0], t.shape[1], device=t.device)
-        t = stochastic_e4m3(t, u)
+        t = stochastic_e4m3(t, u, folded=True)
+    else:
+        t = scaled(v, s).clamp(-E4M3_MAX, E4M3_MAX)
+        t = torch.nan_to_num(t, nan=0.0)
     return t.to(torch.float8_e4m3fn), s
 
 
-def stochastic_e4m3(t: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+FOLD = 2.0 ** -120
+FOLD_MIN_RECIPROCAL = 2.0 ** -6     # r * FOLD is still a normal fp32 (>= 2**-126): exact
+
+
+def folded_scaled(v: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """t * 2**-120 for t = v over s, the input of the stochastic e4m3 step
+    (``stochastic_e4m3(folded=True)``): v * (r * 2**-120) rounded once to fp32 (subnormals
+    kept), r = 1 / s correctly rounded, where r is finite and at least 2**-6; (v / s) *
+    2**-120, the IEEE quotient then the scaling, where it is not (an amax past 448 * 2**6,
+    a subnormal, inf or NaN scale).
+
+    Why: the kernels fold 2**-120 into the reciprocal, one multiply an element fewer than
+    ``scaled`` then * 2**-120 (``hadamard.folded_quotient``). Where r >= 2**-6, r * 2**-120
+    is exact and so is the fp64 product of two fp32 values: ``.float()`` is the one
+    rounding. It equals ``scaled(v, s) * 2**-120`` but where that is subnormal (|t| <
+    2**-6), there one rounding instead of two, both to a multiple of 2**-29 in t."""
+    s = s[:, None] if s.dim() == 1 else s
+    r = scale_reciprocal(s)
+    ok = torch.isfinite(r) & (r >= FOLD_MIN_RECIPROCAL)
+    fold = torch.where(ok, r * FOLD, torch.ones_like(r))
+    return torch.where(ok, (v.double() * fold.double()).float(), (v / s) * FOLD)
+
+
+def stochastic_e4m3(t: torch.Tensor, u: torch.Tensor, folded: bool = False) -> torch.Tensor:
     """fp32 t (finite) rounded to one of its two e4m3 neighbours: the one further from zero
     with probability equal to |t|'s distance from the nearer in units of their spacing
     (unbiased, like ``quantize``'s levels), drawn by u = (b + 0.5) / 256 from ``uniform8``.
+    ``folded``: t is given as t * 2**-120 (``folded_scaled``).
 
     Computed on the bits, as the kernels do (``hadamard.stochastic_e4m3``): t * 2**-120 maps
     e4m3's smallest normal 2**-6 onto fp32's 2**-126, so e4m3's fixed subnormal spacing
@@ -399,7 +426,7 @@ def stochastic_e4m3(t: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     zero now rounds it away, with the same probability), and -0 stays -0. Subnormal
     products (CPU and CUDA eager keep them; ``torch.set_flush_denormal(True)`` would not)."""
     inc = (u * 1048576.0).to(torch.int32)        # (b + 0.5) * 2**12: exact
-    ts = t.float() * 2.0 ** -120
+    ts = t.float() if folded else t.float() * FOLD
     bits = (ts.view(torch.int32) + inc) & -(1 << 20)
     return bits.view(torch.float32) * 2.0 ** 120
 
