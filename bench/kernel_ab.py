@@ -134,14 +134,20 @@ def inputs_of(shape, n=3, scale=1.0):
 def bench_hla_g(old, new, rows):
     """g's HLA operand as the site writes it (stochastic e4m3, K-major), old against new,
     and the new kernel's tile at each number of channels per thread (``HOT_HLA_CPT``).
+    "kernel alone": the transform + quantize kernel without the bound's small kernel
+    (``token_block_bound_bits``, ~3.6 us at 8192 tokens on an H200), which a site launches
+    before it and "old" / "new" include (fifty-third stop).
     (The seventh stop's variants, row-major, nearest and int8 levels, are in git history.)"""
     seed = torch.tensor([7], device="cuda", dtype=torch.int64)
     row_max = {}    # id(g) -> g's row maxima, which a site's HQ kernel writes as it reads g
+    bound = {}      # id(g) -> its token-block bound, for the HLA kernel timed alone
 
-    def run(mod, **over):
+    def run(mod, alone=False, **over):
         kw = dict(stochastic=True, seed=seed, seed_add=1, transposed=True, pad_to=16, e4m3=True,
                   scale_mul=1 / 16)
         kw.update(over)
+        if alone:   # the transform + quantize kernel without the bound's small kernel
+            return lambda g: mod.hla.hla_quant(g, 16, "1d", 8, amax=bound[id(g)], **kw)
         # the bound from the row maxima, as in a site (its block-sum kernel, or two small
         # reductions before it), not from a reduction over all of g, which the site does not run
         if hasattr(mod.hla, "token_block_bound_bits"):
@@ -158,6 +164,10 @@ def bench_hla_g(old, new, rows):
         ok = mismatch(run(old)(xs[0]), run(new)(xs[0]))
         floor = copy_ms(nbytes)
         res = {"old": time_ms(run(old), xs), "new": time_ms(run(new), xs)}
+        bound.update({id(x): new.hla.token_block_bound_bits(x, row_max=row_max[id(x)])
+                      for x in xs})
+        res["old, kernel alone"] = time_ms(run(old, alone=True), xs)
+        res["new, kernel alone"] = time_ms(run(new, alone=True), xs)
         for bt in (2, 4):      # token blocks per program (32-byte runs per channel at 2)
             with env(HOT_HLA_BT=str(bt)):
                 res[f"new BT={bt}"] = time_ms(run(new), xs)
@@ -169,6 +179,7 @@ def bench_hla_g(old, new, rows):
                 res[f"new TPP={tpp} mismatch"] = mismatch(run(old)(xs[0]), run(new)(xs[0]))
         res["old (again)"] = time_ms(run(old), xs)     # the spread between like timings
         res["new (again)"] = time_ms(run(new), xs)
+        res["new, kernel alone (again)"] = time_ms(run(new, alone=True), xs)
         rows.append(dict(kernel="hla_g", shape=label, L=L, C=C, mismatch_vs_old=ok, copy_ms=floor,
                          **res))
         print(json.dumps(rows[-1]), flush=True)
