@@ -131,6 +131,9 @@ def inputs_of(shape, n=3, scale=1.0):
             for _ in range(n)]
 
 
+HLA_G_TPP = (2, 4, 8)    # the tiles-a-program settings bench_hla_g sweeps (``--tpp``)
+
+
 def bench_hla_g(old, new, rows):
     """g's HLA operand as the site writes it (stochastic e4m3, K-major), old against new,
     and the new kernel's tile at each number of channels per thread (``HOT_HLA_CPT``).
@@ -173,9 +176,10 @@ def bench_hla_g(old, new, rows):
                 res[f"new BT={bt}"] = time_ms(run(new), xs)
         with env(HOT_HLA_PAIRS="0"):   # 2-channel vectors a thread, not word pairs
             res["new CPT=2"] = time_ms(run(new), xs)
-        for tpp in (2, 4, 8):     # tiles a program: its prologue paid once for them
+        for tpp in HLA_G_TPP:     # tiles a program: its prologue paid once for them
             with env(HOT_HLA_TPP=str(tpp)):
                 res[f"new TPP={tpp}"] = time_ms(run(new), xs)
+                res[f"new TPP={tpp}, kernel alone"] = time_ms(run(new, alone=True), xs)
                 res[f"new TPP={tpp} mismatch"] = mismatch(run(old)(xs[0]), run(new)(xs[0]))
         res["old (again)"] = time_ms(run(old), xs)     # the spread between like timings
         res["new (again)"] = time_ms(run(new), xs)
@@ -469,7 +473,10 @@ def main(argv=None) -> int:
     p.add_argument("--rev", default="HEAD", help="git revision or directory of the old kernels")
     p.add_argument("--kernels", default="hla_g,abc_x,hq_w")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
+    p.add_argument("--tpp", default="2,4,8", help="hla_g: the HOT_HLA_TPP values swept")
     a = p.parse_args(argv)
+    global HLA_G_TPP
+    HLA_G_TPP = tuple(int(t) for t in a.tpp.split(","))
     old, new = load_rev(a.rev), importlib.import_module("hotcompile.kernels")
     for pkg in ("hot_rev_kernels", "hotcompile.kernels"):     # the submodules used below
         for mod in ("fused", "hla", "hadamard", "grad_out", "reference"):
