@@ -365,7 +365,9 @@ def quantize_e4m3(v: torch.Tensor, per_row: bool, stochastic: bool = False, seed
     quotient's last-bit overshoot.
 
     Rounding: to the nearest e4m3 (ties to even), or with ``stochastic`` to one of the two
-    e4m3 neighbours of t = ``scaled(v, s)`` (``stochastic_e4m3``) with u from ``uniform8``
+    e4m3 neighbours of t (``stochastic_e4m3``, t taken as ``folded_scaled``: ``scaled(v,
+    s)`` but for one rounding where |t| < 2**-6, and the IEEE quotient past r < 2**-6) with u
+    from ``uniform8``
     (element (r, c) of the (R, C) tensor), or the given ``u``; the result is always an
     e4m3 value (at most 448: |t| <= 448 = 14 * 2**5 is itself on the grid of its binade).
     """
