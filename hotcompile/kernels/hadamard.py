@@ -33,23 +33,10 @@ from triton.language.extra.cuda import libdevice
 
 from .fp8_forward import AMAX_FLOOR, E4M3_MAX
 from .launch import declare_writes, launch
-from .reference import (E4M3_BOUND_Q, FOLD, FOLD_MIN_RECIPROCAL, GRAD_E4M3_FLOOR, PHILOX_KEY_A,
-                        PHILOX_KEY_B, PHILOX_ROUND_A, PHILOX_ROUND_B, PHILOX_ROUNDS,
+from .reference import (E4M3_BOUND_Q, FOLD, FOLD_MIN_RECIPROCAL, GRAD_E4M3_FLOOR, PHILOX_ROUNDS,
                         philox_counters)
 
 _ROUNDS = tl.constexpr(PHILOX_ROUNDS)
-_PHILOX_A = tl.constexpr(PHILOX_ROUND_A)
-_PHILOX_B = tl.constexpr(PHILOX_ROUND_B)
-_PHILOX_KEY_A = tl.constexpr(PHILOX_KEY_A)
-_PHILOX_KEY_B = tl.constexpr(PHILOX_KEY_B)
-# one Philox round, $0..$3 <- (c0, c1, c2, c3) = ($4..$7) keyed by ($8, $9), both products
-# as 64-bit ones (``_philox_round_wide``)
-_PHILOX_WIDE_ROUND = tl.constexpr(
-    "{ .reg .u64 pa, pb; .reg .u32 la, ha, lb, hb;"
-    f" mul.wide.u32 pa, $4, {PHILOX_ROUND_A}; mul.wide.u32 pb, $6, {PHILOX_ROUND_B};"
-    " mov.b64 {la, ha}, pa; mov.b64 {lb, hb}, pb;"
-    " xor.b32 hb, hb, $5; xor.b32 $0, hb, $8; mov.b32 $1, lb;"
-    " xor.b32 ha, ha, $7; xor.b32 $2, ha, $9; mov.b32 $3, la; }")
 E4M3_AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
 E4M3_INV_MAX = tl.constexpr(1.0 / E4M3_MAX)
 # reference.GRAD_E4M3_FLOOR's fp32 bits (a power of two: its exponent field alone)
@@ -205,8 +192,7 @@ def _words_in_order(w0, w1, w2, w3, K: tl.constexpr, PERMUTE: tl.constexpr,
 
 @triton.jit
 def philox_uniform8(seed, rows, col0, groups_per_row, BC: tl.constexpr,
-                    PERMUTE: tl.constexpr = False, INCREMENTS: tl.constexpr = False,
-                    WIDE: tl.constexpr = False):
+                    PERMUTE: tl.constexpr = False, INCREMENTS: tl.constexpr = False):
     """Uniforms u = (u8 + 0.5) / 256 for elements (rows[i], col0 + j), j < BC, of a tensor
     whose rows hold ``groups_per_row`` = ceil(C / 16) Philox counters (reference.uniform8).
 
@@ -224,59 +210,21 @@ def philox_uniform8(seed, rows, col0, groups_per_row, BC: tl.constexpr,
     shared-memory layout conversions that result cost more than the IMADs saved.)
 
     ``INCREMENTS``: the same draws as the stochastic e4m3 step's int32 increments
-    (``_byte_increment``) instead of floats. ``WIDE``: Philox's products as 64-bit ones
-    (``philox4x32``; GPU only).
+    (``_byte_increment``) instead of floats.
     """
     BR: tl.constexpr = rows.shape[0]
     groups = col0 // 16 + tl.arange(0, BC // 16)
     counter = (rows.to(tl.int64)[:, None] * groups_per_row + groups[None, :]).to(tl.uint32)
-    return tl.reshape(counter_uniforms(seed, counter, PERMUTE, INCREMENTS, WIDE), (BR, BC))
+    return tl.reshape(counter_uniforms(seed, counter, PERMUTE, INCREMENTS), (BR, BC))
 
 
 @triton.jit
-def _philox_round(c0, c1, c2, c3, k0, k1):
-    """One Philox-4x32 round with key (k0, k1), as ``reference.philox4x32`` writes it."""
-    return (tl.math.umulhi(c2, _PHILOX_B) ^ c1 ^ k0, c2 * _PHILOX_B,
-            tl.math.umulhi(c0, _PHILOX_A) ^ c3 ^ k1, c0 * _PHILOX_A)
-
-
-@triton.jit
-def _philox_round_wide(c0, c1, c2, c3, k0, k1):
-    """``_philox_round`` with each of its two 32 x 32-bit products formed once, high and low
-    halves together (``mul.wide.u32``: one ``IMAD.WIDE.U32``). GPU only."""
-    return tl.inline_asm_elementwise(
-        _PHILOX_WIDE_ROUND, "=r,=r,=r,=r,r,r,r,r,r,r", [c0, c1, c2, c3, k0, k1],
-        dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32), is_pure=True, pack=1)
-
-
-@triton.jit
-def philox4x32(seed, counter, WIDE: tl.constexpr):
-    """``tl.randint4x(seed, counter, reference.PHILOX_ROUNDS)`` of a uint32 counter tensor,
-    bit for bit: the four words. With ``WIDE`` (GPU), rounds 3 on by
-    ``_philox_round_wide``."""
-    s = seed.to(tl.uint64)
-    k0 = (s & 0xFFFFFFFF).to(tl.uint32)
-    k1 = ((s >> 32) & 0xFFFFFFFF).to(tl.uint32)
-    zero = counter * 0
-    c0, c1, c2, c3 = counter, zero, zero, zero
-    for r in tl.static_range(_ROUNDS):
-        if WIDE and r >= 2:
-            c0, c1, c2, c3 = _philox_round_wide(c0, c1, c2, c3, k0, k1)
-        else:
-            c0, c1, c2, c3 = _philox_round(c0, c1, c2, c3, k0, k1)
-        k0 = tl.add(k0, _PHILOX_KEY_A, sanitize_overflow=False)
-        k1 = tl.add(k1, _PHILOX_KEY_B, sanitize_overflow=False)
-    return c0, c1, c2, c3
-
-
-@triton.jit
-def counter_uniforms(seed, counter, PERMUTE: tl.constexpr, INCREMENTS: tl.constexpr = False,
-                     WIDE: tl.constexpr = False):
+def counter_uniforms(seed, counter, PERMUTE: tl.constexpr, INCREMENTS: tl.constexpr = False):
     """The 16 uniforms of each Philox counter of a uint32 tensor, as trailing axes
     (2, 2, 2, 2) that flatten to element 4 * word + byte (``reference.uniform8``);
     ``PERMUTE``: bytes picked by ``prmt`` (``_byte_float_bits``; GPU only). ``INCREMENTS``:
     each as the stochastic e4m3 step's int32 increment (``_byte_increment``), not a float."""
-    w0, w1, w2, w3 = philox4x32(seed, counter, WIDE)
+    w0, w1, w2, w3 = tl.randint4x(seed, counter, _ROUNDS)   # 32-bit counter: high word 0
     b0 = _words_in_order(w0, w1, w2, w3, 0, PERMUTE, INCREMENTS)
     b1 = _words_in_order(w0, w1, w2, w3, 1, PERMUTE, INCREMENTS)
     b2 = _words_in_order(w0, w1, w2, w3, 2, PERMUTE, INCREMENTS)
@@ -592,7 +540,7 @@ def _quantize_store_rows(q_ptr, v, s, inv_s, seed, rows, col0, L, O_pad, ldq, gr
     ``PLAIN`` the scaled e4m3 values themselves (``to_e4m3``). ``PERMUTE``: the uniforms'
     bytes by ``prmt`` (``_byte_float_bits``; GPU only)."""
     if STOCHASTIC:   # e4m3 (PLAIN) rounds by integer increments, levels by float uniforms
-        u = philox_uniform8(seed, rows, col0, groups_per_row, BC, PERMUTE, PLAIN, not INTERPRET)
+        u = philox_uniform8(seed, rows, col0, groups_per_row, BC, PERMUTE, PLAIN)
     else:
         u = 0.5
     cols = col0 + tl.arange(0, BC)

@@ -239,8 +239,7 @@ def _channel_uniforms(seed, first, NG: tl.constexpr, INTERPRET: tl.constexpr):
     owns its channel (a (BC, NG) counter tensor spreads NG over lanes)."""
     BC: tl.constexpr = first.shape[0]
     if NG == 1:
-        return tl.reshape(counter_uniforms(seed, first.to(tl.uint32), not INTERPRET, True,
-                                           not INTERPRET),
+        return tl.reshape(counter_uniforms(seed, first.to(tl.uint32), not INTERPRET, True),
                           (BC, 16))
     else:
         lo = _channel_uniforms(seed, first, NG // 2, INTERPRET)
@@ -272,8 +271,7 @@ def _quantize_store_tile(q_ptr, v, s, inv_s, seed, blk0, col0, n_blk, C, ldq, gr
                               BT * RP // 16, INTERPRET)                       # (BC, NG*16)
         u = tl.permute(tl.reshape(u, (BC, BT, RP)), (1, 0, 2))
     elif STOCHASTIC:   # uniforms follow the (L', C) layout: generate there, then turn
-        u = philox_uniform8(seed, tl.reshape(rows, (BT * RP,)), col0, groups_per_row, BC,
-                            False, False, not INTERPRET)
+        u = philox_uniform8(seed, tl.reshape(rows, (BT * RP,)), col0, groups_per_row, BC)
         u = tl.permute(tl.reshape(u, (BT, RP, BC)), (0, 2, 1))
     else:
         u = 0.5
@@ -316,8 +314,7 @@ def _quantize_store_half(q_ptr, v, s, inv_s, seed, blk0, cols, n_blk, C, ldq, gr
     if STOCHASTIC:
         tl.static_assert(E4M3 and RP == 16, "pairs: e4m3 uniforms, one counter a block")
         counters = cols.to(tl.int64)[None, :] * groups_per_row + blk[:, None]
-        u = tl.reshape(counter_uniforms(seed, counters.to(tl.uint32), not INTERPRET, True,
-                                           not INTERPRET),
+        u = tl.reshape(counter_uniforms(seed, counters.to(tl.uint32), not INTERPRET, True),
                        (BT, N, RP))
     else:
         u = 0.5
