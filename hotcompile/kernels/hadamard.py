@@ -516,18 +516,13 @@ def store_levels(ptrs, q, mask, FP8: tl.constexpr):
 
 
 @triton.jit
-def _load_raw_rows(g_ptr, rows, col0, L, O, stride_g, BC: tl.constexpr):
-    """g[rows, col0:col0+BC] in g's own dtype (zeros outside L x O)."""
+def _load_rows(g_ptr, rows, col0, L, O, stride_g, BC: tl.constexpr):
+    """g[rows, col0:col0+BC] as fp32 (zeros outside L x O: the reference's zero padding
+    of O)."""
     cols = col0 + tl.arange(0, BC)
     mask = (rows < L)[:, None] & (cols < O)[None, :]
-    return tl.load(g_ptr + rows.to(tl.int64)[:, None] * stride_g + cols[None, :], mask=mask,
-                   other=0.0)
-
-
-@triton.jit
-def _load_rows(g_ptr, rows, col0, L, O, stride_g, BC: tl.constexpr):
-    """``_load_raw_rows`` as fp32."""
-    return _load_raw_rows(g_ptr, rows, col0, L, O, stride_g, BC).to(tl.float32)
+    x = tl.load(g_ptr + rows.to(tl.int64)[:, None] * stride_g + cols[None, :], mask=mask, other=0.0)
+    return x.to(tl.float32)
 
 
 @triton.jit
@@ -594,37 +589,11 @@ def _quantize_row_chunks(g_ptr, q_ptr, s, inv_s, seed, rows, L, O, O_pad, stride
 
 
 @triton.jit
-def _opaque16(x, INTERPRET: tl.constexpr):
-    """x (16-bit) through an identity the compiler cannot see through (GPU)."""
-    if INTERPRET:
-        return x
-    else:
-        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=x.dtype,
-                                         is_pure=False, pack=2)
-
-
-@triton.jit
-def _held_values(h, PLAIN: tl.constexpr, HOLD_INPUT: tl.constexpr, INTERPRET: tl.constexpr):
-    """The values a held chunk stands for: h, or with ``HOLD_INPUT`` (h is g as read) its
-    transform computed again from an opaque copy (else merged with the first sweep's)."""
-    if HOLD_INPUT:
-        x = _opaque16(h, INTERPRET).to(tl.float32)
-        if PLAIN:
-            return x
-        else:
-            return fwht16_lastdim(x)
-    else:
-        return h
-
-
-@triton.jit
 def _held_chunk(g_ptr, rows, i: tl.constexpr, L, O, stride_g, xm, vm, BC: tl.constexpr,
-                PLAIN: tl.constexpr, ROW_MAX: tl.constexpr, HOLD_INPUT: tl.constexpr):
+                PLAIN: tl.constexpr, ROW_MAX: tl.constexpr):
     """Chunk i (columns i * BC ..) of a row set, read, transformed (unless ``PLAIN``) and
-    folded into the elementwise running maxima of |x| (``ROW_MAX``) and |v|; held as v or
-    with ``HOLD_INPUT`` as g's 16-bit values."""
-    raw = _load_raw_rows(g_ptr, rows, i * BC, L, O, stride_g, BC)
-    x = raw.to(tl.float32)
+    folded into the elementwise running maxima of |x| (``ROW_MAX``) and |v|."""
+    x = _load_rows(g_ptr, rows, i * BC, L, O, stride_g, BC)
     if PLAIN:
         v = x
     else:
@@ -637,17 +606,14 @@ def _held_chunk(g_ptr, rows, i: tl.constexpr, L, O, stride_g, xm, vm, BC: tl.con
         vm = tl.maximum(vm, abs_bits(v))
         if ROW_MAX:
             xm = tl.maximum(xm, abs_bits(x))
-    if HOLD_INPUT:
-        return raw, xm, vm
-    else:
-        return v, xm, vm
+    return v, xm, vm
 
 
 @triton.jit
 def _hq_token_kernel(g_ptr, q_ptr, s_ptr, seed_ptr, m_ptr, z_ptr, L, O, O_pad, stride_g, ldq,
                      groups_per_row, BR: tl.constexpr, BC: tl.constexpr, CHUNKS: tl.constexpr,
                      Q: tl.constexpr, FP8: tl.constexpr, INTERPRET: tl.constexpr,
-                     ROW_MAX: tl.constexpr, PLAIN: tl.constexpr, HOLD_INPUT: tl.constexpr):
+                     ROW_MAX: tl.constexpr, PLAIN: tl.constexpr):
     """Per-token (per-row) scales: one program owns BR whole rows.
 
     ``CHUNKS`` = n (1 to ``HELD_CHUNKS``): a row is n chunks of BC columns, each read and
@@ -672,9 +638,8 @@ def _hq_token_kernel(g_ptr, q_ptr, s_ptr, seed_ptr, m_ptr, z_ptr, L, O, O_pad, s
         vm = xm
         held = ()
         for i in tl.static_range(CHUNKS):     # unrolled: each chunk's values stay in registers
-            h, xm, vm = _held_chunk(g_ptr, rows, i, L, O, stride_g, xm, vm, BC, PLAIN, ROW_MAX,
-                                    HOLD_INPUT)
-            held = held + (h,)
+            v, xm, vm = _held_chunk(g_ptr, rows, i, L, O, stride_g, xm, vm, BC, PLAIN, ROW_MAX)
+            held = held + (v,)
         if ROW_MAX:
             if PLAIN:
                 xm = vm
@@ -684,8 +649,7 @@ def _hq_token_kernel(g_ptr, q_ptr, s_ptr, seed_ptr, m_ptr, z_ptr, L, O, O_pad, s
         inv_s = tl.math.div_rn(1.0, s)
         ieee = ieee_quotients(inv_s, PLAIN)
         for i in tl.static_range(CHUNKS):
-            _quantize_store_rows(q_ptr, _held_values(held[i], PLAIN, HOLD_INPUT, INTERPRET),
-                                 s[:, None], inv_s[:, None], seed, rows, i * BC,
+            _quantize_store_rows(q_ptr, held[i], s[:, None], inv_s[:, None], seed, rows, i * BC,
                                  L, O_pad, ldq, groups_per_row, BC, Q, True, FP8, INTERPRET,
                                  ieee, PLAIN, (CHUNKS >= _PERMUTE_CHUNKS) and not INTERPRET)
     else:
@@ -1249,12 +1213,6 @@ def token_tile(O_pad: int, interp: bool) -> tuple[int, int, int, int]:
     return bc, chunks, br, 8 if br == 1 and bc >= 4096 and chunks * bc > 8192 else 4
 
 
-def hold_input(g: torch.Tensor, chunks: int) -> bool:
-    """EXPERIMENT: ``HOT_HQ_TOKEN_HOLD`` = input | transform."""
-    return (chunks > 0 and g.element_size() == 2
-            and os.environ.get("HOT_HQ_TOKEN_HOLD", "input") == "input")
-
-
 def input_amax_bits(x: torch.Tensor, dim=None):
     """max |x| (of all of x, or along ``dim``) as the int32 bits of an fp32 value, the form
     the kernels read (``abs_bits``): the input of ``reference.e4m3_bound_scale``. A plain
@@ -1339,7 +1297,7 @@ def _per_token(g, Q: int, seed, fp8: bool, row_max: bool, plain: bool):
     launch(_hq_token_kernel, (triton.cdiv(L, br),),
            g, q, s, seed_t, m, z, L, O, O_pad, g.stride(0), O_pad, philox_counters(O_pad),
            BR=br, BC=bc, CHUNKS=chunks, Q=Q, FP8=fp8, INTERPRET=interp,
-           ROW_MAX=row_max, PLAIN=plain, HOLD_INPUT=hold_input(g, chunks), num_warps=warps)
+           ROW_MAX=row_max, PLAIN=plain, num_warps=warps)
     return (q, s, m, z) if row_max else (q, s)
 
 
