@@ -772,6 +772,16 @@ def test_gate_pool_gaps_against_the_mean_of_every_baseline(tmp_path):
     assert rows["inductor"]["mean"] == pytest.approx(0.0)
     text = open(md).read()
     assert text == out.stdout and "| stdlib | `hot` | 4 |" in text and "**no**" in text
+    # +1.35% over 3 runs spread by ~1.5%: the 1% line is within 2 sem, so the "no" is open
+    assert rows["hot"]["decided"].startswith("open: ~") and rows["inductor"]["decided"] is None
+    assert gate_pool.decided(0.002, 0.001, 8) == "pass"
+    assert gate_pool.decided(-0.002, 0.001, 8) == "pass"
+    assert gate_pool.decided(0.02, 0.003, 8) == "fail"
+    assert gate_pool.decided(-0.02, 0.003, 8) == "fail"
+    # the fifty-fifth stop's stdlib pool: +0.55% (sem 0.28) on 8 runs: sd 0.79%, 0.45 from
+    # the line -> (2 * 0.79 / 0.45)^2 = 12.4 -> 13 runs
+    assert gate_pool.decided(0.0055, 0.0028, 8) == "open: ~13 runs"
+    assert gate_pool.decided(0.0055, None, 1) == "open: one run"
 
 
 @pytest.mark.slow     # ~1.5 min on 2 cores
