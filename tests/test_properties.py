@@ -71,6 +71,7 @@ tests at the end are the hand-minimised failures, each naming the commit it fail
 from __future__ import annotations
 
 import copy
+import json
 import dataclasses
 import linecache
 import re
@@ -660,73 +661,120 @@ SETTINGS = dict(deadline=None, derandomize=True, database=None, print_blob=False
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
+# Each suite's draws (``cases`` arguments) and its check, by name: the tests below run a
+# fixed (derandomized) sample of each; ``tests/discover_properties.py`` runs the same suites
+# on seeds of its own, for as long as it is given, to find what that sample does not hold.
+SUITES = {
+    "spellings": dict(kinds=("linear", "linear", "linear", "shared", "break", "swap",
+                             "token_slice"), max_blocks=4),
+    "frozen_shared_tied": dict(kinds=("linear", "tied", "frozen_pair", "frozen_pair", "shared",
+                                      "break"),
+                               max_blocks=4, layouts=("2d", "2d", "bsd", "sbd", "4d"),
+                               x_grad=0.25),
+    "products": dict(kinds=("linear", "linear", "attn", "attn", "input_prod", "mixed_use",
+                            "gram", "break", "swap", "token_slice"), max_blocks=4),
+    "autocast": dict(kinds=("linear", "linear", "shared", "tied", "frozen_pair", "attn",
+                            "input_prod", "mixed_use", "gram", "break", "swap", "token_slice"),
+                     dtypes=(torch.bfloat16, torch.float16), max_blocks=3),
+    "recompute": dict(kinds=("linear", "linear", "shared", "tied", "frozen_pair", "attn",
+                             "mixed_use", "break", "swap", "token_slice"),
+                      dtypes=(torch.bfloat16, None), max_blocks=3),
+    "fp8_forward": dict(kinds=("linear", "linear", "linear", "shared", "tied", "frozen_pair",
+                               "mixed_use", "break", "swap", "token_slice"),
+                        dtypes=(torch.bfloat16, None), max_blocks=4,
+                        feats=(16, 32, 48, 16, 24)),
+}
+
+
+def check_fp8_forward(case: Case) -> Result:
+    """The FP8 forward on a case: row-wise under bf16 autocast, tensor-wise in fp32, every
+    site forced; properties 1-5 at ``FP8_TOL``."""
+    fwd = "fp8_rowwise" if case.dtype == torch.bfloat16 else "fp8"
+    r = run_case(case, forward=fwd, min_speedup=0)
+    check_properties(r, FP8_TOL)
+    return r
+
+
+CHECKS = {name: check_case for name in SUITES}
+CHECKS["recompute"] = lambda case: check_case(case, recompute_operands=True)
+CHECKS["fp8_forward"] = check_fp8_forward
+
+
 @pytest.mark.slow     # 15-25 examples of 1-4 compiles each: 2.5-4.5 min on 2 cores
 @settings(max_examples=25, **SETTINGS)
-@given(case=cases(kinds=("linear", "linear", "linear", "shared", "break", "swap",
-                         "token_slice"), max_blocks=4))
+@given(case=cases(**SUITES["spellings"]))
 def test_linear_spellings_layouts_fp32(case):
     """Every linear spelling, layout and input view, layouts changing mid-model; bias,
     frozen and column-major weights, shared weights, graph breaks."""
-    check_case(case)
+    CHECKS["spellings"](case)
 
 
 @pytest.mark.slow     # 15-25 examples of 1-4 compiles each: 2.5-4.5 min on 2 cores
 @settings(max_examples=25, **SETTINGS)
-@given(case=cases(kinds=("linear", "tied", "frozen_pair", "frozen_pair", "shared", "break"),
-                  max_blocks=4, layouts=("2d", "2d", "bsd", "sbd", "4d"), x_grad=0.25))
+@given(case=cases(**SUITES["frozen_shared_tied"]))
 def test_frozen_shared_tied_fp32(case):
     """Frozen layers (alone and reading a trainable layer's x), shared and tied weights.
     Inputs mostly need no grad here (frozen-backbone style: then a frozen layer makes no
     autograd node at all)."""
-    check_case(case)
+    CHECKS["frozen_shared_tied"](case)
 
 
 @pytest.mark.slow     # 15-25 examples of 1-4 compiles each: 2.5-4.5 min on 2 cores
 @settings(max_examples=25, **SETTINGS)
-@given(case=cases(kinds=("linear", "linear", "attn", "attn", "input_prod", "mixed_use",
-                         "gram", "break", "swap", "token_slice"), max_blocks=4))
+@given(case=cases(**SUITES["products"]))
 def test_activation_products_never_rewritten(case):
     """q @ k^T, p @ v, their einsums, h @ (model input), also after graph breaks; a linear
     and a product reading one x; parameter x parameter products."""
-    check_case(case)
+    CHECKS["products"](case)
 
 
 @pytest.mark.slow     # 15-25 examples of 1-4 compiles each: 2.5-4.5 min on 2 cores
 @settings(max_examples=20, **SETTINGS)
-@given(case=cases(kinds=("linear", "linear", "shared", "tied", "frozen_pair", "attn",
-                         "input_prod", "mixed_use", "gram", "break", "swap", "token_slice"),
-                  dtypes=(torch.bfloat16, torch.float16), max_blocks=3))
+@given(case=cases(**SUITES["autocast"]))
 def test_autocast_bf16_fp16(case):
     """The same under CPU autocast; compared with eager under the same autocast."""
-    check_case(case)
+    CHECKS["autocast"](case)
 
 
 @pytest.mark.slow     # 15-25 examples of 1-4 compiles each: 2.5-4.5 min on 2 cores
 @settings(max_examples=15, **SETTINGS)
-@given(case=cases(kinds=("linear", "linear", "shared", "tied", "frozen_pair", "attn",
-                         "mixed_use", "break", "swap", "token_slice"),
-                  dtypes=(torch.bfloat16, None), max_blocks=3))
+@given(case=cases(**SUITES["recompute"]))
 def test_recompute_operands(case):
     """``recompute_operands``: inputs rebuilt in backward (tanh/relu/gelu outputs, views) and
     W read from the parameter, on shared, tied and frozen weights, under autocast and in
     fp32: the same properties."""
-    check_case(case, recompute_operands=True)
+    CHECKS["recompute"](case)
 
 
 @pytest.mark.slow     # 15 examples of 1-4 compiles each
 @settings(max_examples=15, **SETTINGS)
-@given(case=cases(kinds=("linear", "linear", "linear", "shared", "tied", "frozen_pair",
-                         "mixed_use", "break", "swap", "token_slice"),
-                  dtypes=(torch.bfloat16, None), max_blocks=4, feats=(16, 32, 48, 16, 24)))
+@given(case=cases(**SUITES["fp8_forward"]))
 def test_fp8_forward_rewritten_into_every_spelling(case):
     """The FP8 forward (x's cast, W's operand, the scaled GEMM: ``passes/forward.py``) on
     every spelling, layout and view, two linears back to back included: row-wise under
     bf16 autocast, tensor-wise in fp32. Mostly multiples of 16 wide, so most sites take
     it (24: stays bf16 with its reason). On the CPU ``_scaled_mm`` runs its reference
     kernel; the GPU suite (``test_gpu_properties.py``) runs cuBLAS's."""
-    fwd = "fp8_rowwise" if case.dtype == torch.bfloat16 else "fp8"
-    r = run_case(case, forward=fwd, min_speedup=0)
-    check_properties(r, FP8_TOL)
+    CHECKS["fp8_forward"](case)
+
+
+def test_discovery_run_records_a_pass_and_a_failure(monkeypatch, tmp_path):
+    """tests/discover_properties.py: a case of a suite from a seed of its own, checked as the
+    suite's test checks it; a failed property is a record with its message, not a crash,
+    and the run's exit status says that one failed."""
+    import discover_properties as D
+    rec = D.run_one("products", 5003)
+    assert rec["ok"] and rec["sites"] >= rec["rewritten"] >= 1 and rec["worst_rel"] < 0.10, rec
+
+    def broken(case):
+        raise AssertionError("P2: grad of layer0.weight off")
+    monkeypatch.setitem(D.P.CHECKS, "products", broken)
+    rec = D.run_one("products", 5003)
+    assert not rec["ok"] and "P2: grad of layer0.weight off" in rec["error"], rec
+    out = tmp_path / "runs.jsonl"
+    assert D.main(["products", "5003", "0", str(out)]) == 1
+    (line,) = out.read_text().splitlines()
+    assert json.loads(line)["ok"] is False
 
 
 # ----------------------------------------------------------------------------- regressions
