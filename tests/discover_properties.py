@@ -59,7 +59,9 @@ def run_one(suite: str, seed: int) -> dict:
                    rewritten=sum(rec_.reason is None for rec_ in r.report.layers),
                    sites=len(r.report.layers))
     except Exception as e:                     # a failed property or a crash: both findings
-        rec.update(ok=False, error=str(e)[-4000:], trace=traceback.format_exc()[-2000:])
+        msg = str(e)        # its first line names the property; compile logs can run long
+        rec.update(ok=False, error=msg if len(msg) <= 6000 else msg[:3000] + "\n...\n" + msg[-3000:],
+                   trace=traceback.format_exc()[-2000:])
     rec["s"] = round(time.time() - t0, 1)
     return rec
 
