@@ -71,9 +71,10 @@ tests at the end are the hand-minimised failures, each naming the commit it fail
 from __future__ import annotations
 
 import copy
-import json
 import dataclasses
+import json
 import linecache
+import random
 import re
 import traceback
 import warnings
@@ -813,7 +814,7 @@ def test_a_compile_error_plain_inductor_shares_is_not_hots(monkeypatch):
     compile alone hits is a P1 failure."""
     import sys
     me = sys.modules[__name__]
-    case = build_case(__import__("random").Random(5003), **SUITES["products"])
+    case = build_case(random.Random(5003), **SUITES["products"])
     real = me._step
 
     def both_fail(model, leaf, view, extras, case, compiled_with=None):
