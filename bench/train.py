@@ -198,6 +198,9 @@ MODELS: Dict[str, Callable] = {
     "gpt2_linear": build_gpt2(as_linear=True),
     "llama_d2048": build_llama(2048, 4, 16, 5632, 4096, 2),
     "llama_d4096": build_llama(4096, 2, 32, 11008, 2048, 4),
+    # the width scan (where HOT starts to pay): 4 x 2048 tokens like llama_d4096
+    "llama_d3072": build_llama(3072, 3, 24, 8192, 2048, 4),
+    "llama_d5120": build_llama(5120, 1, 40, 13824, 2048, 4),
     "tiny_gpt": build_tiny_gpt,
     "tiny_llama": build_tiny_llama,
     "tiny_vit": build_tiny_vit,
