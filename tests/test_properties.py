@@ -44,7 +44,8 @@ layers. Feature sizes 8..48 (multiples of 8 plus 12 and 20); token counts mostly
 multiples of 16 (1, 3, 5, 7, 9, 13, 17, 21, 25, 33, and 64).
 
 Tolerance (property 2), per gradient tensor: fp32 relative Frobenius error <= 0.10 and
-cosine >= 0.99; under bf16/fp16 autocast <= 0.15 and >= 0.985. Why: the config is
+cosine >= 0.99; under bf16/fp16 autocast <= 0.15 and >= 0.985 (a gradient cancelled below
+``GRAD_FLOOR`` of its example's largest: absolute error, see there). Why: the config is
 rank=16 of block=16, so HLA keeps every Hadamard coefficient (an orthogonal transform of
 each block of 16 tokens, padding tokens are zeros) and drops nothing; what is left is
 8-bit quantization of every operand (g_y per token and the projected g_y per tensor with
@@ -105,6 +106,35 @@ def near_exact_config(**extra) -> "hotcompile.HOTConfig":
 
 
 TOL = {None: (0.10, 0.99), torch.bfloat16: (0.15, 0.985), torch.float16: (0.15, 0.985)}
+# Property 2's floor for cancelled gradients. HOT's error is relative to the operands it
+# quantizes, not to their product: where an exact gradient cancels (a key projection over 4
+# tokens: g^T x summing to 6.6e-5 of the example's largest gradient norm), its error stays
+# at the operands' scale and its relative error means nothing (CPU discovery, fifty-fifth
+# stop: 0.13 and 2.5 there, the same over 32 stochastic seeds and with abc=False; in one
+# model a layer the pass left exact missed too, at roundoff). So a gradient whose exact norm
+# is below GRAD_FLOOR x the largest exact gradient norm of its example is judged on
+# absolute error: ||compiled - exact|| <= tol x GRAD_FLOOR x largest, no cosine. Those two
+# cases' errors were 8.5e-6 and 2.3e-6 of the largest (at most 0.28 of that allowance); an
+# error of the gradient's own size (a dropped or misrouted term) is still caught on any
+# gradient above tol x GRAD_FLOOR (3e-5 of the largest in fp32).
+GRAD_FLOOR = 3e-4
+
+
+def grad_verdict(gc, ge, largest: float, tol_rel: float, tol_cos: float):
+    """None if the compiled gradient ``gc`` is within property 2's bounds of the exact
+    ``ge``, else what is off; ``largest``: the largest exact gradient norm of the example
+    (``GRAD_FLOOR``)."""
+    floor = GRAD_FLOOR * largest
+    if float(ge.detach().double().norm()) < floor:
+        err = float((gc.detach().double() - ge.detach().double()).norm())
+        if err <= tol_rel * floor:
+            return None
+        return (f"abs err {err:.3g} > {tol_rel} x {GRAD_FLOOR} x the largest gradient norm "
+                f"{largest:.3g} (a gradient cancelled below the floor)")
+    e, c = rel_cos(gc, ge)
+    if e <= tol_rel and c >= tol_cos:
+        return None
+    return f"rel err {e:.4f} (tol {tol_rel}), cosine {c:.5f} (tol {tol_cos})"
 # where operands are e4m3 (the FP8 forward; on a GPU also g_W's operands): 3 mantissa bits,
 # ~2-4% RMS relative noise per operand instead of 8-bit levels' ~1%, compounding through
 # stacked layers; still far below a structural error (a wrong pairing or role: ~1, cosine
@@ -622,7 +652,10 @@ def check_properties(r: Result, tol=None) -> None:
     tol_rel, tol_cos = (tol or TOL)[case.dtype]
     assert r.out_c.shape == r.out_e.shape, (
         f"P2: output shape {r.out_c.shape} != {r.out_e.shape}{ctx}")
-    for name, gc, ge in grad_pairs(r):
+    pairs = list(grad_pairs(r))
+    largest = max((float(ge.detach().double().norm()) for _, _, ge in pairs if ge is not None),
+                  default=0.0)
+    for name, gc, ge in pairs:
         if ge is None:
             assert gc is None or gc.abs().max() == 0, (
                 f"P2: {name} has a grad only when compiled{ctx}")
@@ -630,10 +663,8 @@ def check_properties(r: Result, tol=None) -> None:
         assert gc is not None, f"P2: {name} got no gradient when compiled{ctx}"
         assert gc.shape == ge.shape, f"P2: {name} grad shape {gc.shape} != {ge.shape}{ctx}"
         assert torch.isfinite(gc).all(), f"P2: {name} grad not finite{ctx}"
-        e, c = rel_cos(gc, ge)
-        assert e <= tol_rel and c >= tol_cos, (
-            f"P2: grad of {name} off: rel err {e:.4f} (tol {tol_rel}), cosine {c:.5f} "
-            f"(tol {tol_cos}){ctx}")
+        off = grad_verdict(gc, ge, largest, tol_rel, tol_cos)
+        assert off is None, f"P2: grad of {name} off: {off}{ctx}"
     # 3: reasons
     for rec in report.layers:
         if rec.reason is None:
@@ -806,6 +837,39 @@ def test_discovery_run_records_a_pass_and_a_failure(monkeypatch, tmp_path):
     assert D.main(["products", "5003", "0", str(out)]) == 1
     (line,) = out.read_text().splitlines()
     assert json.loads(line)["ok"] is False
+
+
+def test_a_cancelled_gradient_is_judged_on_absolute_error():
+    """Property 2 below ``GRAD_FLOOR``: a gradient cancelled to 1e-5 of the example's largest
+    passes with an error that is 10% of itself (HOT's error follows its operands, not their
+    cancelled product); a wrong gradient of 1e-4 of the largest, a 20% error on a normal
+    one and a wrong direction are still caught."""
+    g = torch.Generator().manual_seed(0)
+    big = torch.randn(48, 48, generator=g, dtype=torch.float64)
+    largest = float(big.norm())
+    tol_rel, tol_cos = TOL[None]
+    cancelled = torch.randn(16, 48, generator=g, dtype=torch.float64)
+    cancelled *= 1e-5 * largest / cancelled.norm()
+    noisy = cancelled + 0.5 * cancelled.norm() * torch.randn(16, 48, generator=g,
+                                                            dtype=torch.float64) / 28
+    assert rel_cos(noisy, cancelled)[0] > tol_rel              # the old bound failed it
+    assert grad_verdict(noisy, cancelled, largest, tol_rel, tol_cos) is None
+    small = cancelled * 10                                       # 1e-4 of the largest
+    assert "cancelled below the floor" in grad_verdict(-small, small, largest, tol_rel, tol_cos)
+    off = big + 0.2 * big.norm() * torch.randn(48, 48, generator=g, dtype=torch.float64) / 48
+    assert "rel err" in grad_verdict(off, big, largest, tol_rel, tol_cos)
+    assert grad_verdict(big, big, largest, tol_rel, tol_cos) is None
+    assert grad_verdict(big.flip(0), big, largest, tol_rel, tol_cos) is not None
+
+
+def test_the_cancelled_key_projection_discovery_found_now_passes():
+    """The fifty-fifth stop's CPU discovery case (products, seed 5005): a key projection's
+    gradient over 4 tokens cancels to ~7e-5 of the model's largest and missed the relative
+    bound (0.128 > 0.10) by HOT's operand-scale error. Checked as the suite checks it; the
+    case must still have that cancelled gradient (else this test no longer tests it)."""
+    r = CHECKS["products"](build_case(random.Random(5005), **SUITES["products"]))
+    norms = {n: float(ge.norm()) for n, _, ge in grad_pairs(r) if ge is not None}
+    assert min(norms.values()) < GRAD_FLOOR * max(norms.values()), norms
 
 
 def test_a_compile_error_plain_inductor_shares_is_not_hots(monkeypatch):
