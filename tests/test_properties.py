@@ -851,7 +851,7 @@ def test_discovery_run_records_a_pass_and_a_failure(monkeypatch, tmp_path):
 
 def test_a_cancelled_gradient_is_judged_on_absolute_error():
     """Property 2 below ``GRAD_FLOOR``: a gradient cancelled to 1e-5 of the example's largest
-    passes with an error that is 10% of itself (HOT's error follows its operands, not their
+    passes with an error of half its own size (HOT's error follows its operands, not their
     cancelled product); a wrong gradient of 1e-4 of the largest, a 20% error on a normal
     one and a wrong direction are still caught."""
     g = torch.Generator().manual_seed(0)
