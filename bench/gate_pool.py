@@ -83,7 +83,7 @@ def decided(mean: float, sem, runs: int) -> str:
     dist = GATE - abs(mean)                  # > 0 inside the gate
     if abs(dist) >= 2 * sem:
         return "pass" if dist > 0 else "fail"
-    if dist == 0 or sem == 0:
+    if dist == 0:                            # on the line (sem > 0 here)
         return "open"
     sd = sem * math.sqrt(runs)
     return f"open: ~{math.ceil((2 * sd / abs(dist)) ** 2)} runs"

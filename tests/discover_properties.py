@@ -54,13 +54,9 @@ def run_one(suite: str, seed: int) -> dict:
     try:
         r = P.CHECKS[suite](case)
         assert not kernel_access.MISMATCHES, kernel_access.MISMATCHES
-        pairs = [(gc, ge) for _, gc, ge in P.grad_pairs(r) if gc is not None and ge is not None]
-        largest = P.largest_norm(ge for _, ge in pairs)
-        # property 2's relative errors: gradients cancelled below its floor are judged on
-        # absolute error (``P.GRAD_FLOOR``) and counted apart
-        floored = [P.below_floor(ge, largest) for _, ge in pairs]
-        errs = [P.rel_cos(gc, ge)[0] for (gc, ge), f in zip(pairs, floored) if not f]
-        rec.update(ok=True, worst_rel=max(errs, default=0.0), floored=sum(floored),
+        errs, floored = P.grad_errors(r)       # cancelled gradients counted apart
+        rec.update(ok=True, worst_rel=max((e for _, e, _ in errs), default=0.0),
+                   floored=len(floored),
                    rewritten=sum(rec_.reason is None for rec_ in r.report.layers),
                    sites=len(r.report.layers))
     except P.InductorFailsToo:                  # torch's bug, not HOT's: recorded apart

@@ -65,12 +65,7 @@ def _log(r, suite: str) -> None:
     path = os.environ.get("HOT_PROPS_LOG")
     if not path:
         return
-    pairs = [(name, gc, ge) for name, gc, ge in P.grad_pairs(r)
-             if gc is not None and ge is not None]
-    largest = P.largest_norm(ge for _, _, ge in pairs)
-    # gradients cancelled below property 2's floor are judged on absolute error: apart
-    floored = [name for name, _, ge in pairs if P.below_floor(ge, largest)]
-    errs = [(name, *P.rel_cos(gc, ge)) for name, gc, ge in pairs if name not in floored]
+    errs, floored = P.grad_errors(r)           # cancelled gradients counted apart
     recs = r.report.layers
     with open(path, "a") as f:
         f.write(json.dumps({

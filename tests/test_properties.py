@@ -638,6 +638,16 @@ def grad_pairs(r: Result):
             yield f"model input b{j}", ec.grad, ee.grad
 
 
+def grad_errors(r: Result):
+    """(errors, floored): (name, relative error, cosine) of every gradient both runs have,
+    and the names of those cancelled below ``GRAD_FLOOR`` (judged on absolute error, so
+    left out of the errors): what the discovery driver and the GPU suite's log record."""
+    pairs = [(n, gc, ge) for n, gc, ge in grad_pairs(r) if gc is not None and ge is not None]
+    largest = largest_norm(ge for _, _, ge in pairs)
+    floored = [n for n, _, ge in pairs if below_floor(ge, largest)]
+    return [(n, *rel_cos(gc, ge)) for n, gc, ge in pairs if n not in floored], floored
+
+
 def describe(r: Result) -> str:
     c = r.case
     inp = f"x: {c.layout} {(*c.lead, c.d0)} {c.view}, requires_grad={c.x_grad}"
