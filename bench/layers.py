@@ -62,6 +62,10 @@ LAYERS = [  # (group, name, L, I, O)
     ("Llama d4096", "attn", 8192, 4096, 4096),
     ("Llama d4096", "gate/up", 8192, 4096, 11008),
     ("Llama d4096", "down", 8192, 11008, 4096),
+    # Llama d2048 (llama_d2048: 2 x 4096 tokens), where the gate's calls are closest
+    ("Llama d2048", "attn", 8192, 2048, 2048),
+    ("Llama d2048", "gate/up", 8192, 2048, 5632),
+    ("Llama d2048", "down", 8192, 5632, 2048),
 ]
 # Acceptance shapes of issue 3: HOT >= 2x bf16 and >= 1.5x unfused on these.
 TARGET_LAYERS = {("ViT-B/16 bs64", "fc1"), ("ViT-B/16 bs64", "fc2"), ("GPT d=4096", "fc1"),

@@ -174,7 +174,7 @@ def main(argv=None):
     device = C.pick_device(a.device)
     recs = []
     for model in a.models.split(","):
-        for mode in a.modes.split(","):
+        for mode in C.mode_list(a.modes):
             t = time.perf_counter()
             try:
                 rec = profile_one(model, mode, opts)
