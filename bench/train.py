@@ -190,6 +190,9 @@ def build_tiny_vit(device):
 MODELS: Dict[str, Callable] = {
     "vit_b16_bs64": build_timm("vit_base_patch16_224", 64, 197, "timm vit_base_patch16_224"),
     "vit_b16_bs128": build_timm("vit_base_patch16_224", 128, 197, "timm vit_base_patch16_224"),
+    # larger ViT-B batches: where the cost gate's line for fc2 (3072 -> 768) lies
+    "vit_b16_bs192": build_timm("vit_base_patch16_224", 192, 197, "timm vit_base_patch16_224"),
+    "vit_b16_bs256": build_timm("vit_base_patch16_224", 256, 197, "timm vit_base_patch16_224"),
     "efficientformer_l7": build_timm(
         "efficientformer_l7", 64, 49,
         "timm efficientformer_l7; only its last stage (7x7=49 tokens) has nn.Linear layers; "
