@@ -18,6 +18,12 @@ off by -10..+5%). In default compile mode each HOT site also costs host
 time (Python dispatch of its ops, Triton's launcher for ~12 kernels) that the GPU cannot
 hide when the site's GPU work is shorter: there the prediction is
 ``max(gpu, host)``; under CUDA graphs (``reduce-overhead``) only the GPU time counts.
+Where the spliced path will own autocast's cast of the site's weight (``weight_cast.py``:
+an fp32 parameter under autocast, both gradients HOT, g_x on the FP8 GEMM), W is priced as
+it runs in the model, not as ``bench/layers.py`` times it on a bf16 weight: the exact
+backward re-casts the fp32 parameter (the partitioner recomputes autocast's cast rather than
+keep the bf16 copy), HOT's backward reads a W operand written in the forward by one read of
+the copy, a launch serving up to 8 weights (``STEP_LINES``).
 Both GEMMs are modelled on the paths the site will take (``gx_gemm_kernel``,
 ``gw_gemm_kernel``). The g_x GEMM: cuBLAS FP8 for bf16 g_y with per-token scales, the INT8
 kernel otherwise (fp32 training, per-tensor or LQS scales). The g_W GEMM: cuBLAS FP8 where
@@ -52,10 +58,20 @@ KERNELS = ("grad_out", "hq_g_token", "hq_w", "hq_w_fp32", "hq_cublas", "hq_int8"
 # run has timed it alone.
 SAME_LINE = {"rebuild_x": "fwd_cast_x"}
 
+# lines measured in a model's step, not fitted by bench/fit_cost.py on isolated layers: a
+# weight whose autocast cast HOT owns (``weight_cast.py``). ``w_recast``: the exact
+# backward's cast of the fp32 parameter to bf16 (4 bytes read, 2 written an element), which
+# the partitioner recomputes there rather than keep the copy; ``hq_w_owned``: HQ's W operand
+# as the forward's ``_weight_operands_kernel`` writes it (the bf16 copy read, HQ's and the
+# FP8 forward's e4m3 written: 4 bytes an element, both writes charged to the backward) plus
+# ``_weight_cast_kernel``'s cost over the forward cast it replaces (its maxima). The exact
+# step's forward cast and HOT's copy cancel.
+STEP_KERNELS = ("hq_w_owned", "w_recast")
+
 
 def site_kernels(gx: bool, gw: bool, rank: int = 16, gx_gemm: str = "hq_cublas",
                  gw_gemm: str = "hla_int8", w_fp32: bool = False, rebuild_x: bool = False,
-                 gx_e4m3: bool = False) -> tuple:
+                 gx_e4m3: bool = False, w_owned: bool = False) -> tuple:
     """The kernels of a site's HOT backward (``abc_x``: its share of the forward's ABC,
     which writes the saved x K-major, as the g_W GEMM reads it; ``hla_g``: g's HLA operand,
     written K-major).
@@ -64,13 +80,15 @@ def site_kernels(gx: bool, gw: bool, rank: int = 16, gx_gemm: str = "hq_cublas",
     ``hq_grad_input`` or ``hla_grad_weight`` alone. ``gx_gemm`` / ``gw_gemm``: the GEMMs'
     paths (``gx_gemm_kernel``, ``gw_gemm_kernel``). ``recompute_operands``: ``w_fp32``, HQ's
     W kernel reads the fp32 parameter; ``rebuild_x``, backward rebuilds x first.
+    ``w_owned``: HQ's W operand comes from the forward's W kernel (``hq_w_owned``, for a
+    site whose weight cast HOT owns: ``STEP_KERNELS``).
     ``gx_e4m3`` (an exact_gx site under ``exact_gx_gemm="e4m3"``, ``gx`` False): its g_x on
     FP8 without HQ, priced on HQ's lines, whose kernels it runs: the per-token kernel
     writing g's e4m3 copy (``hadamard.grad_e4m3``), the W kernel writing the plain operand
     and the row-wise cuBLAS FP8 GEMM. Not fitted on its own: the head's timings
     (``bench/head_gx_gemm.py``, H200, 8192 x 32000 -> 4096) put the copy at 0.395 ms and
     the W kernel at 0.151 ms, beside HQ g's 0.0405 ms at 8192 x 4096 (g 8x smaller)."""
-    hq_w = "hq_w_fp32" if w_fp32 else "hq_w"
+    hq_w = "hq_w_fp32" if w_fp32 else "hq_w_owned" if w_owned else "hq_w"
     if gx_e4m3 and not gx:
         return ("hq_g_token", hq_w, "hq_cublas") + site_kernels(False, gw, rank, gx_gemm,
                                                                 gw_gemm, w_fp32, rebuild_x)
@@ -114,6 +132,8 @@ def work(kernel: str, L: int, I: int, O: int, rank: int, block: int) -> float:
         "hq_g_token": 2 * L * O + L * o_pad,         # g_y bf16 in, levels out
         "hq_w": 2 * O * I + I * o_pad,
         "hq_w_fp32": 4 * O * I + I * o_pad,
+        "hq_w_owned": 4 * O * I,                     # copy in, HQ's and the forward's e4m3 out
+        "w_recast": 6 * O * I,                       # fp32 parameter in, bf16 copy out
         "rebuild_x": 4 * L * I,                      # >= 2 bytes of kept input read, x written
         "hq_cublas": 2 * L * I * o_pad,
         "hq_int8": 2 * L * I * o_pad,
@@ -137,23 +157,37 @@ class CostModel:
     host_hot_ms: float                        # host time of one HOT site's ``hot::`` ops
     host_exact_ms: float                      # the same for the two exact GEMMs
     host_spliced_ms: float = 0.074            # one spliced site (Inductor launches it)
+    # ``STEP_KERNELS`` lines, measured in a model's step; a table without them prices an
+    # owned weight cast like any other W (``prices_owned_w``)
+    step_lines: Dict[str, Tuple[float, float]] = dataclasses.field(default_factory=dict)
 
     def kernel_ms(self, k: str, L: int, I: int, O: int, rank: int, block: int) -> float:
-        fixed, slope = self.kernels[SAME_LINE.get(k, k)]
+        k = SAME_LINE.get(k, k)
+        fixed, slope = self.step_lines[k] if k in STEP_KERNELS else self.kernels[k]
         return fixed + slope * work(k, L, I, O, rank, block)
+
+    @property
+    def prices_owned_w(self) -> bool:
+        """Whether this table has the lines of a weight whose cast HOT owns."""
+        return all(k in self.step_lines for k in STEP_KERNELS)
 
     def gpu_ms(self, L: int, I: int, O: int, rank: int, block: int, gx: bool = True,
                gw: bool = True, abc_share: float = 1.0,
                gx_gemm: str = "hq_cublas", gw_gemm: str = "hla_int8", w_fp32: bool = False,
-               rebuild_x: bool = False, gx_e4m3: bool = False) -> Tuple[float, float]:
+               rebuild_x: bool = False, gx_e4m3: bool = False,
+               w_owned: bool = False) -> Tuple[float, float]:
         """(exact, HOT) GPU time of the site's backward (+ its share of the ABC kernel and,
         with ``rebuild_x``, of x's rebuild: both shared by the sites reading one x).
-        ``gx_e4m3``: g_x on FP8 without HQ (``site_kernels``)."""
+        ``gx_e4m3``: g_x on FP8 without HQ (``site_kernels``). ``w_owned``: HOT owns the
+        site's weight cast (``STEP_KERNELS``; ignored by a table without those lines): the
+        exact side re-casts W, HOT's reads the forward's W operand."""
+        w_owned = w_owned and gx and not w_fp32 and self.prices_owned_w
         t = lambda k: self.kernel_ms(k, L, I, O, rank, block)  # noqa: E731
         exact = (t("gx_bf16") if gx or gx_e4m3 else 0.0) + (t("gw_bf16") if gw else 0.0)
+        exact += t("w_recast") if w_owned else 0.0
         hot = sum(t(k) * (abc_share if k in ("abc_x", "rebuild_x") else 1.0)
                   for k in site_kernels(gx, gw, rank, gx_gemm, gw_gemm, w_fp32, rebuild_x,
-                                        gx_e4m3))
+                                        gx_e4m3, w_owned))
         return exact, hot
 
     def predict_forward(self, L: int, I: int, O: int, x_share: float = 1.0) -> Tuple[float, float]:
@@ -167,12 +201,13 @@ class CostModel:
                 abc_share: float, graphs: bool, gx_gemm: str = "hq_cublas",
                 gw_gemm: str = "hla_int8", w_fp32: bool = False,
                 rebuild_x: bool = False, gx_e4m3: bool = False,
-                spliced: bool = False) -> Tuple[float, float]:
+                spliced: bool = False, w_owned: bool = False) -> Tuple[float, float]:
         """(exact, HOT) predicted ms; ``graphs``: the step replays a CUDA graph (no host);
         ``spliced``: the site's kernels are launched by Inductor (``passes/splice.py``),
-        whose host time is ``host_spliced_ms``, not the ``hot::`` ops' ``host_hot_ms``."""
+        whose host time is ``host_spliced_ms``, not the ``hot::`` ops' ``host_hot_ms``;
+        ``w_owned``: as ``gpu_ms``."""
         exact, hot = self.gpu_ms(L, I, O, rank, block, gx, gw, abc_share, gx_gemm, gw_gemm,
-                                 w_fp32, rebuild_x, gx_e4m3)
+                                 w_fp32, rebuild_x, gx_e4m3, w_owned)
         if not graphs:
             share = (int(gx or gx_e4m3) + int(gw)) / 2
             exact = max(exact, self.host_exact_ms * share)
@@ -260,6 +295,20 @@ H200 = CostModel(
     },
     host_hot_ms=H100.host_hot_ms,
     host_exact_ms=H100.host_exact_ms,
+    # From the fiftieth stop's step profile of Llama d4096 (2 layers + head, 8192 tokens;
+    # profile_2026-12-01T045219_h200_s50, device times of the kernels, no launch gaps).
+    # w_recast: Inductor's casts of the 15 fp32 weights, forward and backward alike
+    # (``_to_copy`` / ``_to_copy_t`` kernels, 0.024 / 0.061-0.065 / 0.182-0.189 ms at
+    # 4096 x 4096, 11008 x 4096, 32000 x 4096): least squares through the origin, the copy
+    # rate (4.24 TB/s). hq_w_owned: HOT's step instead ran ``_weight_operands_kernel``
+    # (0.725 ms) and ``_weight_cast_kernel`` (0.691 ms, against 0.584 ms of Inductor's
+    # forward casts of the same 14 weights) in two launches each: (0.725 + 0.107) ms over 4
+    # bytes of each of their 404.8 M elements; fixed cost the ``hq_w`` line's over the 8
+    # weights a launch serves (``hadamard.WEIGHT_SLOTS``). The ``hq_w`` line above (a bf16 W,
+    # one launch a weight, as bench/layers.py times it) had priced that W side at 1.12 ms
+    # of HOT backward for these 14 sites, and nothing on the exact side for 0.56 ms of
+    # backward re-casts (fifty-seventh stop).
+    step_lines={"hq_w_owned": (0.0044, 5.1390e-10), "w_recast": (0.0, 2.3561e-10)},
 )
 
 # a device name's marker -> its table; the first marker found in the name wins

@@ -35,7 +35,7 @@ from .grad_cast import fold_gw_cast
 from .recompute import parameter_weight_chain, replay_without_cast
 from .graph_utils import add_node, fake_mode_of, fake_run
 from .splice import config_splices, refusal, splice_ops
-from .weight_cast import own_weight_casts
+from .weight_cast import castable_weight, own_weight_casts
 from .tokens import AxisLabels
 
 HQ_OP = torch.ops.hot.hq_grad_input.default
@@ -119,6 +119,9 @@ def _cost_gate(sites: List[LinearSite], groups, config) -> None:
     # the g_W format is the group's (``abc.saved_format``: one saved x for all its sites, e4m3
     # only where every site's sizes suit cuBLAS's FP8 GEMM), so each site is priced on it
     gw_dims = {s.key: tuple(d for t in g for d in (t.I, t.O)) for g in groups.values() for s in g}
+    # the exact backward reads W through the sites' g_x mms: where nothing else reads it,
+    # a spliced HOT site will own autocast's cast (weight_cast.py), priced as the step runs it
+    w_readers = {s.gx for s in sites if s.eligible and s.gx is not None}
     rebuilt = set()             # recompute_operands: sites whose x backward rebuilds
     if config.recompute_operands:
         order = {n: i for i, n in enumerate(sites[0].fwd.graph.nodes)} if sites else {}
@@ -137,12 +140,16 @@ def _cost_gate(sites: List[LinearSite], groups, config) -> None:
                       else "not gated: unknown sizes")
             continue
         rank = s.rank if isinstance(s.rank, int) else config.block
+        gx_gemm = cost.gx_gemm_kernel(config, val, s.I)
+        spliced = config_splices(config, s.fwd.meta.get("recompute"))
+        w_owned = (spliced and gx_gemm == "hq_cublas" and s.gx is not None and s.gw is not None
+                   and s.w_chain is None and castable_weight(s, w_readers))
         price = lambda gx_e4m3: model.predict(  # noqa: E731
             *dims, rank, config.block, s.gx is not None, s.gw is not None,
-            1.0 / size.get(s.key, 1), graphs, cost.gx_gemm_kernel(config, val, s.I),
+            1.0 / size.get(s.key, 1), graphs, gx_gemm,
             cost.gw_gemm_kernel(config, val, gw_dims.get(s.key, (s.I, s.O))),
-            w_fp32=s.w_chain is not None,
-            rebuild_x=s.key in rebuilt, gx_e4m3=gx_e4m3, spliced=config_splices(config, s.fwd.meta.get("recompute")))
+            w_fp32=s.w_chain is not None, rebuild_x=s.key in rebuilt, gx_e4m3=gx_e4m3,
+            spliced=spliced, w_owned=w_owned)
         mode = 'CUDA graphs' if graphs else 'default mode, host time included'
         fails = lambda e, h: config.min_speedup > 0 and e < config.min_speedup * h  # noqa: E731
         exact, hot = price(False)

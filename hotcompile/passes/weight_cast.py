@@ -94,6 +94,17 @@ def _castable(cast: Node, ops: set) -> bool:
             and cast.meta.get("recompute") is None and not needed_in_backward(cast, ops))
 
 
+def castable_weight(s: LinearSite, readers: set) -> bool:
+    """Whether ``own_weight_casts`` can take over the cast behind site s's W, told before the
+    rewrite (the cost gate prices such a W as the step will run it, ``cost.STEP_KERNELS``):
+    W is, through layout views, autocast's cast of an fp32 2-D graph input that backward
+    reads only through ``readers`` (the eligible sites' g_x mms) and views. The rest of the
+    takeover's conditions (both gradients HOT's in one spliced op, g_x taking W as e4m3) are
+    the gate's to check."""
+    src = _source(s.wt)
+    return src.op == "call_function" and src.target in CASTS and _castable(src, readers)
+
+
 def _w_in_forward(unit: Node) -> bool:
     """Whether the unit op's g_x will take W as scaled e4m3: the operand the forward's
     ``hot::weight_operands`` writes (``formats.unit_w_is_e4m3``; the op checks it again)."""
