@@ -200,6 +200,7 @@ MODELS: Dict[str, Callable] = {
     "gpt2": build_gpt2(),
     "gpt2_linear": build_gpt2(as_linear=True),
     "llama_d2048": build_llama(2048, 4, 16, 5632, 4096, 2),
+    "llama_d1536": build_llama(1536, 4, 12, 4096, 4096, 2),
     "llama_d4096": build_llama(4096, 2, 32, 11008, 2048, 4),
     # the width scan (where HOT starts to pay): 4 x 2048 tokens like llama_d4096
     "llama_d3072": build_llama(3072, 3, 24, 8192, 2048, 4),

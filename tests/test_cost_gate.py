@@ -442,3 +442,25 @@ def test_gate_finds_the_weight_casts_hot_will_own(monkeypatch, autocast, x_grad)
                                  cost.gw_gemm_kernel(HOTConfig(), torch.empty(1), (64, 64)),
                                  spliced=True, w_owned=own)
         assert (exact, hot) == pytest.approx(want, abs=6e-5), (r, want)   # the report rounds
+
+
+def test_abcs_own_bound_is_priced_where_the_forward_stays_bf16():
+    """Where no FP8 forward cast of x gives ABC its bound, max |x| is a reduction of its own
+    (``abc_bound``, measured in the model): ViT-B's fc2 (a bf16 forward by the forward gate)
+    then stays exact at every batch up to 512 (bs192 rewritten had measured 0.974x, bs256
+    0.995x, fifty-seventh stop); Llama d2048's sites, FP8 forwards, keep their decisions."""
+    m = cost.H200
+    for bs in (64, 128, 192, 256, 512):
+        L = 197 * bs
+        b, f = m.predict_forward(L, 3072, 768)
+        assert b < f                                   # the forward stays bf16
+        e, h = m.predict(L, 3072, 768, 16, 16, True, True, 1.0, False, "hq_cublas",
+                         "hla_cublas", spliced=True, w_owned=True, x_bound=True)
+        assert e < 0.8 * h, (bs, e, h)
+    e0, h0 = m.gpu_ms(8192, 5632, 2048, 16, 16, gw_gemm="hla_cublas")
+    e1, h1 = m.gpu_ms(8192, 5632, 2048, 16, 16, gw_gemm="hla_cublas", x_bound=True)
+    assert e1 == e0 and h1 == pytest.approx(h0 + m.kernel_ms("abc_bound", 8192, 5632, 2048, 16, 16))
+    assert m.gpu_ms(8192, 5632, 2048, 16, 16, gw=False, x_bound=True) == m.gpu_ms(
+        8192, 5632, 2048, 16, 16, gw=False)
+    assert cost.H100.gpu_ms(8192, 5632, 2048, 16, 16, x_bound=True) == cost.H100.gpu_ms(
+        8192, 5632, 2048, 16, 16)

@@ -65,8 +65,10 @@ SAME_LINE = {"rebuild_x": "fwd_cast_x"}
 # as the forward's ``_weight_operands_kernel`` writes it (the bf16 copy read, HQ's and the
 # FP8 forward's e4m3 written: 4 bytes an element, both writes charged to the backward) plus
 # ``_weight_cast_kernel``'s cost over the forward cast it replaces (its maxima). The exact
-# step's forward cast and HOT's copy cancel.
-STEP_KERNELS = ("hq_w_owned", "w_recast")
+# step's forward cast and HOT's copy cancel. ``abc_bound``: max |x| for ABC's e4m3 scale
+# where no FP8 forward cast of x gives it: a reduction Inductor compiles over x (2 bytes an
+# element read), which ``abc_x``'s line (timed with the bound given) leaves out.
+STEP_KERNELS = ("hq_w_owned", "w_recast", "abc_bound")
 
 
 def site_kernels(gx: bool, gw: bool, rank: int = 16, gx_gemm: str = "hq_cublas",
@@ -134,6 +136,7 @@ def work(kernel: str, L: int, I: int, O: int, rank: int, block: int) -> float:
         "hq_w_fp32": 4 * O * I + I * o_pad,
         "hq_w_owned": 4 * O * I,                     # copy in, HQ's and the forward's e4m3 out
         "w_recast": 6 * O * I,                       # fp32 parameter in, bf16 copy out
+        "abc_bound": 2 * L * I,                      # x read by max |x|
         "rebuild_x": 4 * L * I,                      # >= 2 bytes of kept input read, x written
         "hq_cublas": 2 * L * I * o_pad,
         "hq_int8": 2 * L * I * o_pad,
@@ -175,12 +178,13 @@ class CostModel:
                gw: bool = True, abc_share: float = 1.0,
                gx_gemm: str = "hq_cublas", gw_gemm: str = "hla_int8", w_fp32: bool = False,
                rebuild_x: bool = False, gx_e4m3: bool = False,
-               w_owned: bool = False) -> Tuple[float, float]:
+               w_owned: bool = False, x_bound: bool = False) -> Tuple[float, float]:
         """(exact, HOT) GPU time of the site's backward (+ its share of the ABC kernel and,
         with ``rebuild_x``, of x's rebuild: both shared by the sites reading one x).
         ``gx_e4m3``: g_x on FP8 without HQ (``site_kernels``). ``w_owned``: HOT owns the
         site's weight cast (``STEP_KERNELS``; ignored by a table without those lines): the
-        exact side re-casts W, HOT's reads the forward's W operand."""
+        exact side re-casts W, HOT's reads the forward's W operand. ``x_bound``: ABC's max
+        |x| is a reduction of its own (no FP8 forward cast gives it; its share, like ABC's)."""
         w_owned = w_owned and gx and not w_fp32 and self.prices_owned_w
         t = lambda k: self.kernel_ms(k, L, I, O, rank, block)  # noqa: E731
         exact = (t("gx_bf16") if gx or gx_e4m3 else 0.0) + (t("gw_bf16") if gw else 0.0)
@@ -188,6 +192,8 @@ class CostModel:
         hot = sum(t(k) * (abc_share if k in ("abc_x", "rebuild_x") else 1.0)
                   for k in site_kernels(gx, gw, rank, gx_gemm, gw_gemm, w_fp32, rebuild_x,
                                         gx_e4m3, w_owned))
+        if x_bound and gw and "abc_bound" in self.step_lines:
+            hot += t("abc_bound") * abc_share
         return exact, hot
 
     def predict_forward(self, L: int, I: int, O: int, x_share: float = 1.0) -> Tuple[float, float]:
@@ -201,13 +207,14 @@ class CostModel:
                 abc_share: float, graphs: bool, gx_gemm: str = "hq_cublas",
                 gw_gemm: str = "hla_int8", w_fp32: bool = False,
                 rebuild_x: bool = False, gx_e4m3: bool = False,
-                spliced: bool = False, w_owned: bool = False) -> Tuple[float, float]:
+                spliced: bool = False, w_owned: bool = False,
+                x_bound: bool = False) -> Tuple[float, float]:
         """(exact, HOT) predicted ms; ``graphs``: the step replays a CUDA graph (no host);
         ``spliced``: the site's kernels are launched by Inductor (``passes/splice.py``),
         whose host time is ``host_spliced_ms``, not the ``hot::`` ops' ``host_hot_ms``;
-        ``w_owned``: as ``gpu_ms``."""
+        ``w_owned``, ``x_bound``: as ``gpu_ms``."""
         exact, hot = self.gpu_ms(L, I, O, rank, block, gx, gw, abc_share, gx_gemm, gw_gemm,
-                                 w_fp32, rebuild_x, gx_e4m3, w_owned)
+                                 w_fp32, rebuild_x, gx_e4m3, w_owned, x_bound)
         if not graphs:
             share = (int(gx or gx_e4m3) + int(gw)) / 2
             exact = max(exact, self.host_exact_ms * share)
@@ -308,7 +315,14 @@ H200 = CostModel(
     # one launch a weight, as bench/layers.py times it) had priced that W side at 1.12 ms
     # of HOT backward for these 14 sites, and nothing on the exact side for 0.56 ms of
     # backward re-casts (fifty-seventh stop).
-    step_lines={"hq_w_owned": (0.0044, 5.1390e-10), "w_recast": (0.0, 2.3561e-10)},
+    # abc_bound: a reduction over x Inductor compiled where the forward stayed bf16 (ViT-B
+    # bs192's fc2, its input GELU's output: 0.162 ms a site for 232 MB, fifty-seventh stop,
+    # profile_2026-12-02T125010_h200_s57_vit192_fc2) or fused into x's producer as a
+    # reduction kernel (Llama d4096's down_proj, SiLU(gate) * up: 0.64 against Inductor's
+    # pointwise 0.25 ms for 2 sites, 180 MB each, in the fiftieth stop's profile): the slower
+    # of the two, 1.07e-9 ms a byte, ~0.93 TB/s.
+    step_lines={"hq_w_owned": (0.0044, 5.1390e-10), "w_recast": (0.0, 2.3561e-10),
+                "abc_bound": (0.0, 1.0700e-09)},
 )
 
 # a device name's marker -> its table; the first marker found in the name wins

@@ -44,23 +44,33 @@ def gate_forward(sites: List[LinearSite], config) -> None:
         if s.group:
             shares[s.group] = shares.get(s.group, 0) + 1
     for s in sites:
-        x, y = s.x.meta.get("val"), s.fwd.meta.get("val")
-        if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
-            s.forward = "bf16"      # "auto" asked nothing it could resolve: no reason
-            s.forward_reason = "" if config.forward == "auto" else \
-                "no fake tensor to check the FP8 GEMM against"
-            continue
-        fmt, why = F8.forward_rule(config.forward, x.device, s.I, s.O, y.dtype)
-        if fmt != "bf16":
-            model = cost.model_for(x.device)
-            if model is not None and isinstance(s.L, int):
-                exact, fp8 = model.predict_forward(s.L, s.I, s.O, 1.0 / shares.get(s.group, 1))
-                s.forward_ms = (exact, fp8)
-                if config.min_speedup > 0 and exact < config.min_speedup * fp8:
-                    fmt, why = "bf16", (f"cost gate: predicted forward {fp8:.3f} ms in FP8 vs "
-                                        f"{exact:.3f} ms bf16 ({exact / fp8:.2f}x < min_speedup "
-                                        f"{config.min_speedup:g})")
-        s.forward, s.forward_reason = fmt, why
+        s.forward, s.forward_reason, ms = forward_plan(s, config, 1.0 / shares.get(s.group, 1))
+        s.forward_ms = ms or s.forward_ms
+
+
+def forward_plan(s: LinearSite, config, x_share: float = 1.0):
+    """(format, reason, (bf16 ms, FP8 ms) or None) of site s's forward: what ``gate_forward``
+    gives it, rewritten (the backward's gate asks first: where the forward stays bf16, ABC
+    takes its bound from a reduction of its own, ``cost.STEP_KERNELS``). ``x_share``: the
+    site's part of a cast of x shared by its group."""
+    if config.forward == "bf16":
+        return "bf16", "", None
+    x, y = s.x.meta.get("val"), s.fwd.meta.get("val")
+    if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
+        # "auto" asked nothing it could resolve: no reason
+        return "bf16", ("" if config.forward == "auto" else
+                        "no fake tensor to check the FP8 GEMM against"), None
+    fmt, why = F8.forward_rule(config.forward, x.device, s.I, s.O, y.dtype)
+    ms = None
+    if fmt != "bf16":
+        model = cost.model_for(x.device)
+        if model is not None and isinstance(s.L, int):
+            exact, fp8 = ms = model.predict_forward(s.L, s.I, s.O, x_share)
+            if config.min_speedup > 0 and exact < config.min_speedup * fp8:
+                fmt, why = "bf16", (f"cost gate: predicted forward {fp8:.3f} ms in FP8 vs "
+                                    f"{exact:.3f} ms bf16 ({exact / fp8:.2f}x < min_speedup "
+                                    f"{config.min_speedup:g})")
+    return fmt, why, ms
 
 
 def _bound_reader(s: LinearSite, buffers: Dict[str, Tuple[Node, Node]]) -> Optional[Node]:

@@ -30,7 +30,7 @@ from ..runtime.lqs import TABLE as LQS
 from . import cost
 from .abc import compress_inputs, group_by_base, rebuild_chain, saved_format
 from .find import LinearSite, find_linear_sites, is_forward
-from .forward import gate_forward, rewrite_forward
+from .forward import forward_plan, gate_forward, rewrite_forward
 from .grad_cast import fold_gw_cast
 from .recompute import parameter_weight_chain, replay_without_cast
 from .graph_utils import add_node, fake_mode_of, fake_run
@@ -144,12 +144,17 @@ def _cost_gate(sites: List[LinearSite], groups, config) -> None:
         spliced = config_splices(config, s.fwd.meta.get("recompute"))
         w_owned = (spliced and gx_gemm == "hq_cublas" and s.gx is not None and s.gw is not None
                    and s.w_chain is None and castable_weight(s, w_readers))
+        # ABC's e4m3 bound from a reduction of its own where no FP8 forward cast gives it
+        x_bound = (s.gw is not None
+                   and cost.gw_gemm_kernel(config, val, gw_dims.get(s.key, (s.I, s.O)))
+                   == "hla_cublas"
+                   and forward_plan(s, config, 1.0 / size.get(s.key, 1))[0] == "bf16")
         price = lambda gx_e4m3: model.predict(  # noqa: E731
             *dims, rank, config.block, s.gx is not None, s.gw is not None,
             1.0 / size.get(s.key, 1), graphs, gx_gemm,
             cost.gw_gemm_kernel(config, val, gw_dims.get(s.key, (s.I, s.O))),
             w_fp32=s.w_chain is not None, rebuild_x=s.key in rebuilt, gx_e4m3=gx_e4m3,
-            spliced=spliced, w_owned=w_owned)
+            spliced=spliced, w_owned=w_owned, x_bound=x_bound)
         mode = 'CUDA graphs' if graphs else 'default mode, host time included'
         fails = lambda e, h: config.min_speedup > 0 and e < config.min_speedup * h  # noqa: E731
         exact, hot = price(False)
