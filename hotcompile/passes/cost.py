@@ -23,7 +23,10 @@ an fp32 parameter under autocast, both gradients HOT, g_x on the FP8 GEMM), W is
 it runs in the model, not as ``bench/layers.py`` times it on a bf16 weight: the exact
 backward re-casts the fp32 parameter (the partitioner recomputes autocast's cast rather than
 keep the bf16 copy), HOT's backward reads a W operand written in the forward by one read of
-the copy, a launch serving up to 8 weights (``STEP_LINES``).
+the copy, a launch serving up to 8 weights (``STEP_KERNELS``). And where the site's forward
+stays bf16 (``forward.forward_plan``), ABC's e4m3 scale needs max |x| from a reduction of its
+own, which ``abc_x``'s line (timed with the bound given) leaves out: at ViT-B bs192's fc2
+that reduction cost 0.16 ms a site and made the site a loss the table called a gain.
 Both GEMMs are modelled on the paths the site will take (``gx_gemm_kernel``,
 ``gw_gemm_kernel``). The g_x GEMM: cuBLAS FP8 for bf16 g_y with per-token scales, the INT8
 kernel otherwise (fp32 training, per-tensor or LQS scales). The g_W GEMM: cuBLAS FP8 where
