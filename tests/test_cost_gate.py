@@ -405,16 +405,6 @@ def test_llama_d2048_decisions_with_the_owned_weight_lines():
     assert ratio(12608, 3072, 768, 1.0) < 0.9
 
 
-class CastMlp(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a = torch.nn.Linear(64, 64)
-        self.b = torch.nn.Linear(64, 64)
-
-    def forward(self, x):
-        return self.b(torch.relu(self.a(x)))
-
-
 @pytest.mark.parametrize("autocast,x_grad", [(True, True), (True, False), (False, True)])
 def test_gate_finds_the_weight_casts_hot_will_own(monkeypatch, autocast, x_grad):
     """Under autocast each site's W is a cast of an fp32 parameter that only its g_x mm
@@ -432,7 +422,7 @@ def test_gate_finds_the_weight_casts_hot_will_own(monkeypatch, autocast, x_grad)
     be = hotcompile.backend(HOTConfig(min_features=0, exclude=(), min_speedup=0))
     ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
     with ctx:
-        out = torch.compile(CastMlp(), backend=be)(torch.randn(2, 32, 64, requires_grad=x_grad))
+        out = torch.compile(Two(), backend=be)(torch.randn(2, 32, 64, requires_grad=x_grad))
     out.float().sum().backward()
     owned = [autocast and x_grad, autocast]
     assert seen == owned, seen
