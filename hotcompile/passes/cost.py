@@ -164,7 +164,7 @@ class CostModel:
     host_exact_ms: float                      # the same for the two exact GEMMs
     host_spliced_ms: float = 0.074            # one spliced site (Inductor launches it)
     # ``STEP_KERNELS`` lines, measured in a model's step; a table without them prices an
-    # owned weight cast like any other W (``prices_owned_w``)
+    # owned weight cast like any other W (``prices_owned_w``) and no bound of ABC's own
     step_lines: Dict[str, Tuple[float, float]] = dataclasses.field(default_factory=dict)
 
     def kernel_ms(self, k: str, L: int, I: int, O: int, rank: int, block: int) -> float:
@@ -175,7 +175,7 @@ class CostModel:
     @property
     def prices_owned_w(self) -> bool:
         """Whether this table has the lines of a weight whose cast HOT owns."""
-        return all(k in self.step_lines for k in STEP_KERNELS)
+        return "hq_w_owned" in self.step_lines and "w_recast" in self.step_lines
 
     def gpu_ms(self, L: int, I: int, O: int, rank: int, block: int, gx: bool = True,
                gw: bool = True, abc_share: float = 1.0,

@@ -140,21 +140,19 @@ def _cost_gate(sites: List[LinearSite], groups, config) -> None:
                       else "not gated: unknown sizes")
             continue
         rank = s.rank if isinstance(s.rank, int) else config.block
+        share = 1.0 / size.get(s.key, 1)
         gx_gemm = cost.gx_gemm_kernel(config, val, s.I)
+        gw_gemm = cost.gw_gemm_kernel(config, val, gw_dims.get(s.key, (s.I, s.O)))
         spliced = config_splices(config, s.fwd.meta.get("recompute"))
         w_owned = (spliced and gx_gemm == "hq_cublas" and s.gx is not None and s.gw is not None
                    and s.w_chain is None and castable_weight(s, w_readers))
         # ABC's e4m3 bound from a reduction of its own where no FP8 forward cast gives it
-        x_bound = (s.gw is not None
-                   and cost.gw_gemm_kernel(config, val, gw_dims.get(s.key, (s.I, s.O)))
-                   == "hla_cublas"
-                   and forward_plan(s, config, 1.0 / size.get(s.key, 1))[0] == "bf16")
+        x_bound = (s.gw is not None and gw_gemm == "hla_cublas"
+                   and forward_plan(s, config, share)[0] == "bf16")
         price = lambda gx_e4m3: model.predict(  # noqa: E731
-            *dims, rank, config.block, s.gx is not None, s.gw is not None,
-            1.0 / size.get(s.key, 1), graphs, gx_gemm,
-            cost.gw_gemm_kernel(config, val, gw_dims.get(s.key, (s.I, s.O))),
-            w_fp32=s.w_chain is not None, rebuild_x=s.key in rebuilt, gx_e4m3=gx_e4m3,
-            spliced=spliced, w_owned=w_owned, x_bound=x_bound)
+            *dims, rank, config.block, s.gx is not None, s.gw is not None, share, graphs,
+            gx_gemm, gw_gemm, w_fp32=s.w_chain is not None, rebuild_x=s.key in rebuilt,
+            gx_e4m3=gx_e4m3, spliced=spliced, w_owned=w_owned, x_bound=x_bound)
         mode = 'CUDA graphs' if graphs else 'default mode, host time included'
         fails = lambda e, h: config.min_speedup > 0 and e < config.min_speedup * h  # noqa: E731
         exact, hot = price(False)
