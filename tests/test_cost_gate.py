@@ -15,7 +15,7 @@ RESULT = os.path.join(RESULTS, "layers_2026-11-24T200300_h100-80gb-hbm3.json")
 # each chip's table, the bench/layers.py run it was fitted on, the fit's fixed-cost factor and
 # how far it may be off for backwards over 1 ms
 TABLES = [(cost.H100, RESULT, 0.929, 0.10),
-          (cost.H200, os.path.join(RESULTS, "layers_2026-11-30T040407_h200.json"), 2.468, 0.10)]
+          (cost.H200, os.path.join(RESULTS, "layers_2026-12-02T145339_h200.json"), 2.469, 0.10)]
 TABLE_IDS = ["h100", "h200"]
 
 

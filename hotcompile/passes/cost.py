@@ -271,29 +271,31 @@ H100 = CostModel(
 )
 
 
-# Fitted by bench/fit_cost.py on bench/results/layers_2026-11-30T040407_h200.json (forty-third
-# stop: the word-pair HLA tile, shipped since the forty-fourth; ABC timed as a site runs it,
-# its bound from x's producer; copy 4216 GB/s). The fixed costs were scaled by 2.468 so that
-# no layer's HOT time is under-estimated by more than 10% (the whole-backward replays it is
-# checked against time ABC with its own max |x| pass, which a site does not run: the table
-# errs towards exact). Host
-# times: the H100 table's (the ``hot::`` ops' was not measured on an H200). The thirty-third stop's
-# table (layers_2026-11-28T081446) is in git history.
+# Fitted by bench/fit_cost.py on bench/results/layers_2026-12-02T145339_h200.json (fifty-eighth
+# stop: the kernels of the forty-ninth to fifty-third stops, g's HLA operand on the bits, one
+# multiply a quotient; ABC timed as a site runs it, its bound from x's producer; copy 4189
+# GB/s). The fixed costs were scaled by 2.469 so that no layer's HOT time is under-estimated
+# by more than 10% (the whole-backward replays it is checked against time ABC with its own
+# max |x| pass, which a site whose FP8 forward gives the bound does not run: the table errs
+# towards exact). Against the forty-third stop's table (layers_2026-11-30T040407, in git
+# history) g's HLA line is 25% cheaper a byte, HQ's per-token g 10%; no bench model's
+# decision moves (the fifty-eighth stop's arithmetic over ViT-B bs64-512, GPT-2 and Llama
+# d1536-d5120). Host times: the H100 table's (the ``hot::`` ops' was not measured on an H200).
 H200 = CostModel(
-    name="H200 (layers_2026-11-30T040407)",
+    name="H200 (layers_2026-12-02T145339)",
     kernels={
-        "grad_out": (0.1176, 1.5765e-09),
-        "hq_g_token": (0.0000, 4.7255e-10),
-        "hq_w": (0.0352, 5.1392e-10),
-        "hq_w_fp32": (0.0383, 4.7298e-10),
-        "hq_cublas": (0.0000, 7.2634e-13),
-        "hq_int8": (0.0583, 8.5496e-13),
-        "hla_g": (0.0252, 3.9357e-10),
-        "hla_int8": (0.0480, 9.1633e-13),
-        "hla_cublas": (0.0071, 7.9646e-13),
-        "abc_x": (0.0090, 2.9214e-10),
-        "gx_bf16": (0.0000, 1.4668e-12),
-        "gw_bf16": (0.0020, 1.4025e-12),
+        "grad_out": (0.0941, 1.3750e-09),
+        "hq_g_token": (0.0002, 4.2449e-10),
+        "hq_w": (0.0337, 5.1443e-10),
+        "hq_w_fp32": (0.0412, 4.5443e-10),
+        "hq_cublas": (0.0000, 7.1211e-13),
+        "hq_int8": (0.0762, 8.2730e-13),
+        "hla_g": (0.0226, 2.9715e-10),
+        "hla_int8": (0.0698, 9.1433e-13),
+        "hla_cublas": (0.0124, 7.8079e-13),
+        "abc_x": (0.0123, 2.7131e-10),
+        "gx_bf16": (0.0000, 1.4706e-12),
+        "gw_bf16": (0.0000, 1.4484e-12),
         # forward lines: forward_layers_2026-11-29T005353_h200_s34 (thirty-fourth stop), the
         # least-squares fit, the FP8 GEMM's fixed cost raised from 0.0075 to 0.015 ms so that
         # no layer's FP8 side is under-estimated by more than 10% (the fit alone predicted
