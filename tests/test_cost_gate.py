@@ -457,3 +457,48 @@ def test_abcs_own_bound_is_priced_where_the_forward_stays_bf16():
         8192, 5632, 2048, 16, 16, gw=False)
     assert cost.H100.gpu_ms(8192, 5632, 2048, 16, 16, x_bound=True) == cost.H100.gpu_ms(
         8192, 5632, 2048, 16, 16)
+
+
+def test_an_owned_weights_fp8_forward_is_charged_no_cast_of_w():
+    """Where HOT owns a site's weight cast, the one read of the copy that writes HQ's W also
+    writes the FP8 forward's (``weight_cast._weight_operands``), priced in the backward's
+    ``hq_w_owned`` line: the forward's gate charges no ``fwd_cast_w`` for it. At Llama
+    d1536's down_proj (8192 x 4096 -> 1536) that turns the forward to FP8, so ABC takes its
+    bound from the forward's cast, and the site is rewritten (fifty-eighth stop). A table
+    without the owned-W lines (the H100's) prices the forward as before."""
+    m, dims = cost.H200, (8192, 4096, 1536)
+    b, f = m.predict_forward(*dims)
+    b1, f1 = m.predict_forward(*dims, w_owned=True)
+    assert b1 == b and f1 == pytest.approx(f - m.kernel_ms("fwd_cast_w", *dims, 16, 16))
+    assert f > b > f1
+    assert cost.H100.predict_forward(*dims, w_owned=True) == cost.H100.predict_forward(*dims)
+    price = lambda bound: m.predict(*dims, 16, 16, True, True, 1.0, False, "hq_cublas",  # noqa: E731
+                                    "hla_cublas", spliced=True, w_owned=True, x_bound=bound)
+    (e0, h0), (e1, h1) = price(True), price(False)
+    assert e0 < h0 and e1 > 1.05 * h1
+
+
+@pytest.mark.parametrize("x_grad", [True, False])
+def test_forward_gate_reads_the_backward_gates_owned_weight(monkeypatch, x_grad):
+    """The flag the backward's gate sets (``site.w_owned``: both gradients HOT's, g_x on the
+    FP8 GEMM, an autocast cast of an fp32 parameter) is what the forward's gate prices W
+    with, both where the backward asks for the forward's plan and where the forward is
+    gated; the report's forward figures are that price."""
+    seen = []
+    real = cost.CostModel.predict_forward
+
+    def spy(self, *a, **k):
+        seen.append(k.get("w_owned"))
+        return real(self, *a, **k)
+    monkeypatch.setattr(cost.CostModel, "predict_forward", spy)
+    monkeypatch.setattr(cost, "model_for", lambda device: cost.H200)
+    be = hotcompile.backend(HOTConfig(min_features=0, exclude=(), min_speedup=0,
+                                      forward="fp8_rowwise"))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = torch.compile(Two(), backend=be)(torch.randn(2, 32, 64, requires_grad=x_grad))
+    out.float().sum().backward()
+    owned = [x_grad, True]        # a: no g_x without x's gradient, so nothing to own
+    assert seen == owned + owned, seen
+    for r, own in zip(be.report.layers, owned):
+        assert r.forward_ms == pytest.approx(list(real(cost.H200, 64, 64, 64, 1.0, w_owned=own)),
+                                             abs=6e-5), (r, own)

@@ -23,7 +23,8 @@ an fp32 parameter under autocast, both gradients HOT, g_x on the FP8 GEMM), W is
 it runs in the model, not as ``bench/layers.py`` times it on a bf16 weight: the exact
 backward re-casts the fp32 parameter (the partitioner recomputes autocast's cast rather than
 keep the bf16 copy), HOT's backward reads a W operand written in the forward by one read of
-the copy, a launch serving up to 8 weights (``STEP_KERNELS``). And where the site's forward
+the copy, a launch serving up to 8 weights (``STEP_KERNELS``); that read also writes the
+FP8 forward's W, so the forward's gate charges no cast of W there. And where the site's forward
 stays bf16 (``forward.forward_plan``), ABC's e4m3 scale needs max |x| from a reduction of its
 own, which ``abc_x``'s line (timed with the bound given) leaves out: at ViT-B bs192's fc2
 that reduction cost 0.16 ms a site and made the site a loss the table called a gain.
@@ -199,12 +200,18 @@ class CostModel:
             hot += t("abc_bound") * abc_share
         return exact, hot
 
-    def predict_forward(self, L: int, I: int, O: int, x_share: float = 1.0) -> Tuple[float, float]:
+    def predict_forward(self, L: int, I: int, O: int, x_share: float = 1.0,
+                        w_owned: bool = False) -> Tuple[float, float]:
         """(bf16, FP8) predicted ms of a site's forward GEMM with its casts (``x_share``: the
         site's part of an x cast shared by the sites reading the same input). Inductor
-        launches the casts and the extern GEMM itself in both cases: GPU time only."""
+        launches the casts and the extern GEMM itself in both cases: GPU time only.
+        ``w_owned``: HOT owns the site's weight cast, and the kernel that writes HQ's W
+        writes the forward's too, in the same read: the backward's ``hq_w_owned`` line
+        prices both (measured under an FP8 forward), so no ``fwd_cast_w`` here (a table
+        without that line charges it as before)."""
         t = lambda k: self.kernel_ms(k, L, I, O, 16, 16)  # noqa: E731
-        return t("fwd_bf16"), t("fwd_fp8") + x_share * t("fwd_cast_x") + t("fwd_cast_w")
+        w_cast = 0.0 if w_owned and self.prices_owned_w else t("fwd_cast_w")
+        return t("fwd_bf16"), t("fwd_fp8") + x_share * t("fwd_cast_x") + w_cast
 
     def predict(self, L: int, I: int, O: int, rank: int, block: int, gx: bool, gw: bool,
                 abc_share: float, graphs: bool, gx_gemm: str = "hq_cublas",

@@ -64,6 +64,8 @@ class LinearSite:
     gw_format: str = "-"          # the saved activation's format ("int8" | "e4m3"), set there too
     group: str = ""               # key of the ABC group (sites sharing one compressed x)
     w_cast: Optional[Node] = None  # the hot::weight_cast op making W (weight_cast.py)
+    w_owned: bool = False         # the cost gate priced W's cast as HOT's to own (its W
+    #                               operands kernel also writes the FP8 forward's W)
     forward: str = "bf16"         # the forward GEMM's format ("bf16" | "fp8"), passes/forward.py
     forward_reason: str = ""      # why a site asked for FP8 keeps a bf16 forward
     forward_ms: Optional[tuple] = None  # forward cost gate: (bf16 ms, FP8 ms) predicted

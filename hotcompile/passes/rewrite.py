@@ -144,8 +144,9 @@ def _cost_gate(sites: List[LinearSite], groups, config) -> None:
         gx_gemm = cost.gx_gemm_kernel(config, val, s.I)
         gw_gemm = cost.gw_gemm_kernel(config, val, gw_dims.get(s.key, (s.I, s.O)))
         spliced = config_splices(config, s.fwd.meta.get("recompute"))
-        w_owned = (spliced and gx_gemm == "hq_cublas" and s.gx is not None and s.gw is not None
-                   and s.w_chain is None and castable_weight(s, w_readers))
+        w_owned = s.w_owned = (spliced and gx_gemm == "hq_cublas" and s.gx is not None
+                               and s.gw is not None and s.w_chain is None
+                               and castable_weight(s, w_readers))
         # ABC's e4m3 bound from a reduction of its own where no FP8 forward cast gives it
         x_bound = (s.gw is not None and gw_gemm == "hla_cublas"
                    and forward_plan(s, config, share)[0] == "bf16")
