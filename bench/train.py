@@ -193,6 +193,10 @@ MODELS: Dict[str, Callable] = {
     # larger ViT-B batches: where the cost gate's line for fc2 (3072 -> 768) lies
     "vit_b16_bs192": build_timm("vit_base_patch16_224", 192, 197, "timm vit_base_patch16_224"),
     "vit_b16_bs256": build_timm("vit_base_patch16_224", 256, 197, "timm vit_base_patch16_224"),
+    # wider ViTs, where the cost gate rewrites layers (by its arithmetic: ViT-H/14 bs64's qkv,
+    # fc1 and fc2, ViT-L/16 bs128's fc1): whether the in-model step agrees
+    "vit_h14_bs64": build_timm("vit_huge_patch14_224", 64, 257, "timm vit_huge_patch14_224"),
+    "vit_l16_bs128": build_timm("vit_large_patch16_224", 128, 197, "timm vit_large_patch16_224"),
     "efficientformer_l7": build_timm(
         "efficientformer_l7", 64, 49,
         "timm efficientformer_l7; only its last stage (7x7=49 tokens) has nn.Linear layers; "
