@@ -97,12 +97,13 @@ def _sdpa(cfg) -> None:
         pass
 
 
-def build_timm(name: str, batch: int, tokens: int, notes: str, exclude=("head", "lm_head")):
+def build_timm(name: str, batch: int, tokens: int, notes: str, exclude=("head", "lm_head"),
+               **kwargs):
     def build(device):
         _need("timm")
         import timm
         with torch.device(device):
-            m = timm.create_model(name, pretrained=False, num_classes=1000)
+            m = timm.create_model(name, pretrained=False, num_classes=1000, **kwargs)
         return Workload(C.ClsLoss(m), _images((3, 224, 224), 1000), batch, tokens, {},
                         tuple(exclude), notes)
     return build
@@ -197,6 +198,10 @@ MODELS: Dict[str, Callable] = {
     # fc1 and fc2, ViT-L/16 bs128's fc1): whether the in-model step agrees
     "vit_h14_bs64": build_timm("vit_huge_patch14_224", 64, 257, "timm vit_huge_patch14_224"),
     "vit_l16_bs128": build_timm("vit_large_patch16_224", 128, 197, "timm vit_large_patch16_224"),
+    # ViT-H's blocks, 8 of its 32 (the gate decides per site: the same decisions, a quarter
+    # of the compile time)
+    "vit_h14_d8_bs64": build_timm("vit_huge_patch14_224", 64, 257,
+                                  "timm vit_huge_patch14_224, depth 8", depth=8),
     "efficientformer_l7": build_timm(
         "efficientformer_l7", 64, 49,
         "timm efficientformer_l7; only its last stage (7x7=49 tokens) has nn.Linear layers; "

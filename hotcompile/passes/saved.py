@@ -31,7 +31,9 @@ recomputes x - mean); a compared S (ReLU's mask) keeps plain rows, where zero st
 A row longer than 1024 is scaled in blocks (``saved_fp8.block_of``: 3072 -> 3 x 1024), so
 that Inductor compresses it in one pass with its producer (a persistent reduction). A bf16
 row that a norm reduces in the forward is centred whole (``norm_reads_rows``): its mean
-joins the norm's kernel.
+joins the norm's kernel. ``"auto"`` narrows an fp32 tensor only where it centres whole rows
+(``_centred_in_blocks``): block means of a norm's wide output were a reduction of their own
+that made ViT-H/14 slower than Inductor.
 
 A kept tensor that is a pointwise function of another one to compress (GELU's output beside
 its input: ``recompute.kept_chain``) is not kept: the backward rebuilds it from the other's
@@ -320,6 +322,26 @@ def _saved_descs(out: Node, num_fwd_outputs: int, outs: List, new_saved: List):
     out.meta["desc"] = new
 
 
+def _centred_in_blocks(s: Node, val: torch.Tensor, asked: str) -> Optional[str]:
+    """Why ``saved_activations="auto"`` keeps fp32 tensor ``s`` as it is rather than narrow it
+    to bf16 centred in blocks, or None where it would centre whole rows. A whole row's mean
+    joins a reduction the forward already runs over that row (the norm reading it,
+    ``norm_reads_rows``; or the row is at most ``saved_fp8.ROW_BLOCK`` wide, as ViT-B's and
+    GPT-2's 768); a block mean of a wider row is a second reduction of another shape in its
+    producer's kernel. Measured: ViT-H/14's LayerNorm output (x_hat, 1280 wide, blocks of
+    640) made the norm's forward a looped reduction and its backward 1.7x slower, the step
+    0.94x Inductor with no linear rewritten (docs/BENCHMARKS.md, fifty-eighth stop). The
+    explicit ``"bf16"`` and ``"fp8"`` keep such tensors narrowed: the user asked for the
+    memory."""
+    order = memory_order(val)
+    width = int(val.shape[order[-1]])
+    block = saved_fp8.block_of(width)
+    if block == width or (order == list(range(len(order))) and norm_reads_rows(s)):
+        return None
+    return (f"float32 kept as it is (saved_activations={asked}): centring its {width}-wide "
+            f"rows as bf16 takes blocks of {block}, a reduction of their own")
+
+
 def computes_in_half(fw: GraphModule) -> bool:
     """Whether the forward computes anything in bf16 or fp16 (autocast, a half-precision
     model): where ``saved_activations="auto"`` keeps fp32 tensors as bf16. An fp32 graph's
@@ -345,8 +367,8 @@ def compress_saved(fw: GraphModule, bw: GraphModule, num_fwd_outputs: int,
     ``HOTConfig.saved_activations``."""
     summary = SavedSummary()
     reasons: collections.Counter = collections.Counter()
-    asked = mode
-    if mode == "auto":
+    asked, auto = mode, mode == "auto"
+    if auto:
         mode = "bf16" if computes_in_half(fw) else "exact"
         asked = f"auto: {'a bf16 / fp16' if mode == 'bf16' else 'an fp32'} graph"
     out = next(iter(fw.graph.find_nodes(op="output")))
@@ -378,16 +400,17 @@ def compress_saved(fw: GraphModule, bw: GraphModule, num_fwd_outputs: int,
                # bf16 too: a row statistic ((rows, 1): LayerNorm's mean, rstd) narrowed saves
                # 2 bytes a row and puts |mean| / 512 into x - mean
                or layout)
+        if why is None and not reaches(ph, comparison_step):
+            fmt += ", centred"
+            if auto and fmt.startswith("bf16"):
+                why = _centred_in_blocks(s, val, asked)
         summary.tensors.append([s.name, str(val.dtype).replace("torch.", ""),
-                                [_hint(d) for d in val.shape], why or "fp8"])
+                                [_hint(d) for d in val.shape], why or fmt])
         if why:
             reasons[why] += 1
             summary.kept += 1
             summary.bytes_after += size
             continue
-        if not reaches(ph, comparison_step):
-            fmt += ", centred"
-        summary.tensors[-1][3] = fmt
         plan.append((s, ph, fmt, summary.tensors[-1], i))
     # the sizes the backward receives (a dynamic batch's SymInts), for a rebuilt tensor's views
     symbols = {s: bw_inputs[s.name] for s in saved if isinstance(s, Node) and s.name in bw_inputs
