@@ -32,8 +32,8 @@ A row longer than 1024 is scaled in blocks (``saved_fp8.block_of``: 3072 -> 3 x 
 that Inductor compresses it in one pass with its producer (a persistent reduction). A bf16
 row that a norm reduces in the forward is centred whole (``norm_reads_rows``): its mean
 joins the norm's kernel. ``"auto"`` narrows an fp32 tensor only where it centres whole rows
-(``_centred_in_blocks``): block means of a norm's wide output were a reduction of their own
-that made ViT-H/14 slower than Inductor.
+(``_centred_in_blocks``): with block means of its LayerNorms' wide outputs, ViT-H/14 ran
+slower than Inductor.
 
 A kept tensor that is a pointwise function of another one to compress (GELU's output beside
 its input: ``recompute.kept_chain``) is not kept: the backward rebuilds it from the other's
@@ -328,11 +328,11 @@ def _centred_in_blocks(s: Node, val: torch.Tensor, asked: str) -> Optional[str]:
     joins a reduction the forward already runs over that row (the norm reading it,
     ``norm_reads_rows``; or the row is at most ``saved_fp8.ROW_BLOCK`` wide, as ViT-B's and
     GPT-2's 768); a block mean of a wider row is a second reduction of another shape in its
-    producer's kernel. Measured: ViT-H/14's LayerNorm output (x_hat, 1280 wide, blocks of
-    640) made the norm's forward a looped reduction and its backward 1.7x slower, the step
-    0.94x Inductor with no linear rewritten (docs/BENCHMARKS.md, fifty-eighth stop). The
-    explicit ``"bf16"`` and ``"fp8"`` keep such tensors narrowed: the user asked for the
-    memory."""
+    producer's kernel. Measured: ViT-H/14 (LayerNorm's output 1280 wide, blocks of 640) ran
+    0.94x Inductor with no linear rewritten, its LayerNorm kernels slower and a looped
+    forward reduction added (docs/BENCHMARKS.md, fifty-eighth stop; which narrowed tensor
+    each kernel serves, the profile does not say). The explicit ``"bf16"`` and ``"fp8"``
+    keep such tensors narrowed: the user asked for the memory."""
     order = memory_order(val)
     width = int(val.shape[order[-1]])
     block = saved_fp8.block_of(width)
