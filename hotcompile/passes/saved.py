@@ -241,7 +241,7 @@ def _compress_one(fw: GraphModule, bw: GraphModule, s: Node, ph: Node, first_use
         pack = lambda t: compress(t, rows_of(t))  # noqa: E731
         unpack = lambda q, scale, *mean: saved_fp8.decompress(  # noqa: E731
             q, scale, val.dtype, *mean, rows=rows_of(q))
-    elif block == width or (identity and norm_reads_rows(s)):
+    elif bf16_whole_rows(s, val):
         # bf16, whole rows (``saved_fp8.narrow``): no view, no size read off the tensor
         whole = saved_fp8.Rows(width, width)
         pack = lambda t: saved_fp8.narrow(t, whole, centred)  # noqa: E731
@@ -322,24 +322,33 @@ def _saved_descs(out: Node, num_fwd_outputs: int, outs: List, new_saved: List):
     out.meta["desc"] = new
 
 
-def _centred_in_blocks(s: Node, val: torch.Tensor, asked: str) -> Optional[str]:
-    """Why ``saved_activations="auto"`` keeps fp32 tensor ``s`` as it is rather than narrow it
-    to bf16 centred in blocks, or None where it would centre whole rows. A whole row's mean
-    joins a reduction the forward already runs over that row (the norm reading it,
-    ``norm_reads_rows``; or the row is at most ``saved_fp8.ROW_BLOCK`` wide, as ViT-B's and
-    GPT-2's 768); a block mean of a wider row is a second reduction of another shape in its
-    producer's kernel. Measured: ViT-H/14 (LayerNorm's output 1280 wide, blocks of 640) ran
-    0.94x Inductor with no linear rewritten, its LayerNorm kernels slower and a looped
-    forward reduction added (docs/BENCHMARKS.md, fifty-eighth stop; which narrowed tensor
-    each kernel serves, the profile does not say). The explicit ``"bf16"`` and ``"fp8"``
-    keep such tensors narrowed: the user asked for the memory."""
+def bf16_whole_rows(s: Node, val: torch.Tensor) -> bool:
+    """Whether kept tensor ``s`` narrowed to bf16 is centred in whole rows (one mean a row of
+    its memory): rows of at most ``saved_fp8.ROW_BLOCK`` (one block), or rows a norm reduces
+    in the forward (``norm_reads_rows``: the mean joins the norm's reduction). Otherwise in
+    the blocks of ``saved_fp8.block_of``."""
     order = memory_order(val)
     width = int(val.shape[order[-1]])
-    block = saved_fp8.block_of(width)
-    if block == width or (order == list(range(len(order))) and norm_reads_rows(s)):
+    return saved_fp8.block_of(width) == width or (order == list(range(len(order)))
+                                                   and norm_reads_rows(s))
+
+
+def _centred_in_blocks(s: Node, val: torch.Tensor, asked: str) -> Optional[str]:
+    """Why ``saved_activations="auto"`` keeps fp32 tensor ``s`` as it is rather than narrow it
+    to bf16 centred in blocks, or None where it would centre whole rows
+    (``bf16_whole_rows``): a whole row's mean joins a reduction the forward runs anyway, a
+    block mean of a wider row is a second reduction of another shape in its producer's
+    kernel. Measured: ViT-H/14 (LayerNorm's output 1280 wide, blocks of 640) ran 0.94x
+    Inductor with no linear rewritten, its LayerNorm kernels slower and a looped forward
+    reduction added (docs/BENCHMARKS.md, fifty-eighth stop; which narrowed tensor each
+    kernel serves, the profile does not say). The explicit ``"bf16"`` and ``"fp8"`` keep
+    such tensors narrowed: the user asked for the memory."""
+    if bf16_whole_rows(s, val):
         return None
+    width = int(val.shape[memory_order(val)[-1]])
     return (f"float32 kept as it is (saved_activations={asked}): centring its {width}-wide "
-            f"rows as bf16 takes blocks of {block}, a reduction of their own")
+            f"rows as bf16 takes blocks of {saved_fp8.block_of(width)}, a reduction of their "
+            f"own")
 
 
 def computes_in_half(fw: GraphModule) -> bool:
