@@ -202,6 +202,9 @@ MODELS: Dict[str, Callable] = {
     # of the compile time)
     "vit_h14_d8_bs64": build_timm("vit_huge_patch14_224", 64, 257,
                                   "timm vit_huge_patch14_224, depth 8", depth=8),
+    # ViT-L's blocks, 4 of its 24 (the same per-site decisions, a sixth of the compile)
+    "vit_l16_d4_bs128": build_timm("vit_large_patch16_224", 128, 197,
+                                   "timm vit_large_patch16_224, depth 4", depth=4),
     "efficientformer_l7": build_timm(
         "efficientformer_l7", 64, 49,
         "timm efficientformer_l7; only its last stage (7x7=49 tokens) has nn.Linear layers; "

@@ -119,6 +119,49 @@ def test_a_site_splices_into_kernel_nodes_with_the_ops_outputs(hopper):
 
 
 @compiled
+@pytest.mark.parametrize("sum_first", [True, False], ids=["sum_before_site", "sum_after_site"])
+@pytest.mark.parametrize("tag", ["is_backward", "is_forward"])
+def test_a_backward_input_is_realized_once_for_every_reader(hopper, sum_first, tag):
+    """g a pointwise result (GELU's backward in a model) that a site, the bias gradient's
+    sum and a pointwise op read: in backward the sum reads the buffer the site's kernels
+    read (put right after g, whichever of the two comes first), so Inductor does not
+    recompute g inside the reduction; the pointwise reader keeps g (Inductor fuses it with
+    the copy); outside backward the graph keeps its readers as they were."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    a, b, x, w = _fakes(mode, (256, 512), (256, 512), (256, 384), (512, 384))
+
+    def f(a, b, x, w):
+        g = a * b
+        gb = g.sum(0) if sum_first else None
+        seeds = hot.draw_seeds(g, 1)
+        xq, xs = hot.abc_compress(x, 16, 8, 16, 0, False, "auto", "e4m3")
+        outs = hot.linear_backward(g, xq, xs, 16, 8, 16, 0, False, "", "auto", w, 4, 8,
+                                   "token", "k", seeds, 0)
+        return (*outs, g.sum(0) if gb is None else gb, g * 2)
+
+    with mode:
+        gm = make_fx(f, tracing_mode="fake")(a, b, x, w)
+    for n in gm.graph.nodes:
+        n.meta["partitioner_tag"] = tag if n.name == "mul" else "is_backward"
+    ops = _nodes(gm, {hot.linear_backward.default})
+    assert SP.splice_ops(gm.graph, ops, mode)[ops[0]] == "Inductor"
+    gm.graph.lint()
+    g = _nodes(gm, {torch.ops.aten.mul.Tensor})[0]
+    (total,) = _nodes(gm, {torch.ops.aten.sum.dim_IntList})
+    (double,) = [n for n in _nodes(gm, {torch.ops.aten.mul.Tensor}) if n is not g]
+    forced = [u for u in g.users if u.target is SP.FORCE_STRIDES]
+    assert len(forced) == 1, list(g.users)
+    assert double.args[0] is g
+    if tag == "is_backward":
+        assert g.next is forced[0] and set(g.users) == {forced[0], double}
+        assert total.args[0] is forced[0]
+        assert all(k.kwargs["kwargs"].get("g_ptr") in (None, forced[0])
+                   for k in _nodes(gm, {WRAPPER}))
+    else:
+        assert total.args[0] is g
+
+
+@compiled
 def test_launches_at_triton_defaults_record_bare_kernels(hopper):
     """A launch at Triton's default warps and stages is recorded as the bare JITFunction. A
     one-config autotuner (what naming ``num_warps`` makes of it) would have Inductor key the
