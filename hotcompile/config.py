@@ -120,8 +120,9 @@ class HOTConfig:
     (issue 12: a ViT-B/16 step's peak), for every model, whatever the cost gate decides.
     ``auto``: ``bf16`` in a graph that computes in bf16 or fp16 (autocast, a half-precision
     model), except a tensor whose rows it would centre in blocks (over 1024 wide and not
-    reduced by a norm: ViT-H/14's LayerNorm output; with those, ViT-H ran 0.94x Inductor,
-    fifty-eighth stop), ``exact`` in an fp32 one, whose user has not asked for bf16
+    reduced by a norm: ViT-H/14's LayerNorm output; narrowed, its first 8 blocks ran 0.960x
+    Inductor with no site rewritten, kept, ViT-H bs64 1.045x under the default, fifty-ninth
+    stop), ``exact`` in an fp32 one, whose user has not asked for bf16
     anywhere. Why
     ``bf16`` by default there: the same speed as Inductor (1.000-1.009x on ViT-B and GPT-2;
     on Llama equal to ``exact`` within noise), 0.93x the peak on ViT-B and GPT-2, and it

@@ -338,10 +338,10 @@ def _centred_in_blocks(s: Node, val: torch.Tensor, asked: str) -> Optional[str]:
     to bf16 centred in blocks, or None where it would centre whole rows
     (``bf16_whole_rows``): a whole row's mean joins a reduction the forward runs anyway, a
     block mean of a wider row is a second reduction of another shape in its producer's
-    kernel. Measured: ViT-H/14 (LayerNorm's output 1280 wide, blocks of 640) ran 0.94x
-    Inductor with no linear rewritten, its LayerNorm kernels slower and a looped forward
-    reduction added (docs/BENCHMARKS.md, fifty-eighth stop; which narrowed tensor each
-    kernel serves, the profile does not say). The explicit ``"bf16"`` and ``"fp8"`` keep
+    kernel. Measured: ViT-H/14's first 8 blocks (LayerNorm's output 1280 wide, blocks of
+    640) ran 0.960x Inductor with no linear rewritten and it narrowed, 0.995x with it kept
+    and 0.999x with nothing narrowed (16 rounds); ViT-H bs64 under the default 0.989x ->
+    1.045x (docs/BENCHMARKS.md, fifty-eighth and fifty-ninth stops). The explicit ``"bf16"`` and ``"fp8"`` keep
     such tensors narrowed: the user asked for the memory."""
     if bf16_whole_rows(s, val):
         return None
