@@ -101,14 +101,26 @@ def summarize(modes: List[str], times: List[List[float]]) -> List[dict]:
     return rows
 
 
+def _sites(r: dict) -> str:
+    """HOT's sites rewritten of those found ("-" for a mode that is not HOT's)."""
+    if r.get("hot_sites_total") is None:
+        return "-"
+    return f"{r.get('hot_sites_rewritten', 0)}/{r['hot_sites_total']}"
+
+
 def table(model: str, rows: List[dict]) -> str:
+    """Why the sites and the first step in the table: which decisions a ratio is of, and
+    what a user waits for (every mode compiles in this one process, on one cache: not the
+    cold-start figure, ``bench/first_step.py`` is)."""
     base = rows[0]["mode"]
     return C.md_table(
         ["model", "mode", "median ms", "fastest ms", f"paired ratio vs {base} (median)",
-         "ratio of medians", "rounds faster than the base"],
+         "ratio of medians", "rounds faster than the base", "sites", "first step s"],
         [[model, r["mode"], C.fmt(r["step_ms"]), C.fmt(r["step_ms_min"]),
           C.fmt(r["paired_ratio_median"], 3) + "x", C.fmt(r["ratio_of_medians"], 3) + "x",
-          f"{r['rounds_faster']}/{len(r['paired_ratios'])}"] for r in rows])
+          f"{r['rounds_faster']}/{len(r['paired_ratios'])}", _sites(r),
+          C.fmt(r.get("first_step_s"), 1)]
+         for r in rows])
 
 
 def main(argv=None) -> int:

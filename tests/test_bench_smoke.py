@@ -1039,6 +1039,10 @@ def test_interleaved_steps_the_modes_in_turn_and_pairs_the_rounds(tmp_path, monk
     assert res["rows"][1]["hot_sites_rewritten"] > 0
     md = open(next(iter(glob.glob(str(tmp_path / "interleaved_*.md"))))).read()
     assert "| tiny_gpt | hot@reduce-overhead |" in md and "/3 |" in md, md
+    hot_row = next(line for line in md.splitlines() if "| hot@reduce-overhead |" in line)
+    sites = f"| {res['rows'][1]['hot_sites_rewritten']}/{res['rows'][1]['hot_sites_total']} |"
+    assert sites in hot_row, hot_row                 # the decisions the ratio is of
+    assert "| inductor |" in md and "| - |" in md    # no sites for Inductor's mode
 
 
 RAW = "\n".join([
