@@ -341,8 +341,8 @@ def _centred_in_blocks(s: Node, val: torch.Tensor, asked: str) -> Optional[str]:
     kernel. Measured: ViT-H/14's first 8 blocks (LayerNorm's output 1280 wide, blocks of
     640) ran 0.960x Inductor with no linear rewritten and it narrowed, 0.995x with it kept
     and 0.999x with nothing narrowed (16 rounds); ViT-H bs64 under the default 0.989x ->
-    1.045x (docs/BENCHMARKS.md, fifty-eighth and fifty-ninth stops). The explicit ``"bf16"`` and ``"fp8"`` keep
-    such tensors narrowed: the user asked for the memory."""
+    1.045x (docs/BENCHMARKS.md, fifty-eighth and fifty-ninth stops). The explicit
+    ``"bf16"`` and ``"fp8"`` keep such tensors narrowed: the user asked for the memory."""
     if bf16_whole_rows(s, val):
         return None
     width = int(val.shape[memory_order(val)[-1]])
