@@ -508,6 +508,26 @@ def weight_operands(w: torch.Tensor, col_max: torch.Tensor, fwd_max, forward: st
                                              max_bits=fwd_max))
 
 
+def gelu_e4m3(h: torch.Tensor):
+    """GELU (exact) of h (R, W) with the row-wise e4m3 copy of its output, the FP8
+    forward's x operand of a linear fed by GELU: (y = GELU(h) in h's dtype, levels (R, W),
+    scales (R,) fp32, row maxima max |y| (R,) fp32). Levels and scales are
+    ``fp8_forward.e4m3_cast(y, rowwise=True)``'s; the maxima give the saved x's bound
+    (``fp8_forward.max_bits``). ``producer_cast.gelu_e4m3`` is the one-pass kernel.
+
+    GELU is (x * 0.5) * (erf(x * sqrt(1/2)) + 1) in fp32, the op order Inductor compiles
+    ``F.gelu`` in on the GPU (and eager CUDA computes), rounded once to h's dtype: the
+    graph's GELU, which this replaces. Eager CPU ``F.gelu`` differs in the far negative
+    tail (-4 and below, where erf(x) + 1 cancels: a few bf16 steps of values near 1e-5)."""
+    from . import fp8_forward
+    x = h.float()
+    y = ((x * 0.5) * (torch.erf(x * 0.7071067811865476) + 1.0)).to(h.dtype)
+    y32 = y.float()
+    m = torch.linalg.vector_norm(y32, float("inf"), dim=1)
+    s = fp8_forward.scale_from_amax(m)
+    return y, fp8_forward.e4m3_levels(y32, scale_reciprocal(s)[:, None]), s, m
+
+
 def hq_weight(w: torch.Tensor, bits: int, block: int = 16, e4m3: bool = False):
     """The W side of HQ: H along O (the reduction axis), RTN to ``bits`` levels (or, with
     ``e4m3``, to scaled FP8: ``quantize_e4m3``), one scale per column.

@@ -95,10 +95,13 @@ def rewrite_forward(graph: Graph, sites: List[LinearSite], config, fake_mode,
     """Replace the forward GEMM of every rewritten site the gate (``gate_forward``, run
     first) let through. ``buffers``: ``abc.compress_inputs``'s; a group's compression
     that reads the x the FP8 forward casts takes its bound from the cast's maxima
-    (``fp8_forward.max_bits``): the cast goes before it."""
+    (``fp8_forward.max_bits``): the cast goes before it. Where x is GELU's output, GELU
+    and the row-wise cast become one ``hot::gelu_e4m3`` (``_gelu_producer``): returned, for
+    the splicing pass."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     todo = sorted((s for s in sites if s.forward != "bf16"), key=lambda s: order[s.fwd])
     casts: Dict[object, tuple] = {}
+    producers: List[Node] = []
     for s in todo:
         meta = {k: s.fwd.meta[k] for k in ("recompute", "ac_graph_id") if k in s.fwd.meta}
         rowwise = s.forward == "fp8_rowwise"
@@ -106,9 +109,16 @@ def rewrite_forward(graph: Graph, sites: List[LinearSite], config, fake_mode,
         if key not in casts:     # the group's first forward GEMM: cast x there, once
             x_dtype = s.x.meta["val"].dtype
             comp = _bound_reader(s, buffers or {})
-            out = emit(graph, lambda x: F8.e4m3_cast(x, rowwise, contiguous=True, dtype=x_dtype,
-                                                     bound=comp is not None),
-                       (s.x,), comp or s.fwd, "is_forward", s.fwd, fake_mode, meta)
+            gelu = _gelu_producer(s.x) if rowwise else None
+            if gelu is not None:
+                out = _cast_in_gelu(graph, *gelu, s.x, config.kernels, fake_mode)
+                producers.append(out[0])
+                _repoint(sites, gelu[0], out[1])
+                out = out[2:]
+            else:
+                out = emit(graph, lambda x: F8.e4m3_cast(x, rowwise, contiguous=True,
+                                                         dtype=x_dtype, bound=comp is not None),
+                           (s.x,), comp or s.fwd, "is_forward", s.fwd, fake_mode, meta)
             if comp is not None:
                 comp.args = comp.args + (out[2],)
             casts[key] = out[:2]
@@ -130,6 +140,90 @@ def rewrite_forward(graph: Graph, sites: List[LinearSite], config, fake_mode,
         s.fwd.replace_all_uses_with(y)
         graph.erase_node(s.fwd)
         _repoint(sites, s.fwd, y)
+    return producers
+
+
+VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+CAST = torch.ops.prims.convert_element_type.default
+SQRT_HALF = 0.7071067811865476
+
+
+def _gelu_producer(x: Node) -> Optional[Tuple[Node, Node]]:
+    """(GELU's bf16 output node, its bf16 input h) where ``x`` is that output through views
+    and ``hot::gelu_e4m3`` can make x and its row-wise cast in one pass: exact GELU (tanh's
+    differs) in the forward, on row-major bf16 of static shape whose rows are x's
+    (``producer_cast.fusable``). The joint graph holds GELU decomposed (Inductor's
+    decomposition, under autocast): cast(mul(mul(c, 0.5), add(erf(mul(c, sqrt(1/2))), 1)),
+    bf16), c = cast(h, fp32). Anything else keeps the cast in aten ops, which Inductor
+    fuses as it can."""
+    y = x
+    while y.target in VIEWS:
+        y = y.args[0]
+    if not _cast(y, torch.bfloat16) or y.meta.get("partitioner_tag") != "is_forward":
+        return None
+    c = _gelu_input(y.args[0])
+    if c is None or not _cast(c, torch.float32):
+        return None
+    h, hv, xv = c.args[0], c.args[0].meta.get("val"), x.meta.get("val")
+    if not isinstance(hv, torch.Tensor) or not isinstance(xv, torch.Tensor) or xv.dim() != 2:
+        return None
+    if any(not isinstance(d, int) for d in (*hv.shape, *xv.shape)):
+        return None                     # sizes the kernel's grid would have to follow
+    from ..kernels.producer_cast import MAX_WIDTH
+    ok = (hv.dtype == torch.bfloat16 and hv.dim() >= 1 and hv.is_contiguous()
+          and xv.is_contiguous() and hv.shape[-1] == xv.shape[1] and 0 < xv.shape[1] <= MAX_WIDTH)
+    return (y, h) if ok else None
+
+
+def _cast(n: Node, dtype: torch.dtype) -> bool:
+    return isinstance(n, Node) and n.target is CAST and n.args[1] == dtype
+
+
+def _gelu_input(g) -> Optional[Node]:
+    """c where ``g`` is mul(mul(c, 0.5), add(erf(mul(c, sqrt(1/2))), 1)) (either order of
+    each mul's and the add's operands), else None."""
+    def pair(n, target):
+        if not isinstance(n, Node) or n.target is not target or len(n.args) != 2:
+            return None
+        return n.args
+
+    args = pair(g, aten.mul.Tensor)
+    for half, one in (args, args[::-1]) if args else ():
+        a, f = pair(half, aten.mul.Tensor), pair(one, aten.add.Tensor)
+        if not a or not f or 0.5 not in a:
+            continue
+        c = a[0] if a[1] == 0.5 else a[1]
+        erf = f[0] if f[1] == 1 else f[1] if f[0] == 1 else None
+        if not isinstance(erf, Node) or erf.target is not aten.erf.default:
+            continue
+        b = pair(erf.args[0], aten.mul.Tensor)
+        if b and c in b and SQRT_HALF in b and isinstance(c, Node):
+            return c
+    return None
+
+
+def _cast_in_gelu(graph: Graph, gelu: Node, h: Node, x: Node, kernels: str, fake_mode):
+    """Replace GELU's output node ``gelu`` by ``hot::gelu_e4m3`` on the rows of its input
+    ``h``: (that op, GELU's output in its shape, x's e4m3 levels, their (L, 1) scale view
+    as ``e4m3_cast`` gives it, max |x| as ``max_bits``'s word for the saved x's bound).
+    GELU's users (x's view among them) read the op's output: the same values
+    (``reference.gelu_e4m3``); its decomposed ops go with dead-code elimination, unless
+    something else reads them."""
+    shape = list(gelu.meta["val"].shape)
+    rows, width = x.meta["val"].shape
+
+    def body(h):
+        out = torch.ops.hot.gelu_e4m3.default(aten.view.default(h, [rows, width]), kernels)
+        y, q, s, m = (out[i] for i in range(4))
+        return (y, aten.view.default(y, shape), q,
+                aten.as_strided.default(s, [rows, 1], [1, 1]), F8.max_bits(m, True))
+
+    meta = {k: gelu.meta[k] for k in ("recompute", "ac_graph_id") if k in gelu.meta}
+    out = emit(graph, body, (h,), gelu, "is_forward", gelu, fake_mode, meta)
+    op = out[0].args[0]
+    gelu.replace_all_uses_with(out[1])
+    graph.erase_node(gelu)
+    return (op, *out[1:])
 
 
 def _repoint(sites: List[LinearSite], old: Node, new: Node) -> None:

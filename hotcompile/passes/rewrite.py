@@ -284,9 +284,9 @@ def rewrite_joint_graph(graph: Graph, config, params: Optional[Set[Node]] = None
             s.gw_fp32 = fold_gw_cast(graph, s.rewritten_gw, fake_mode)
     casts = own_weight_casts(graph, todo, config.kernels, fake_mode,
                              lambda op: will_splice(op, config))
-    rewrite_forward(graph, todo, config, fake_mode, buffers)
+    producers = rewrite_forward(graph, todo, config, fake_mode, buffers)
     with dynamo_timed("hot.splice"):    # its own line in a compile's timed phases
-        _splice(graph, todo, buffers, config, fake_mode, casts)
+        _splice(graph, todo, buffers, config, fake_mode, casts + producers)
     graph.eliminate_dead_code()
     graph.lint()
     register_runtime(config, registrations(sites))

@@ -50,6 +50,7 @@ BODIES: Dict[object, Callable] = {
     torch.ops.hot.hla_grad_weight.default: ops.hla_grad_weight_body,
     torch.ops.hot.e4m3_gx_backward.default: ops.e4m3_gx_backward_body,
     torch.ops.hot.abc_compress.default: ops.abc_compress_body,
+    torch.ops.hot.gelu_e4m3.default: ops.gelu_e4m3_body,
     torch.ops.hot.weight_cast.default: ops.weight_cast_body,
     torch.ops.hot.weight_operands.default: ops.weight_operands_body,
 }

@@ -1,0 +1,112 @@
+"""GELU with the row-wise e4m3 copy of its output in one pass: the FP8 forward's x operand
+of a linear fed by GELU (fc2 of a ViT or BERT MLP), written by its producer.
+
+Why a kernel of HOT's own: the FP8 forward's cast (``fp8_forward.e4m3_cast``, aten ops)
+is fused by Inductor into GELU's kernel, but a 3072-wide row is past Inductor's
+persistent-reduction limit (1024 elements), so that kernel loops over each row twice and
+computes GELU (its ``erf``) twice: once for the row maxima, once for the levels. At ViT-B
+bs64 (12608 x 3072) it took 0.187 ms a site on the H200 (sixtieth stop, call 282), 2.3 ms
+of a forced step. Here a program holds its rows in registers, chunk by chunk: GELU once,
+the bf16 output stored, the row maxima taken from the held values, then the levels and the
+scale; one read of h, one write of each output (bench/producer_casts.py's prototype: 0.066
+ms, at copy speed, forty-seventh stop).
+
+Numerics are the reference twin's (``reference.gelu_e4m3``): GELU in fp32 in the op order
+Inductor compiles ``F.gelu`` (and eager CUDA computes it), with the same ``erf``, rounded to
+bf16; levels and scale ``e4m3_cast``'s of that bf16 output (exact reciprocal). bf16 rows of
+up to ``MAX_WIDTH`` columns only (``fusable``): the pass leaves anything else to Inductor.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import libdevice
+
+from .hadamard import (E4M3_AMAX_FLOOR, E4M3_INV_MAX, abs_bits, e4m3_from_clamped,
+                       interpreting, round_to_bf16)
+from .launch import declare_writes, launch
+
+CHUNK = 1024                  # columns a program holds per chunk (a power of two)
+MAX_WIDTH = 8 * CHUNK         # wider rows would spill the held chunks out of registers
+
+
+def fusable(h: torch.Tensor) -> bool:
+    """Whether ``gelu_e4m3`` takes h: 2-D bf16, rows contiguous, 1..MAX_WIDTH columns."""
+    return (h.dim() == 2 and h.dtype == torch.bfloat16 and h.is_contiguous()
+            and 0 < h.shape[1] <= MAX_WIDTH)
+
+
+@triton.jit
+def _gelu_chunk(h_ptr, y_ptr, rows, i: tl.constexpr, R, W, BC: tl.constexpr,
+                INTERPRET: tl.constexpr):
+    """Columns [i*BC, (i+1)*BC) of the program's rows: GELU in fp32, (x * 0.5) * (erf(x *
+    sqrt(1/2)) + 1) as Inductor and eager CUDA compute it, rounded to bf16 and stored;
+    returned as fp32 (the interpreter has no libdevice: numpy's erf there)."""
+    cols = i * BC + tl.arange(0, BC)
+    mask = (rows < R)[:, None] & (cols < W)[None, :]
+    offs = rows.to(tl.int64)[:, None] * W + cols[None, :]
+    x = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if INTERPRET:       # its fp32 -> bf16 cast truncates: rounded in integer ops first
+        y = round_to_bf16((x * 0.5) * (tl.erf(x * 0.7071067811865476) + 1.0)).to(tl.bfloat16)
+    else:
+        y = ((x * 0.5) * (libdevice.erf(x * 0.7071067811865476) + 1.0)).to(tl.bfloat16)
+    tl.store(y_ptr + offs, y, mask=mask)
+    return y.to(tl.float32)
+
+
+@triton.jit
+def _gelu_e4m3_kernel(h_ptr, y_ptr, q_ptr, s_ptr, m_ptr, R, W, BR: tl.constexpr,
+                      BC: tl.constexpr, CHUNKS: tl.constexpr, INTERPRET: tl.constexpr):
+    """BR rows a program, CHUNKS chunks of BC columns each held in registers: y = GELU(h)
+    (bf16), then per row m = max |y| (an integer max of the bits: NaN propagates), the
+    scale s = max(m, 1e-12) / 448 and the levels e4m3(clamp(y * (1 / s), +-448))."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    amax = tl.zeros((BR, BC), dtype=tl.int32)
+    held = ()
+    for i in tl.static_range(CHUNKS):
+        y = _gelu_chunk(h_ptr, y_ptr, rows, i, R, W, BC, INTERPRET)
+        amax = tl.maximum(amax, abs_bits(y))
+        held = held + (y,)
+    m = tl.max(amax, axis=1).to(tl.float32, bitcast=True)
+    s = tl.maximum(m, E4M3_AMAX_FLOOR, propagate_nan=tl.PropagateNan.ALL) * E4M3_INV_MAX
+    inv = tl.math.div_rn(1.0, s)
+    for i in tl.static_range(CHUNKS):
+        cols = i * BC + tl.arange(0, BC)
+        mask = (rows < R)[:, None] & (cols < W)[None, :]
+        t = tl.clamp(held[i] * inv[:, None], -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
+        tl.store(q_ptr + rows.to(tl.int64)[:, None] * W + cols[None, :],
+                 e4m3_from_clamped(t, INTERPRET), mask=mask)
+    tl.store(s_ptr + rows, s, mask=rows < R)
+    tl.store(m_ptr + rows, m, mask=rows < R)
+
+
+declare_writes(_gelu_e4m3_kernel, lambda a: ("y_ptr", "q_ptr", "s_ptr", "m_ptr"))
+
+
+def tile(width: int, interp: bool) -> tuple[int, int, int]:
+    """(rows a program, columns a chunk, warps). One row on 4 warps reached copy speed at
+    3072 wide (bench/producer_casts.py, H200: 0.066 ms against 0.068 for 2 rows on 8 warps
+    and 0.120 for 4 on 8); wider rows take 8 warps, so a thread holds as many values."""
+    if interp:
+        return 2, 64, 4
+    return 1, CHUNK, 4 if width <= 4 * CHUNK else 8
+
+
+def gelu_e4m3(h: torch.Tensor):
+    """``reference.gelu_e4m3`` on one kernel: (GELU(h) bf16 (R, W), its row-wise e4m3 levels
+    (R, W) row-major, scales (R,) fp32, row maxima max |y| (R,) fp32). h: ``fusable``."""
+    if not fusable(h):
+        raise ValueError(f"gelu_e4m3: needs 2-D contiguous bf16 rows of at most {MAX_WIDTH} "
+                         f"columns, got {tuple(h.shape)} {h.dtype}")
+    R, W = h.shape
+    y = torch.empty_like(h)
+    q = torch.empty((R, W), dtype=torch.float8_e4m3fn, device=h.device)
+    s = torch.empty((R,), dtype=torch.float32, device=h.device)
+    m = torch.empty((R,), dtype=torch.float32, device=h.device)
+    interp = interpreting()
+    br, bc, warps = tile(W, interp)
+    if R:
+        launch(_gelu_e4m3_kernel, (triton.cdiv(R, br),), h, y, q, s, m, R, W, BR=br, BC=bc,
+               CHUNKS=triton.cdiv(W, bc), INTERPRET=interp, num_warps=warps)
+    return y, q, s, m
