@@ -566,3 +566,96 @@ def test_a_weight_two_fp8_sites_share_gets_one_cast_with_its_maxima(monkeypatch,
     assert len(_nodes_of(graphs, torch.ops.hot.weight_operands.default)) == int(operands)
     assert len(be.report.layers) == 2
     assert all(r.w_operand == "hot::weight_cast copy" for r in be.report.layers)
+
+
+GELU_CAST = torch.ops.hot.gelu_e4m3.default
+
+
+class _GeluMLP(torch.nn.Module):
+    """fc1 -> GELU (exact, or tanh's) -> fc2: fc2's x is GELU's output."""
+
+    def __init__(self, approximate="none", d=64):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+        self.approximate = approximate
+
+    def forward(self, x):
+        return self.fc2(torch.nn.functional.gelu(self.fc1(x), approximate=self.approximate))
+
+
+def _step_with_and_without_gelu_cast(monkeypatch, model, cfg, x, dynamic=None):
+    """(backend, output, parameter grads, graphs) of one compiled step, then the output and
+    grads of the same step with GELU left to the graph (``_gelu_producer`` finding none)."""
+    from hotcompile.passes import forward as FW
+    runs = []
+    for fuse in (True, False):
+        torch._dynamo.reset()
+        m = model()
+        if not fuse:
+            monkeypatch.setattr(FW, "_gelu_producer", lambda x: None)
+        be, y, graphs = _run(m, cfg, x, dynamic=dynamic)
+        runs.append((be, y, [p.grad for p in m.parameters()], graphs))
+    return runs
+
+
+def _bits_equal(a, b) -> bool:
+    return torch.equal(a.float().nan_to_num(), b.float().nan_to_num())
+
+
+def test_gelu_output_and_its_fp8_cast_in_one_op(monkeypatch):
+    """A row-wise FP8 site fed by exact GELU (ViT's fc2): GELU and the cast of its output
+    become one ``hot::gelu_e4m3`` (no erf left in the forward graph), the saved x's e4m3
+    bound comes from its row maxima, and the step's output and gradients are bit-equal to
+    the step with GELU and the cast left to the graph."""
+    torch.manual_seed(21)
+    x = torch.randn(2, 8, 64).bfloat16()
+
+    def model():
+        torch.manual_seed(22)
+        return Block(64).bfloat16()
+
+    (be, y, grads, graphs), (_, y0, grads0, graphs0) = _step_with_and_without_gelu_cast(
+        monkeypatch, model, _cfg(forward="fp8_rowwise", gw_format="e4m3"), x)
+    assert [r.forward for r in be.report.layers] == ["fp8_rowwise"] * 4
+    assert ["x and its FP8 cast: one GELU kernel" in r.launch for r in be.report.layers] == \
+        [False, False, False, True]                     # fc2's
+    ops = _nodes_of(graphs, GELU_CAST)
+    assert len(ops) == 1 and ops[0].meta["partitioner_tag"] == "is_forward"
+    fwd = next(g for g in graphs if any(n in ops for n in g.nodes))
+    assert not any(n.target == aten.erf.default for n in fwd.nodes)
+    assert any(n.target == aten.erf.default for n in graphs0[0].nodes)
+    assert not _nodes_of(graphs0, GELU_CAST)
+    def source(n):
+        while n.target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+                           aten.view.dtype):
+            n = n.args[0]
+        return n
+
+    comp = [n for n in fwd.nodes if n.target == torch.ops.hot.abc_compress.default
+            and source(n.args[0]).args == (ops[0], 0)]
+    assert len(comp) == 1 and len(comp[0].args) == 9
+    total = source(comp[0].args[8])                 # max_bits: amax over the row maxima
+    assert total.target is aten.amax.default and total.args[0].args == (ops[0], 3)
+    assert _bits_equal(y, y0) and all(_bits_equal(a, b) for a, b in zip(grads, grads0))
+
+
+@pytest.mark.parametrize("case", ["tanh", "tensorwise", "fp32", "dynamic"])
+def test_gelu_cast_stays_in_the_graph_where_the_op_does_not_apply(monkeypatch, case):
+    """tanh's GELU (another formula), a tensor-wise FP8 forward (one scale: a whole-tensor
+    max first), an fp32 GELU and dynamic sizes keep GELU and the cast in aten ops; the step
+    is the same either way."""
+    torch.manual_seed(23)
+    x = torch.randn(2, 8, 64)
+    forward = "fp8" if case in ("tensorwise", "fp32") else "fp8_rowwise"
+    x = x if case == "fp32" else x.bfloat16()
+
+    def model():
+        torch.manual_seed(24)
+        m = _GeluMLP("tanh" if case == "tanh" else "none")
+        return m if case == "fp32" else m.bfloat16()
+
+    (be, y, grads, graphs), (_, y0, grads0, _) = _step_with_and_without_gelu_cast(
+        monkeypatch, model, _cfg(forward=forward), x, dynamic=case == "dynamic" or None)
+    assert [r.forward for r in be.report.layers] == [forward] * 2
+    assert not _nodes_of(graphs, GELU_CAST)
+    assert _bits_equal(y, y0) and all(_bits_equal(a, b) for a, b in zip(grads, grads0))

@@ -141,6 +141,40 @@ def test_gpu_saved_x_bound_from_the_cast_changes_no_bit(monkeypatch, forward):
     assert n_ours <= n_theirs, (n_ours, n_theirs)
 
 
+def test_gpu_gelu_and_its_cast_in_one_spliced_kernel_change_no_bit(monkeypatch):
+    """Where a row-wise FP8 site's x is GELU's output (the block's fc2), the compiled forward
+    launches ``hot::gelu_e4m3``'s kernel (spliced) and no Inductor kernel computing GELU,
+    and the step's output and every gradient are bit-equal to the step with GELU and the
+    cast left to Inductor (which fuses them into one looped reduction)."""
+    import re
+    from torch._inductor.utils import run_and_get_code
+    from hotcompile.passes import forward as FW
+    from helpers import Block
+
+    def run():
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = Block(d=256, heads=4).cuda()
+        x = torch.randn(8, 256, 256, device="cuda")
+        be = hotcompile.backend(HOTConfig(forward="fp8_rowwise", **CFG))
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = torch.compile(model, backend=be)(x)
+        out.float().square().mean().backward()
+        return out.detach(), [p.grad.clone() for p in model.parameters()], be
+
+    (y, ours, be), codes = run_and_get_code(run)
+    assert [r.launch.endswith("one GELU kernel (Inductor)") for r in be.report.layers] == \
+        [r.name.endswith("fc2") for r in be.report.layers] and be.report.layers[-1].launch
+    gelu_kernels = lambda code: re.findall(r"def (triton_\w*gelu\w*)\(", code)  # noqa: E731
+    assert "_gelu_e4m3_kernel" in codes[0] and not gelu_kernels(codes[0])
+    monkeypatch.setattr(FW, "_gelu_producer", lambda x: None)
+    (y0, theirs, _), codes = run_and_get_code(run)
+    assert "_gelu_e4m3_kernel" not in codes[0] and gelu_kernels(codes[0])
+    assert torch.equal(y, y0)
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a, b)
+
+
 def _rms_norm(x, w):
     x32 = x.float()
     return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype) * w

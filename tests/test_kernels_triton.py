@@ -933,6 +933,66 @@ def test_nonfinite_inputs_follow_reference(bad):
     assert not torch.isfinite(xs)
 
 
+def _gelu_rows(R_, W, device="cpu"):
+    """Random bf16 GELU inputs (R_ >= 4 rows): row 0 holds a NaN, row 1 a +inf (GELU keeps
+    it), row 2 a -inf (GELU gives NaN: -inf * 0), row 3 zeros (the scale's floor)."""
+    h = _randn(R_, W, device=device).bfloat16()
+    h[0, W // 2] = float("nan")
+    h[1, W - 1] = float("inf")
+    h[2, 0] = float("-inf")
+    h[3] = 0
+    return h
+
+
+def _check_gelu_e4m3(h, exact_y: bool):
+    """``producer_cast.gelu_e4m3`` against ``reference.gelu_e4m3``: GELU's output bit for bit
+    (``exact_y``; the interpreter's erf is numpy's, so there within one bf16 step, or 1e-6
+    in the far negative tail); the
+    levels, scales and row maxima bit for bit those ``fp8_forward.e4m3_cast`` makes of the
+    kernel's own output, NaN rows included; every output written, row-major."""
+    from hotcompile.kernels import fp8_forward as F8, producer_cast as P
+    y, q, s, m = P.gelu_e4m3(h)
+    yr, _, _, _ = R.gelu_e4m3(h)
+    R_, W = h.shape
+    assert (y.dtype, q.dtype, s.dtype, m.dtype) == (torch.bfloat16, torch.float8_e4m3fn,
+                                                    torch.float32, torch.float32)
+    assert y.shape == q.shape == (R_, W) and s.shape == m.shape == (R_,)
+    assert y.is_contiguous() and q.is_contiguous()
+    if exact_y:
+        assert torch.equal(y.isnan(), yr.isnan())
+        assert torch.equal(y.nan_to_num().view(torch.int16), yr.nan_to_num().view(torch.int16))
+    else:
+        # numpy's erf gives -1 a little sooner: GELU 0 where the twin has ~1e-7 (x < -5)
+        torch.testing.assert_close(y.float(), yr.float(), rtol=2 ** -7, atol=1e-6,
+                                   equal_nan=True)
+    qt, st = F8.e4m3_cast(y, rowwise=True)
+    torch.testing.assert_close(q.float(), qt.float(), rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(s, st.reshape(-1), rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(m, y.float().abs().amax(1), rtol=0, atol=0, equal_nan=True)
+    assert s[:3].isnan().tolist() == [True, False, True] and s[1] == float("inf")
+    assert s[3] == F8.AMAX_FLOOR * (1 / 448) and not q[3].float().any()
+    assert torch.isfinite(s[4:]).all() and (q[4:].float().abs().amax(1) == 448).all()
+
+
+@cpu
+@pytest.mark.parametrize("R_,W", [(5, 300), (4, 64), (7, 1)])
+def test_gelu_e4m3_is_its_twin(poison, R_, W):
+    """One pass (interpreter tile: 2 rows, 64-column chunks): partial programs, a partial
+    last chunk, one column."""
+    _check_gelu_e4m3(_gelu_rows(R_, W), exact_y=False)
+
+
+@cpu
+def test_gelu_e4m3_refuses_what_it_cannot_take():
+    from hotcompile.kernels import producer_cast as P
+    h = _randn(4, 96).bfloat16()
+    for bad in (h.t(), h.float(), h[None], torch.empty(4, P.MAX_WIDTH + 1, dtype=torch.bfloat16)):
+        assert not P.fusable(bad)
+        with pytest.raises(ValueError, match="gelu_e4m3: needs 2-D contiguous bf16"):
+            P.gelu_e4m3(bad)
+    assert P.fusable(h)
+
+
 @cpu
 def test_fallbacks_to_reference():
     g, w, x = _randn(32, 32), _randn(32, 16), _randn(32, 16)
@@ -1738,3 +1798,20 @@ def test_a_launch_must_name_every_parameter(poison):
         launch(_fill, (1,), x, 16)
     launch(_fill, (1,), x, 16, V=2.0)
     assert torch.equal(x, torch.full((16,), 2.0))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("R_,W", [(12608, 3072), (1028, 5120), (37, 8192), (5, 1000)])
+def test_gpu_gelu_e4m3_is_its_twin(R_, W):
+    """On the GPU at ViT-B's and ViT-H's fc2 inputs, the widest row and an odd width: GELU's
+    output bit for bit the twin's, eager ``F.gelu``'s and Inductor's compiled GELU's (the
+    op it replaces in a graph); levels, scales and maxima ``e4m3_cast``'s of it."""
+    torch.manual_seed(11)
+    h = _gelu_rows(R_, W, device="cuda")
+    _check_gelu_e4m3(h, exact_y=True)
+    y = __import__("hotcompile.kernels.producer_cast", fromlist=["x"]).gelu_e4m3(h)[0]
+    for other in (torch.nn.functional.gelu(h), torch.compile(torch.nn.functional.gelu)(h)):
+        assert torch.equal(y.isnan(), other.isnan())
+        assert torch.equal(y.nan_to_num().view(torch.int16), other.nan_to_num().view(torch.int16))
+

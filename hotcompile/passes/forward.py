@@ -114,6 +114,9 @@ def rewrite_forward(graph: Graph, sites: List[LinearSite], config, fake_mode,
                 out = _cast_in_gelu(graph, *gelu, s.x, config.kernels, fake_mode)
                 producers.append(out[0])
                 _repoint(sites, gelu[0], out[1])
+                for t in todo:
+                    if (t.group or t.key) == key[0]:
+                        t.x_cast = out[0]
                 out = out[2:]
             else:
                 out = emit(graph, lambda x: F8.e4m3_cast(x, rowwise, contiguous=True,
