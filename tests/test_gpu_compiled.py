@@ -285,10 +285,11 @@ def test_spliced_sites_launch_from_inductor_and_match_the_ops_bit_for_bit():
     # maxima (in place of autocast's casts), their operands (HQ's e4m3 W, the FP8 forward's
     # W); per site: ABC 1 (forward, its scale from max |x|, writing the K-major buffer the
     # g_W GEMM reads), HQ g 1 (writing g's row maxima, zeroing the bound's word), the bound
-    # 1 (the largest block sum of those maxima), HLA g 1 (its scale from the bound); 4 sites
+    # 1 (the largest block sum of those maxima), HLA g 1 (its scale from the bound); 4 sites;
+    # fc2's x made with its FP8 operand by one GELU kernel, in place of Inductor's
     assert counts["hot"] == {"_hla_kernel": 2 * 4, "_hq_token_kernel": 4,
                              "_weight_operands_kernel": 1, "_weight_cast_kernel": 1,
-                             "_block_bound_kernel": 4}, counts
+                             "_block_bound_kernel": 4, "_gelu_e4m3_kernel": 1}, counts
     repeats = [name for c in codes for name in _repeated_definitions(c)]
     assert not repeats, repeats
     assert "kernels launched by Inductor at 4/4" in str(be.report)

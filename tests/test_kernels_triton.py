@@ -944,12 +944,13 @@ def _gelu_rows(R_, W, device="cpu"):
     return h
 
 
-def _check_gelu_e4m3(h, exact_y: bool):
-    """``producer_cast.gelu_e4m3`` against ``reference.gelu_e4m3``: GELU's output bit for bit
-    (``exact_y``; the interpreter's erf is numpy's, so there within one bf16 step, or 1e-6
-    in the far negative tail); the
-    levels, scales and row maxima bit for bit those ``fp8_forward.e4m3_cast`` makes of the
-    kernel's own output, NaN rows included; every output written, row-major."""
+def _check_gelu_e4m3(h):
+    """``producer_cast.gelu_e4m3`` against ``reference.gelu_e4m3``: GELU's output within one
+    bf16 step, or 1e-6 in the far negative tail (x < -4, where erf(x) + 1 cancels: the
+    interpreter's erf is numpy's, and on the GPU the compiled kernel contracts that sum
+    differently from eager torch's ops, as Inductor's own GELU does); the levels, scales and
+    row maxima bit for bit those ``fp8_forward.e4m3_cast`` makes of the kernel's own
+    output, NaN rows included; every output written, row-major."""
     from hotcompile.kernels import fp8_forward as F8, producer_cast as P
     y, q, s, m = P.gelu_e4m3(h)
     yr, _, _, _ = R.gelu_e4m3(h)
@@ -958,13 +959,7 @@ def _check_gelu_e4m3(h, exact_y: bool):
                                                     torch.float32, torch.float32)
     assert y.shape == q.shape == (R_, W) and s.shape == m.shape == (R_,)
     assert y.is_contiguous() and q.is_contiguous()
-    if exact_y:
-        assert torch.equal(y.isnan(), yr.isnan())
-        assert torch.equal(y.nan_to_num().view(torch.int16), yr.nan_to_num().view(torch.int16))
-    else:
-        # numpy's erf gives -1 a little sooner: GELU 0 where the twin has ~1e-7 (x < -5)
-        torch.testing.assert_close(y.float(), yr.float(), rtol=2 ** -7, atol=1e-6,
-                                   equal_nan=True)
+    torch.testing.assert_close(y.float(), yr.float(), rtol=2 ** -7, atol=1e-6, equal_nan=True)
     qt, st = F8.e4m3_cast(y, rowwise=True)
     torch.testing.assert_close(q.float(), qt.float(), rtol=0, atol=0, equal_nan=True)
     torch.testing.assert_close(s, st.reshape(-1), rtol=0, atol=0, equal_nan=True)
@@ -979,7 +974,7 @@ def _check_gelu_e4m3(h, exact_y: bool):
 def test_gelu_e4m3_is_its_twin(poison, R_, W):
     """One pass (interpreter tile: 2 rows, 64-column chunks): partial programs, a partial
     last chunk, one column."""
-    _check_gelu_e4m3(_gelu_rows(R_, W), exact_y=False)
+    _check_gelu_e4m3(_gelu_rows(R_, W))
 
 
 @cpu
@@ -1804,14 +1799,21 @@ def test_a_launch_must_name_every_parameter(poison):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("R_,W", [(12608, 3072), (1028, 5120), (37, 8192), (5, 1000)])
 def test_gpu_gelu_e4m3_is_its_twin(R_, W):
-    """On the GPU at ViT-B's and ViT-H's fc2 inputs, the widest row and an odd width: GELU's
-    output bit for bit the twin's, eager ``F.gelu``'s and Inductor's compiled GELU's (the
-    op it replaces in a graph); levels, scales and maxima ``e4m3_cast``'s of it."""
+    """On the GPU at ViT-B's and ViT-H's fc2 inputs, the widest row and an odd width: the
+    twin's numerics (``_check_gelu_e4m3``), and GELU's output, levels and scales bit for bit
+    those of the graph the op replaces: Inductor's compiled GELU with ``e4m3_cast`` fused
+    into it (H200, sixtieth stop: equal at 3072 to 8192 wide)."""
+    from hotcompile.kernels import fp8_forward as F8, producer_cast as P
+
+    def inductor(h):
+        y = torch.nn.functional.gelu(h)
+        return (y, *F8.e4m3_cast(y, rowwise=True, contiguous=True))
+
     torch.manual_seed(11)
     h = _gelu_rows(R_, W, device="cuda")
-    _check_gelu_e4m3(h, exact_y=True)
-    y = __import__("hotcompile.kernels.producer_cast", fromlist=["x"]).gelu_e4m3(h)[0]
-    for other in (torch.nn.functional.gelu(h), torch.compile(torch.nn.functional.gelu)(h)):
-        assert torch.equal(y.isnan(), other.isnan())
-        assert torch.equal(y.nan_to_num().view(torch.int16), other.nan_to_num().view(torch.int16))
-
+    _check_gelu_e4m3(h)
+    y, q, s, _ = P.gelu_e4m3(h)
+    yi, qi, si = torch.compile(inductor, dynamic=False)(h)
+    torch.testing.assert_close(y, yi, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(q.float(), qi.float(), rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(s, si.reshape(-1), rtol=0, atol=0, equal_nan=True)

@@ -59,6 +59,8 @@ class SiteRecord:
     #                                        "hot::weight_cast copy": W and its column maxima
     #                                        from one forward kernel (passes/weight_cast.py)
     launch: str = ""                       # "Inductor" (spliced) or "hot:: op (why not)"
+    x_cast: str = ""                       # x made with its FP8 operand by one kernel of its
+    #                                        producer's: "GELU (<how it launches>)"
 
     @property
     def rewritten(self) -> bool:
@@ -125,6 +127,7 @@ def record_site(site: "LinearSite", graph_index: int, config, plan=None) -> Site
                      w_operand="fp32 parameter" if site.eligible and site.w_chain else
                      "hot::weight_cast copy" if site.eligible and site.w_cast is not None else "",
                      launch=site.launch if site.eligible else "",
+                     x_cast=f"GELU ({site.x_cast_launch})" if site.x_cast is not None else "",
                      forward_ms=[round(v, 4) for v in site.forward_ms]
                      if site.forward_ms else None,
                      layout=site.layout.describe() if site.layout is not None else None,

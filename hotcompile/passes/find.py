@@ -76,6 +76,7 @@ class LinearSite:
     w_chain: Optional[list] = None  # views + cast from the fp32 parameter to W (recompute.py)
     x_cast: Optional[Node] = None  # hot::gelu_e4m3 making x (GELU's output) and its FP8
     #                               operand in one pass (forward.py)
+    x_cast_launch: str = ""       # how that op launches (as ``launch``), set by the rewrite
     launch: str = ""              # how its HOT kernels launch: "Inductor" or "hot:: op (why)"
     gx_kept: str = ""             # why its g_x mm stays exact while g_W is HOT's (exact_gx)
     gx_exact: Optional[Node] = None  # that g_x mm (exact_gx_gemm="e4m3" may rewrite it)

@@ -146,21 +146,24 @@ def rewrite_forward(graph: Graph, sites: List[LinearSite], config, fake_mode,
     return producers
 
 
-VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+# what may stand between GELU's output and x: views, and the clone a Dropout(p=0) leaves in
+# a training graph (timm's Mlp: fc1, GELU, dropout, fc2)
+PASS_THROUGH = (aten.view.default, aten._unsafe_view.default, aten.reshape.default,
+                aten.clone.default)
 CAST = torch.ops.prims.convert_element_type.default
 SQRT_HALF = 0.7071067811865476
 
 
 def _gelu_producer(x: Node) -> Optional[Tuple[Node, Node]]:
     """(GELU's bf16 output node, its bf16 input h) where ``x`` is that output through views
-    and ``hot::gelu_e4m3`` can make x and its row-wise cast in one pass: exact GELU (tanh's
+    (or a clone: ``PASS_THROUGH``) and ``hot::gelu_e4m3`` can make x and its row-wise cast in one pass: exact GELU (tanh's
     differs) in the forward, on row-major bf16 of static shape whose rows are x's
     (``producer_cast.fusable``). The joint graph holds GELU decomposed (Inductor's
     decomposition, under autocast): cast(mul(mul(c, 0.5), add(erf(mul(c, sqrt(1/2))), 1)),
     bf16), c = cast(h, fp32). Anything else keeps the cast in aten ops, which Inductor
     fuses as it can."""
     y = x
-    while y.target in VIEWS:
+    while y.target in PASS_THROUGH:
         y = y.args[0]
     if not _cast(y, torch.bfloat16) or y.meta.get("partitioner_tag") != "is_forward":
         return None

@@ -321,7 +321,7 @@ def _splice(graph: Graph, sites: List[LinearSite], buffers, config, fake_mode,
         if cast is not None and how.get(cast) != s.launch.split(";")[0]:
             s.launch += f"; its W cast: {how.get(cast)}"
         if s.x_cast is not None:
-            s.launch += f"; x and its FP8 cast: one GELU kernel ({how.get(s.x_cast)})"
+            s.x_cast_launch = how.get(s.x_cast, "")
 
 
 def _share_seeds(graph: Graph, sites: List[LinearSite], fake_mode) -> None:
