@@ -99,42 +99,34 @@ def persistent_reductions(up_to: int):
         yield
 
 
-# ------------------------------------------------- one pass: a prototype of HOT's own kernel
+# ------------------------------------------- one pass: HOT's GELU kernel, a backward prototype
 try:
     import triton
     import triton.language as tl
     from triton.language.extra.cuda import libdevice
 
-    from hotcompile.kernels.hadamard import (E4M3_AMAX_FLOOR, E4M3_INV_MAX, abs_bits,
-                                             e4m3_from_clamped, round_to_bf16)
+    from hotcompile.kernels import producer_cast
+    from hotcompile.kernels.hadamard import abs_bits, round_to_bf16
 except ImportError:          # the CPU smoke runs without triton's GPU parts
     triton = None
 
 if triton is not None:
     @triton.jit
-    def _gelu_chunk(x_ptr, g_ptr, y_ptr, rows, i: tl.constexpr, R, W, BC: tl.constexpr,
-                    BACKWARD: tl.constexpr, INTERPRET: tl.constexpr):
-        """Chunk i of a row set: GELU (or its backward, with g) in fp32 in the op order
-        Inductor compiles ``F.gelu`` / ``gelu_backward`` in, with the libdevice functions
-        its code calls (the interpreter has none: numpy's there), rounded to bf16, stored."""
+    def _gelu_backward_chunk(x_ptr, g_ptr, y_ptr, rows, i: tl.constexpr, R, W, BC: tl.constexpr,
+                             INTERPRET: tl.constexpr):
+        """Chunk i of a row set: GELU's backward with g in fp32 in the op order Inductor
+        compiles ``gelu_backward`` in, with the libdevice functions its code calls (the
+        interpreter has none: numpy's there), rounded to bf16, stored."""
         cols = i * BC + tl.arange(0, BC)
         mask = (rows < R)[:, None] & (cols < W)[None, :]
         offs = rows.to(tl.int64)[:, None] * W + cols[None, :]
         x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        if BACKWARD:
-            g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            if INTERPRET:
-                erf, e = tl.erf(x * 0.7071067811865476), tl.exp(x * x * -0.5)
-            else:
-                erf, e = libdevice.erf(x * 0.7071067811865476), libdevice.exp(x * x * -0.5)
-            cdf = (erf + 1.0) * 0.5
-            y = g * (cdf + x * (e * 0.3989422804014327))
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if INTERPRET:
+            erf, e = tl.erf(x * 0.7071067811865476), tl.exp(x * x * -0.5)
         else:
-            if INTERPRET:
-                erf = tl.erf(x * 0.7071067811865476)
-            else:
-                erf = libdevice.erf(x * 0.7071067811865476)
-            y = (x * 0.5) * (erf + 1.0)
+            erf, e = libdevice.erf(x * 0.7071067811865476), libdevice.exp(x * x * -0.5)
+        y = g * ((erf + 1.0) * 0.5 + x * (e * 0.3989422804014327))
         if INTERPRET:       # its fp32 -> bf16 cast truncates
             y = round_to_bf16(y).to(tl.bfloat16)
         else:
@@ -143,53 +135,46 @@ if triton is not None:
         return y.to(tl.float32)
 
     @triton.jit
-    def _gelu_cast_kernel(x_ptr, g_ptr, y_ptr, q_ptr, s_ptr, R, W, BR: tl.constexpr,
-                          BC: tl.constexpr, CHUNKS: tl.constexpr, BACKWARD: tl.constexpr,
-                          INTERPRET: tl.constexpr):
-        """BR rows a program, each CHUNKS chunks of BC columns held in registers: the bf16
-        output, then its row-wise e4m3 copy and scale (``fp8_forward.e4m3_cast``'s numerics)
-        from the held values: one read of the inputs, one write of each output."""
+    def _gelu_backward_cast_kernel(x_ptr, g_ptr, y_ptr, q_ptr, s_ptr, R, W, BR: tl.constexpr,
+                                   BC: tl.constexpr, CHUNKS: tl.constexpr,
+                                   INTERPRET: tl.constexpr):
+        """BR rows a program, each CHUNKS chunks of BC columns held in registers: GELU's
+        backward (bf16), then its row-wise e4m3 copy and scale from the held values
+        (``producer_cast.cast_held_rows``, as HOT's forward GELU kernel): one read of the
+        inputs, one write of each output."""
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
         amax = tl.zeros((BR, BC), dtype=tl.int32)
         held = ()
         for i in tl.static_range(CHUNKS):
-            y = _gelu_chunk(x_ptr, g_ptr, y_ptr, rows, i, R, W, BC, BACKWARD, INTERPRET)
+            y = _gelu_backward_chunk(x_ptr, g_ptr, y_ptr, rows, i, R, W, BC, INTERPRET)
             amax = tl.maximum(amax, abs_bits(y))
             held = held + (y,)
-        m = tl.max(amax, axis=1).to(tl.float32, bitcast=True)
-        s = tl.maximum(m, E4M3_AMAX_FLOOR, propagate_nan=tl.PropagateNan.ALL) * E4M3_INV_MAX
-        inv = tl.math.div_rn(1.0, s)
-        for i in tl.static_range(CHUNKS):
-            cols = i * BC + tl.arange(0, BC)
-            mask = (rows < R)[:, None] & (cols < W)[None, :]
-            t = tl.clamp(held[i] * inv[:, None], -448.0, 448.0,
-                         propagate_nan=tl.PropagateNan.ALL)
-            tl.store(q_ptr + rows.to(tl.int64)[:, None] * W + cols[None, :],
-                     e4m3_from_clamped(t, INTERPRET), mask=mask)
-        tl.store(s_ptr + rows, s, mask=rows < R)
+        producer_cast.cast_held_rows(held, amax, rows, R, W, q_ptr, s_ptr, BC, CHUNKS, INTERPRET)
 
 
-ONE_PASS_TILES = ((1, 4), (2, 8), (4, 8))     # (rows a program, warps)
+ONE_PASS_TILES = ((1, 4), (2, 8), (4, 8))     # the backward prototype's (rows a program, warps)
 
 
-def one_pass(name: str, br: int, warps: int, bc: int = 1024):
-    """GELU (``name`` "gelu": args (h,)) or its backward ("gelu_backward": args (g, h)) with
-    the row-wise cast, as one Triton kernel of the kind HOT would need (not wired into HOT:
-    a measurement of what one pass reaches). Returns fn(*args) -> (y, q, s)."""
-    backward = name == "gelu_backward"
+def one_pass_variants(name: str) -> list:
+    """[(variant label, fn(*args) -> (y, q, s))]: for "gelu" (args (h,)) HOT's own kernel
+    (``producer_cast.gelu_e4m3``, as the graph launches it); for "gelu_backward" (args
+    (g, h)) the prototype above at each of ``ONE_PASS_TILES`` (not wired into HOT: a
+    measurement of what one pass reaches)."""
+    if name == "gelu":
+        return [("one_pass[hot::gelu_e4m3]", lambda h: producer_cast.gelu_e4m3(h)[:3])]
 
-    def run(*args):
-        x = args[-1]
-        R, W = x.shape
-        y = torch.empty_like(x)
-        q = torch.empty(R, W, dtype=torch.float8_e4m3fn, device=x.device)
-        s = torch.empty(R, dtype=torch.float32, device=x.device)
-        _gelu_cast_kernel[(triton.cdiv(R, br),)](x, args[0], y, q, s, R, W, br, bc,
-                                                 triton.cdiv(W, bc), backward,
-                                                 os.environ.get("TRITON_INTERPRET") == "1",
-                                                 num_warps=warps)
-        return y, q, s
-    return run
+    def backward(br: int, warps: int, bc: int = 1024):
+        def run(g, x):
+            R, W = x.shape
+            y = torch.empty_like(x)
+            q = torch.empty(R, W, dtype=torch.float8_e4m3fn, device=x.device)
+            s = torch.empty(R, dtype=torch.float32, device=x.device)
+            _gelu_backward_cast_kernel[(triton.cdiv(R, br),)](
+                x, g, y, q, s, R, W, br, bc, triton.cdiv(W, bc),
+                os.environ.get("TRITON_INTERPRET") == "1", num_warps=warps)
+            return y, q, s
+        return run
+    return [(f"one_pass[{br}x{warps}]", backward(br, warps)) for br, warps in ONE_PASS_TILES]
 
 
 def check_one_pass(fn, args, alone) -> dict:
@@ -291,13 +276,12 @@ def measure(device: torch.device, rows: int, widths: dict, reps: int,
             record(name, vname, width, ms, bytes_moved(rows, width, reads, vname.split("+")[0]),
                    check)
         if device.type == "cuda" and name in ("gelu", "gelu_backward") and triton is not None:
-            for br, warps in ONE_PASS_TILES:
-                fn = one_pass(name, br, warps)
+            for label, fn in one_pass_variants(name):
                 check = check_one_pass(fn, args, compiled_alone)
                 C.sync(device)
                 ms = time_of(lambda: fn(*args))
-                record(name, f"one_pass[{br}x{warps}]", width, ms,
-                       bytes_moved(rows, width, reads, "with_cast"), check)
+                record(name, label, width, ms, bytes_moved(rows, width, reads, "with_cast"),
+                       check)
     for r in results:
         base = next(a for a in results if a["producer"] == r["producer"]
                     and a["variant"] == "alone")

@@ -1252,8 +1252,8 @@ for name in ("gelu", "gelu_backward"):
     # by how many depends on the host's vector ISA (AVX512's -5 -> -1.19e-6, scalar -1.49e-6)
     want = (F.gelu(h.double()) if name == "gelu"
             else torch.ops.aten.gelu_backward(args[0].double(), h.double()))
-    for br, warps in P.ONE_PASS_TILES:
-        y, q, s = P.one_pass(name, br, warps)(*args)
+    for _, fn in P.one_pass_variants(name):
+        y, q, s = fn(*args)
         q_ref, s_ref = e4m3_cast(y, rowwise=True)
         assert torch.equal(s.isnan(), s_ref.reshape(-1).isnan()) and s[1].isnan()
         assert torch.equal(s.nan_to_num(), s_ref.reshape(-1).nan_to_num())
@@ -1272,10 +1272,10 @@ print("ok")
 
 @pytest.mark.slow
 def test_producer_casts_one_pass_kernel_is_the_twin_under_the_interpreter():
-    """bench/producer_casts.py's one-pass GELU (and GELU-backward) + row-wise cast kernel on
-    Triton's interpreter: its e4m3 levels and scales equal the eager twin's on its own bf16
-    output, NaN rows included, for every tile it times; that output is GELU within a bf16
-    step (on the GPU it equals Inductor's compiled GELU bit for bit: forty-seventh stop)."""
+    """bench/producer_casts.py's one-pass kernels on Triton's interpreter: HOT's GELU + row-wise
+    cast (``hot::gelu_e4m3``'s) and the GELU-backward prototype at every tile it times: e4m3
+    levels and scales equal the eager twin's on the kernel's own bf16 output, NaN rows
+    included; that output is GELU (or its backward) within a bf16 step."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     code = _ONE_PASS_CHECK.format(bench=os.path.join(root, "bench"), root=root)
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TRITON_INTERPRET": "1"},

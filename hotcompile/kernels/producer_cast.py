@@ -68,6 +68,18 @@ def _gelu_e4m3_kernel(h_ptr, y_ptr, q_ptr, s_ptr, m_ptr, R, W, BR: tl.constexpr,
         y = _gelu_chunk(h_ptr, y_ptr, rows, i, R, W, BC, INTERPRET)
         amax = tl.maximum(amax, abs_bits(y))
         held = held + (y,)
+    m = cast_held_rows(held, amax, rows, R, W, q_ptr, s_ptr, BC, CHUNKS, INTERPRET)
+    tl.store(m_ptr + rows, m, mask=rows < R)
+
+
+@triton.jit
+def cast_held_rows(held, amax, rows, R, W, q_ptr, s_ptr, BC: tl.constexpr,
+                   CHUNKS: tl.constexpr, INTERPRET: tl.constexpr):
+    """The row-wise e4m3 copy of rows a producer holds as CHUNKS fp32 chunks (``held``) of
+    BC columns, with ``amax`` their running |values| as int32 bits: per row m = max |y|,
+    the scale s = max(m, 1e-12) / 448 (stored) and the levels e4m3(clamp(y * (1 / s),
+    +-448)) (stored row-major), 1 / s correctly rounded as ``fp8_forward.e4m3_cast``'s.
+    Returns m (fp32)."""
     m = tl.max(amax, axis=1).to(tl.float32, bitcast=True)
     s = tl.maximum(m, E4M3_AMAX_FLOOR, propagate_nan=tl.PropagateNan.ALL) * E4M3_INV_MAX
     inv = tl.math.div_rn(1.0, s)
@@ -78,7 +90,7 @@ def _gelu_e4m3_kernel(h_ptr, y_ptr, q_ptr, s_ptr, m_ptr, R, W, BR: tl.constexpr,
         tl.store(q_ptr + rows.to(tl.int64)[:, None] * W + cols[None, :],
                  e4m3_from_clamped(t, INTERPRET), mask=mask)
     tl.store(s_ptr + rows, s, mask=rows < R)
-    tl.store(m_ptr + rows, m, mask=rows < R)
+    return m
 
 
 declare_writes(_gelu_e4m3_kernel, lambda a: ("y_ptr", "q_ptr", "s_ptr", "m_ptr"))
