@@ -680,3 +680,20 @@ def test_gelu_cast_under_autocast_through_a_dropout(monkeypatch):
     assert [r.x_cast.split(" (")[0] for r in be.report.layers] == ["", "GELU"]
     assert len(_nodes_of(graphs, GELU_CAST)) == 1
     assert _bits_equal(y, y0) and all(_bits_equal(a, b) for a, b in zip(grads, grads0))
+
+
+def test_gelu_cast_with_recompute_operands(monkeypatch):
+    """``recompute_operands`` (backward rebuilds what it can instead of keeping it) beside the
+    GELU op: the step is bit-equal to the one without the op."""
+    torch.manual_seed(27)
+    x = torch.randn(2, 8, 64)
+
+    def model():
+        torch.manual_seed(28)
+        return _GeluMLP()
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        (be, y, grads, graphs), (_, y0, grads0, _) = _step_with_and_without_gelu_cast(
+            monkeypatch, model, _cfg(forward="fp8_rowwise", recompute_operands=True), x)
+    assert [r.x_cast.split(" (")[0] for r in be.report.layers] == ["", "GELU"]
+    assert _bits_equal(y, y0) and all(_bits_equal(a, b) for a, b in zip(grads, grads0))
