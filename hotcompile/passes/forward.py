@@ -156,12 +156,12 @@ SQRT_HALF = 0.7071067811865476
 
 def _gelu_producer(x: Node) -> Optional[Tuple[Node, Node]]:
     """(GELU's bf16 output node, its bf16 input h) where ``x`` is that output through views
-    (or a clone: ``PASS_THROUGH``) and ``hot::gelu_e4m3`` can make x and its row-wise cast in one pass: exact GELU (tanh's
-    differs) in the forward, on row-major bf16 of static shape whose rows are x's
-    (``producer_cast.fusable``). The joint graph holds GELU decomposed (Inductor's
-    decomposition, under autocast): cast(mul(mul(c, 0.5), add(erf(mul(c, sqrt(1/2))), 1)),
-    bf16), c = cast(h, fp32). Anything else keeps the cast in aten ops, which Inductor
-    fuses as it can."""
+    (or a clone: ``PASS_THROUGH``) and ``hot::gelu_e4m3`` can make x and its row-wise cast
+    in one pass: exact GELU (tanh's differs) in the forward, on row-major bf16 of static
+    shape whose rows are x's (``producer_cast.fusable``). The joint graph holds GELU
+    decomposed (Inductor's decomposition, under autocast): cast(mul(mul(c, 0.5),
+    add(erf(mul(c, sqrt(1/2))), 1)), bf16), c = cast(h, fp32). Anything else keeps the cast
+    in aten ops, which Inductor fuses as it can."""
     y = x
     while y.target in PASS_THROUGH:
         y = y.args[0]
