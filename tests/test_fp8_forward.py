@@ -624,6 +624,7 @@ def test_gelu_output_and_its_fp8_cast_in_one_op(monkeypatch):
         monkeypatch, model, _cfg(forward="fp8_rowwise", gw_format="e4m3"), x)
     assert [r.forward for r in be.report.layers] == ["fp8_rowwise"] * 4
     assert [r.x_cast.split(" (")[0] for r in be.report.layers] == ["", "", "", "GELU"]  # fc2
+    assert str(be.report).count("fp8_rowwise (x from GELU's kernel)") == 1
     ops = _nodes_of(graphs, GELU_CAST)
     assert len(ops) == 1 and ops[0].meta["partitioner_tag"] == "is_forward"
     fwd = next(g for g in graphs if any(n in ops for n in g.nodes))

@@ -235,7 +235,8 @@ class Report:
             if r.lqs_err_token is not None:
                 lqs += f" (e_tok {r.lqs_err_token:.3f}, e_ten {r.lqs_err_tensor:.3f})"
             rows.append((str(r.graph), r.key, str(r.L), str(r.I), str(r.O), r.dtype,
-                         r.forward, r.gx_path, r.gw_path, r.abc.split(" (")[0], saved, lqs,
+                         r.forward + (" (x from GELU's kernel)" if r.x_cast else ""),
+                         r.gx_path, r.gw_path, r.abc.split(" (")[0], saved, lqs,
                          "-" if not r.predicted_ms else
                          f"{r.predicted_ms[0]:.3f}/{r.predicted_ms[1]:.3f}",
                          r.reason or (r.forward_reason and f"forward bf16: {r.forward_reason}")))
