@@ -701,3 +701,35 @@ def test_gelu_cast_with_recompute_operands(monkeypatch):
             monkeypatch, model, _cfg(forward="fp8_rowwise", recompute_operands=True), x)
     assert [r.x_cast.split(" (")[0] for r in be.report.layers] == ["", "GELU"]
     assert _bits_equal(y, y0) and all(_bits_equal(a, b) for a, b in zip(grads, grads0))
+
+
+class _GeluShared(torch.nn.Module):
+    """GELU's output read by two sites (one ABC group, one cast of x) and by a slice of the
+    residual path."""
+
+    def __init__(self, d=64):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(d, 4 * d)
+        self.a, self.b = torch.nn.Linear(4 * d, d), torch.nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        g = torch.nn.functional.gelu(self.fc1(x))
+        return self.a(g) + self.b(g) + g[..., : x.shape[-1]] * 2
+
+
+def test_gelu_cast_shared_by_two_sites_and_another_reader(monkeypatch):
+    """Two sites reading GELU's output share the one op (and its levels); the slice reads
+    the op's output; the step is bit-equal to the one without the op."""
+    torch.manual_seed(29)
+    x = torch.randn(2, 8, 64)
+
+    def model():
+        torch.manual_seed(30)
+        return _GeluShared()
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        (be, y, grads, graphs), (_, y0, grads0, _) = _step_with_and_without_gelu_cast(
+            monkeypatch, model, _cfg(forward="fp8_rowwise"), x)
+    assert [r.x_cast.split(" (")[0] for r in be.report.layers] == ["", "GELU", "GELU"]
+    assert len(_nodes_of(graphs, GELU_CAST)) == 1
+    assert _bits_equal(y, y0) and all(_bits_equal(a, b) for a, b in zip(grads, grads0))
