@@ -589,120 +589,6 @@ class _GeluMLP(torch.nn.Module):
         return self.fc2(self.drop(h))
 
 
-def _step_with_and_without_gelu_cast(monkeypatch, model, cfg, x, dynamic=None):
-    """(backend, output, parameter grads, graphs) of one compiled step, then the output and
-    grads of the same step with GELU left to the graph (``_gelu_producer`` finding none)."""
-    from hotcompile.passes import forward as FW
-    runs = []
-    for fuse in (True, False):
-        torch._dynamo.reset()
-        m = model()
-        if not fuse:
-            monkeypatch.setattr(FW, "_gelu_producer", lambda x: None)
-        be, y, graphs = _run(m, cfg, x, dynamic=dynamic)
-        runs.append((be, y, [p.grad for p in m.parameters()], graphs))
-    return runs
-
-
-def _bits_equal(a, b) -> bool:
-    return torch.equal(a.float().nan_to_num(), b.float().nan_to_num())
-
-
-def test_gelu_output_and_its_fp8_cast_in_one_op(monkeypatch):
-    """A row-wise FP8 site fed by exact GELU (ViT's fc2): GELU and the cast of its output
-    become one ``hot::gelu_e4m3`` (no erf left in the forward graph), the saved x's e4m3
-    bound comes from its row maxima, and the step's output and gradients are bit-equal to
-    the step with GELU and the cast left to the graph."""
-    torch.manual_seed(21)
-    x = torch.randn(2, 8, 64).bfloat16()
-
-    def model():
-        torch.manual_seed(22)
-        return Block(64).bfloat16()
-
-    (be, y, grads, graphs), (_, y0, grads0, graphs0) = _step_with_and_without_gelu_cast(
-        monkeypatch, model, _cfg(forward="fp8_rowwise", gw_format="e4m3"), x)
-    assert [r.forward for r in be.report.layers] == ["fp8_rowwise"] * 4
-    assert [r.x_cast.split(" (")[0] for r in be.report.layers] == ["", "", "", "GELU"]  # fc2
-    assert str(be.report).count("fp8_rowwise (x from GELU's kernel)") == 1
-    ops = _nodes_of(graphs, GELU_CAST)
-    assert len(ops) == 1 and ops[0].meta["partitioner_tag"] == "is_forward"
-    fwd = next(g for g in graphs if any(n in ops for n in g.nodes))
-    assert not any(n.target == aten.erf.default for n in fwd.nodes)
-    assert any(n.target == aten.erf.default for n in graphs0[0].nodes)
-    assert not _nodes_of(graphs0, GELU_CAST)
-    def source(n):
-        while n.target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default,
-                           aten.view.dtype):
-            n = n.args[0]
-        return n
-
-    comp = [n for n in fwd.nodes if n.target == torch.ops.hot.abc_compress.default
-            and source(n.args[0]).args == (ops[0], 0)]
-    assert len(comp) == 1 and len(comp[0].args) == 9
-    total = source(comp[0].args[8])                 # max_bits: amax over the row maxima
-    assert total.target is aten.amax.default and total.args[0].args == (ops[0], 3)
-    assert _bits_equal(y, y0) and all(_bits_equal(a, b) for a, b in zip(grads, grads0))
-
-
-@pytest.mark.parametrize("case", ["tanh", "tensorwise", "fp32", "dynamic"])
-def test_gelu_cast_stays_in_the_graph_where_the_op_does_not_apply(monkeypatch, case):
-    """tanh's GELU (another formula), a tensor-wise FP8 forward (one scale: a whole-tensor
-    max first), an fp32 GELU and dynamic sizes keep GELU and the cast in aten ops; the step
-    is the same either way."""
-    torch.manual_seed(23)
-    x = torch.randn(2, 8, 64)
-    forward = "fp8" if case in ("tensorwise", "fp32") else "fp8_rowwise"
-    x = x if case == "fp32" else x.bfloat16()
-
-    def model():
-        torch.manual_seed(24)
-        m = _GeluMLP("tanh" if case == "tanh" else "none")
-        return m if case == "fp32" else m.bfloat16()
-
-    (be, y, grads, graphs), (_, y0, grads0, _) = _step_with_and_without_gelu_cast(
-        monkeypatch, model, _cfg(forward=forward), x, dynamic=case == "dynamic" or None)
-    assert [r.forward for r in be.report.layers] == [forward] * 2
-    assert not _nodes_of(graphs, GELU_CAST)
-    assert _bits_equal(y, y0) and all(_bits_equal(a, b) for a, b in zip(grads, grads0))
-
-
-def test_gelu_cast_under_autocast_through_a_dropout(monkeypatch):
-    """timm's Mlp under bf16 autocast (fp32 parameters, a Dropout(p=0) between GELU and fc2:
-    the H200's ViT-B graph, where the op first found nothing): fc2's x is made by
-    ``hot::gelu_e4m3``, and the step is bit-equal to the one without it."""
-    torch.manual_seed(25)
-    x = torch.randn(2, 8, 64)
-
-    def model():
-        torch.manual_seed(26)
-        return _GeluMLP()
-
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        (be, y, grads, graphs), (_, y0, grads0, _) = _step_with_and_without_gelu_cast(
-            monkeypatch, model, _cfg(forward="fp8_rowwise"), x)
-    assert [r.x_cast.split(" (")[0] for r in be.report.layers] == ["", "GELU"]
-    assert len(_nodes_of(graphs, GELU_CAST)) == 1
-    assert _bits_equal(y, y0) and all(_bits_equal(a, b) for a, b in zip(grads, grads0))
-
-
-def test_gelu_cast_with_recompute_operands(monkeypatch):
-    """``recompute_operands`` (backward rebuilds what it can instead of keeping it) beside the
-    GELU op: the step is bit-equal to the one without the op."""
-    torch.manual_seed(27)
-    x = torch.randn(2, 8, 64)
-
-    def model():
-        torch.manual_seed(28)
-        return _GeluMLP()
-
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        (be, y, grads, graphs), (_, y0, grads0, _) = _step_with_and_without_gelu_cast(
-            monkeypatch, model, _cfg(forward="fp8_rowwise", recompute_operands=True), x)
-    assert [r.x_cast.split(" (")[0] for r in be.report.layers] == ["", "GELU"]
-    assert _bits_equal(y, y0) and all(_bits_equal(a, b) for a, b in zip(grads, grads0))
-
-
 class _GeluShared(torch.nn.Module):
     """GELU's output read by two sites (one ABC group, one cast of x) and by a slice of the
     residual path."""
@@ -717,19 +603,105 @@ class _GeluShared(torch.nn.Module):
         return self.a(g) + self.b(g) + g[..., : x.shape[-1]] * 2
 
 
-def test_gelu_cast_shared_by_two_sites_and_another_reader(monkeypatch):
-    """Two sites reading GELU's output share the one op (and its levels); the slice reads
-    the op's output; the step is bit-equal to the one without the op."""
-    torch.manual_seed(29)
-    x = torch.randn(2, 8, 64)
-
-    def model():
-        torch.manual_seed(30)
-        return _GeluShared()
-
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        (be, y, grads, graphs), (_, y0, grads0, _) = _step_with_and_without_gelu_cast(
-            monkeypatch, model, _cfg(forward="fp8_rowwise"), x)
-    assert [r.x_cast.split(" (")[0] for r in be.report.layers] == ["", "GELU", "GELU"]
-    assert len(_nodes_of(graphs, GELU_CAST)) == 1
+def _gelu_steps(monkeypatch, model, cfg, x, dynamic=None, autocast=False):
+    """One compiled step of ``model()`` (seeded inside), then the same step with GELU left to
+    the graph (``_gelu_producer`` finding none); asserts the outputs and every parameter's
+    gradient bit-equal between the two. Returns (backend, graphs, graphs without the op)."""
+    from hotcompile.passes import forward as FW
+    runs = []
+    for fuse in (True, False):
+        torch._dynamo.reset()
+        m = model()
+        if not fuse:
+            monkeypatch.setattr(FW, "_gelu_producer", lambda x: None)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            be, y, graphs = _run(m, cfg, x, dynamic=dynamic)
+        runs.append((be, y, [p.grad for p in m.parameters()], graphs))
+    (be, y, grads, graphs), (_, y0, grads0, graphs0) = runs
     assert _bits_equal(y, y0) and all(_bits_equal(a, b) for a, b in zip(grads, grads0))
+    return be, graphs, graphs0
+
+
+def _bits_equal(a, b) -> bool:
+    return torch.equal(a.float().nan_to_num(), b.float().nan_to_num())
+
+
+def _seeded(cls, seed: int, *args):
+    """A builder of ``cls(*args)`` with its parameters drawn after ``manual_seed(seed)``."""
+    def build():
+        torch.manual_seed(seed)
+        return cls(*args)
+    return build
+
+
+def _x_casts(be) -> list:
+    return [r.x_cast.split(" (")[0] for r in be.report.layers]
+
+
+def _source(n):
+    """``n`` through views."""
+    while n.target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+                       aten.view.dtype):
+        n = n.args[0]
+    return n
+
+
+def test_gelu_output_and_its_fp8_cast_in_one_op(monkeypatch):
+    """A row-wise FP8 site fed by exact GELU (ViT's fc2): GELU and the cast of its output
+    become one ``hot::gelu_e4m3`` (no erf left in the forward graph), the saved x's e4m3
+    bound comes from its row maxima, and the step's output and gradients are bit-equal to
+    the step with GELU and the cast left to the graph."""
+    torch.manual_seed(21)
+    x = torch.randn(2, 8, 64).bfloat16()
+    be, graphs, graphs0 = _gelu_steps(monkeypatch, lambda: _seeded(Block, 22, 64)().bfloat16(),
+                                      _cfg(forward="fp8_rowwise", gw_format="e4m3"), x)
+    assert [r.forward for r in be.report.layers] == ["fp8_rowwise"] * 4
+    assert _x_casts(be) == ["", "", "", "GELU"]  # fc2
+    assert str(be.report).count("fp8_rowwise (x from GELU's kernel)") == 1
+    ops = _nodes_of(graphs, GELU_CAST)
+    assert len(ops) == 1 and ops[0].meta["partitioner_tag"] == "is_forward"
+    fwd = next(g for g in graphs if any(n in ops for n in g.nodes))
+    assert not any(n.target == aten.erf.default for n in fwd.nodes)
+    assert any(n.target == aten.erf.default for n in graphs0[0].nodes)
+    assert not _nodes_of(graphs0, GELU_CAST)
+    comp = [n for n in fwd.nodes if n.target == torch.ops.hot.abc_compress.default
+            and _source(n.args[0]).args == (ops[0], 0)]
+    assert len(comp) == 1 and len(comp[0].args) == 9
+    total = _source(comp[0].args[8])                 # max_bits: amax over the row maxima
+    assert total.target is aten.amax.default and total.args[0].args == (ops[0], 3)
+
+
+@pytest.mark.parametrize("case", ["tanh", "tensorwise", "fp32", "dynamic",
+                                  "recompute_operands"])
+def test_gelu_cast_stays_in_the_graph_where_the_op_does_not_apply(monkeypatch, case):
+    """tanh's GELU (another formula), a tensor-wise FP8 forward (one scale: a whole-tensor
+    max first), an fp32 GELU, dynamic sizes and a GELU output the backward rebuilds
+    (``recompute_operands``: the op would run whole again there, a copy of it in the
+    backward graph) keep GELU and the cast in aten ops; the step is the same either way."""
+    torch.manual_seed(23)
+    x = torch.randn(2, 8, 64)
+    forward = "fp8" if case in ("tensorwise", "fp32") else "fp8_rowwise"
+    x = x if case == "fp32" else x.bfloat16()
+    build = _seeded(_GeluMLP, 24, "tanh" if case == "tanh" else "none")
+    cfg = _cfg(forward=forward, recompute_operands=case == "recompute_operands")
+    be, graphs, _ = _gelu_steps(monkeypatch, build if case == "fp32" else
+                                lambda: build().bfloat16(), cfg, x,
+                                dynamic=case == "dynamic" or None)
+    assert [r.forward for r in be.report.layers] == [forward] * 2
+    assert not _nodes_of(graphs, GELU_CAST)
+
+
+@pytest.mark.parametrize("case", ["dropout", "shared"])
+def test_gelu_cast_under_autocast(monkeypatch, case):
+    """Under bf16 autocast (fp32 parameters): timm's Mlp, a Dropout(p=0) between GELU and fc2
+    (the H200's ViT-B graph, where the op first found nothing); GELU's output read by two
+    sites (one ABC group, one cast of x: one op) and a slice. The op makes the sites' x,
+    once, in the forward, and the step is bit-equal to the one without it."""
+    torch.manual_seed(25)
+    x = torch.randn(2, 8, 64)
+    build = _seeded(_GeluShared if case == "shared" else _GeluMLP, 26)
+    be, graphs, _ = _gelu_steps(monkeypatch, build, _cfg(forward="fp8_rowwise"), x,
+                                autocast=True)
+    assert _x_casts(be) == ["", "GELU"] + ["GELU"] * (case == "shared")
+    ops = _nodes_of(graphs, GELU_CAST)
+    assert len(ops) == 1 and ops[0].meta["partitioner_tag"] == "is_forward"

@@ -20,6 +20,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch.fx import Graph, Node
+from torch.utils.checkpoint import CheckpointPolicy
 
 from ..kernels import fp8_forward as F8
 from . import cost
@@ -160,12 +161,17 @@ def _gelu_producer(x: Node) -> Optional[Tuple[Node, Node]]:
     in one pass: exact GELU (tanh's differs) in the forward, on row-major bf16 of static
     shape whose rows are x's (``producer_cast.fusable``). The joint graph holds GELU
     decomposed (Inductor's decomposition, under autocast): cast(mul(mul(c, 0.5),
-    add(erf(mul(c, sqrt(1/2))), 1)), bf16), c = cast(h, fp32). Anything else keeps the cast
-    in aten ops, which Inductor fuses as it can."""
+    add(erf(mul(c, sqrt(1/2))), 1)), bf16), c = cast(h, fp32). Not where the backward
+    rebuilds GELU's output (a recompute policy on it: ``recompute_operands``, ABC compressing
+    in backward, activation checkpointing): the partitioner would run the whole op again
+    there, levels and all, where the aten chain rebuilds GELU alone. Anything else keeps
+    the cast in aten ops, which Inductor fuses as it can."""
     y = x
     while y.target in PASS_THROUGH:
         y = y.args[0]
     if not _cast(y, torch.bfloat16) or y.meta.get("partitioner_tag") != "is_forward":
+        return None
+    if y.meta.get("recompute") not in (None, CheckpointPolicy.MUST_SAVE):
         return None
     c = _gelu_input(y.args[0])
     if c is None or not _cast(c, torch.float32):
