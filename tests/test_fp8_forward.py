@@ -705,3 +705,35 @@ def test_gelu_cast_under_autocast(monkeypatch, case):
     assert _x_casts(be) == ["", "GELU"] + ["GELU"] * (case == "shared")
     ops = _nodes_of(graphs, GELU_CAST)
     assert len(ops) == 1 and ops[0].meta["partitioner_tag"] == "is_forward"
+
+
+@pytest.mark.parametrize("case", ["gelu", "tanh", "recompute_operands"])
+def test_gate_prices_the_cast_of_x_where_gelus_kernel_writes_it(monkeypatch, case):
+    """The forward's gate prices a GELU-fed site's cast of x as ``hot::gelu_e4m3`` writes it
+    (``cost.predict_forward(gelu=True)``) exactly where the rewrite then uses the op (the
+    report's ``x_cast``), in both of its asks (the backward's gate and the forward's); tanh's
+    GELU and ``recompute_operands`` keep the op out, and the price of a cast reading x."""
+    seen = {}
+    real = cost.CostModel.predict_forward
+
+    owned = {}
+
+    def spy(self, L, I, O, *a, **k):
+        seen.setdefault(I, set()).add(k.get("gelu"))
+        owned[I] = k.get("w_owned")
+        return real(self, L, I, O, *a, **k)
+    monkeypatch.setattr(cost.CostModel, "predict_forward", spy)
+    monkeypatch.setattr(cost, "model_for", lambda device: cost.H200)
+    build = _seeded(_GeluMLP, 27, "tanh" if case == "tanh" else "none")
+    cfg = _cfg(forward="fp8_rowwise", min_speedup=0,
+               recompute_operands=case == "recompute_operands")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        be, y, graphs = _run(build(), cfg, torch.randn(2, 8, 64))
+    assert _x_casts(be) == ["", "GELU" if case == "gelu" else ""]
+    assert seen == {64: {False}, 256: {case == "gelu"}}, seen
+    fc2 = be.report.layers[1]
+    assert fc2.forward_ms == pytest.approx(
+        list(real(cost.H200, 16, 256, 64, 1.0, w_owned=owned[256], gelu=case == "gelu")),
+        abs=6e-5)
+    if case == "gelu":      # the op's line: below the price of a cast reading x
+        assert fc2.forward_ms[1] < real(cost.H200, 16, 256, 64, 1.0, w_owned=owned[256])[1]

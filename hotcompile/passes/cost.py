@@ -62,8 +62,8 @@ KERNELS = ("grad_out", "hq_g_token", "hq_w", "hq_w_fp32", "hq_cublas", "hq_int8"
 # run has timed it alone.
 SAME_LINE = {"rebuild_x": "fwd_cast_x"}
 
-# lines measured in a model's step, not fitted by bench/fit_cost.py on isolated layers: a
-# weight whose autocast cast HOT owns (``weight_cast.py``). ``w_recast``: the exact
+# lines not fitted by bench/fit_cost.py on isolated layers, measured in a model's step or on
+# one kernel: a weight whose autocast cast HOT owns (``weight_cast.py``). ``w_recast``: the exact
 # backward's cast of the fp32 parameter to bf16 (4 bytes read, 2 written an element), which
 # the partitioner recomputes there rather than keep the copy; ``hq_w_owned``: HQ's W operand
 # as the forward's ``_weight_operands_kernel`` writes it (the bf16 copy read, HQ's and the
@@ -72,7 +72,11 @@ SAME_LINE = {"rebuild_x": "fwd_cast_x"}
 # step's forward cast and HOT's copy cancel. ``abc_bound``: max |x| for ABC's e4m3 scale
 # where no FP8 forward cast of x gives it: a reduction Inductor compiles over x (2 bytes an
 # element read), which ``abc_x``'s line (timed with the bound given) leaves out.
-STEP_KERNELS = ("hq_w_owned", "w_recast", "abc_bound")
+# ``fwd_cast_x_gelu``: the FP8 forward's row-wise cast of an x that GELU makes, where
+# ``hot::gelu_e4m3`` writes it beside GELU's output (``forward._gelu_producer``): that
+# kernel's time over GELU's alone, per element of x (its e4m3 levels written); the
+# ``fwd_cast_x`` line (a cast reading x) prices it 2.5-4x too high.
+STEP_KERNELS = ("hq_w_owned", "w_recast", "abc_bound", "fwd_cast_x_gelu")
 
 
 def site_kernels(gx: bool, gw: bool, rank: int = 16, gx_gemm: str = "hq_cublas",
@@ -151,6 +155,7 @@ def work(kernel: str, L: int, I: int, O: int, rank: int, block: int) -> float:
         "gx_bf16": 2 * L * I * O,
         "gw_bf16": 2 * L * I * O,
         "fwd_cast_x": 5 * L * I,                     # amax read, cast read, e4m3 write
+        "fwd_cast_x_gelu": L * I,                    # e4m3 written beside GELU's output
         "fwd_cast_w": 5 * O * I,
         "fwd_fp8": 2 * L * I * O,
         "fwd_bf16": 2 * L * I * O,
@@ -201,17 +206,22 @@ class CostModel:
         return exact, hot
 
     def predict_forward(self, L: int, I: int, O: int, x_share: float = 1.0,
-                        w_owned: bool = False) -> Tuple[float, float]:
+                        w_owned: bool = False, gelu: bool = False) -> Tuple[float, float]:
         """(bf16, FP8) predicted ms of a site's forward GEMM with its casts (``x_share``: the
         site's part of an x cast shared by the sites reading the same input). Inductor
         launches the casts and the extern GEMM itself in both cases: GPU time only.
         ``w_owned``: HOT owns the site's weight cast, and the kernel that writes HQ's W
         writes the forward's too, in the same read: the backward's ``hq_w_owned`` line
         prices both (measured under an FP8 forward), so no ``fwd_cast_w`` here (a table
-        without that line charges it as before)."""
+        without that line charges it as before). ``gelu``: x is GELU's output and the
+        row-wise cast is written by GELU's kernel (``forward._gelu_producer``): the cast
+        costs that kernel's time over GELU's alone (``fwd_cast_x_gelu``; a table without
+        the line prices a cast that reads x)."""
         t = lambda k: self.kernel_ms(k, L, I, O, 16, 16)  # noqa: E731
         w_cast = 0.0 if w_owned and self.prices_owned_w else t("fwd_cast_w")
-        return t("fwd_bf16"), t("fwd_fp8") + x_share * t("fwd_cast_x") + w_cast
+        x_cast = ("fwd_cast_x_gelu" if gelu and "fwd_cast_x_gelu" in self.step_lines
+                  else "fwd_cast_x")
+        return t("fwd_bf16"), t("fwd_fp8") + x_share * t(x_cast) + w_cast
 
     def predict(self, L: int, I: int, O: int, rank: int, block: int, gx: bool, gw: bool,
                 abc_share: float, graphs: bool, gx_gemm: str = "hq_cublas",
@@ -333,8 +343,14 @@ H200 = CostModel(
     # reduction kernel (Llama d4096's down_proj, SiLU(gate) * up: 0.64 against Inductor's
     # pointwise 0.25 ms for 2 sites, 180 MB each, in the fiftieth stop's profile): the slower
     # of the two, 1.07e-9 ms a byte, ~0.93 TB/s.
+    # fwd_cast_x_gelu: ``hot::gelu_e4m3`` against Inductor's GELU alone at 12608 x 3072,
+    # 16448 x 5120, 8192 x 4096 and 12608 x 8192 (sixtieth stop, CUDA-graph replays,
+    # gelu_e4m3_kernel_2026-12-03T0619_h200_s60): 0.0150, 0.0403, 0.0139, 0.0670 ms over
+    # GELU's 0.053-0.139. Through the origin (a least-squares intercept came out negative),
+    # the slope 0.9x the largest ms an element, so that no shape is under-priced by more than
+    # 10% (12608 x 8192 by 10%, the others over-priced 1.2-1.5x).
     step_lines={"hq_w_owned": (0.0044, 5.1390e-10), "w_recast": (0.0, 2.3561e-10),
-                "abc_bound": (0.0, 1.0700e-09)},
+                "abc_bound": (0.0, 1.0700e-09), "fwd_cast_x_gelu": (0.0, 5.8383e-10)},
 )
 
 # a device name's marker -> its table; the first marker found in the name wins

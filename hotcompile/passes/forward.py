@@ -55,7 +55,11 @@ def forward_plan(s: LinearSite, config, x_share: float = 1.0):
     takes its bound from a reduction of its own, ``cost.STEP_KERNELS``). ``x_share``: the
     site's part of a cast of x shared by its group. A site whose weight cast the backward's
     gate priced as HOT's own (``site.w_owned``) gets W's FP8 operand from the one read that
-    writes HQ's (``weight_cast._weight_operands``, priced there): no cast of W of its own."""
+    writes HQ's (``weight_cast._weight_operands``, priced there): no cast of W of its own.
+    A row-wise site whose x is GELU's output gets its cast from GELU's kernel
+    (``_gelu_producer``, ``hot::gelu_e4m3``), priced as that kernel's time over GELU's
+    (``cost.STEP_KERNELS``); ``recompute_operands`` keeps the op out (the backward rebuilds
+    GELU's output there), so the price of a cast reading x."""
     if config.forward == "bf16":
         return "bf16", "", None
     x, y = s.x.meta.get("val"), s.fwd.meta.get("val")
@@ -68,7 +72,10 @@ def forward_plan(s: LinearSite, config, x_share: float = 1.0):
     if fmt != "bf16":
         model = cost.model_for(x.device)
         if model is not None and isinstance(s.L, int):
-            exact, fp8 = ms = model.predict_forward(s.L, s.I, s.O, x_share, w_owned=s.w_owned)
+            gelu = (fmt == "fp8_rowwise" and not config.recompute_operands
+                    and _gelu_producer(s.x) is not None)
+            exact, fp8 = ms = model.predict_forward(s.L, s.I, s.O, x_share, w_owned=s.w_owned,
+                                                    gelu=gelu)
             if config.min_speedup > 0 and exact < config.min_speedup * fp8:
                 fmt, why = "bf16", (f"cost gate: predicted forward {fp8:.3f} ms in FP8 vs "
                                     f"{exact:.3f} ms bf16 ({exact / fp8:.2f}x < min_speedup "
