@@ -1800,12 +1800,14 @@ def test_a_launch_must_name_every_parameter(poison):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("R_,W", [(12608, 3072), (1028, 5120), (37, 8192), (5, 1000)])
+@pytest.mark.parametrize("R_,W", [(12608, 3072), (1028, 5120), (37, 8192), (300, 1536), (5, 1000),
+                                  (9, 200)])
 def test_gpu_gelu_e4m3_is_its_twin(R_, W):
-    """On the GPU at ViT-B's and ViT-H's fc2 inputs, the widest row and an odd width: the
-    twin's numerics (``_check_gelu_e4m3``), and GELU's output, levels and scales bit for bit
-    those of the graph the op replaces: Inductor's compiled GELU with ``e4m3_cast`` fused
-    into it (H200, sixtieth stop: equal at 3072 to 8192 wide)."""
+    """On the GPU at ViT-B's and ViT-H's fc2 inputs, the widest row, each chunk width of
+    ``producer_cast.tile`` (2048, 1024, 512, 256) and odd widths: the twin's numerics
+    (``_check_gelu_e4m3``), and GELU's output, levels and scales bit for bit those of the
+    graph the op replaces: Inductor's compiled GELU with ``e4m3_cast`` fused into it (H200,
+    sixtieth stop: equal at 3072 to 8192 wide)."""
     from hotcompile.kernels import fp8_forward as F8, producer_cast as P
 
     def inductor(h):
