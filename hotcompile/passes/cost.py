@@ -28,6 +28,10 @@ FP8 forward's W, so the forward's gate charges no cast of W there. And where the
 stays bf16 (``forward.forward_plan``), ABC's e4m3 scale needs max |x| from a reduction of its
 own, which ``abc_x``'s line (timed with the bound given) leaves out: at ViT-B bs192's fc2
 that reduction cost 0.16 ms a site and made the site a loss the table called a gain.
+Where GELU's kernel writes the FP8 forward's cast of x (``hot::gelu_e4m3``), the forward
+is charged that kernel's time over GELU's, not a cast reading x again: priced as a second
+pass, ViT-L/16 bs128's fc2 forwards stayed bf16, so their backwards paid ABC's own bound and
+stayed exact (1.053x Inductor; 1.094x rewritten, sixty-first stop).
 Both GEMMs are modelled on the paths the site will take (``gx_gemm_kernel``,
 ``gw_gemm_kernel``). The g_x GEMM: cuBLAS FP8 for bf16 g_y with per-token scales, the INT8
 kernel otherwise (fp32 training, per-tensor or LQS scales). The g_W GEMM: cuBLAS FP8 where
