@@ -1798,6 +1798,29 @@ def test_a_launch_must_name_every_parameter(poison):
     assert torch.equal(x, torch.full((16,), 2.0))
 
 
+def test_gelu_e4m3_tile_is_the_sweeps_fastest():
+    """``producer_cast.tile`` picks, at every shape of the sixty-first stop's H200 sweep (13
+    tiles, 1536 to 8192 wide, each bit-equal to the shipped one), the tile that ran fastest
+    there; widths between keep a thread's held values at 8 a chunk or fewer."""
+    import json
+    import os
+    from hotcompile.kernels import producer_cast as P
+    path = os.path.join(os.path.dirname(__file__), "..", "bench", "results",
+                        "gelu_e4m3_tiles_2026-12-03T0936_h200_s61.json")
+    with open(path) as f:
+        sweep = json.load(f)
+    for shape, row in sweep.items():
+        width = int(shape.split("x")[1])
+        tiles = {k: v for k, v in row.items() if k not in ("copy", "shipped")}
+        assert all(eq for _, _, eq in tiles.values())
+        best = min(tiles, key=lambda k: tiles[k][0])
+        br, bc, warps = P.tile(width, False)
+        assert best == f"{br}x{bc}w{warps}", (shape, best, P.tile(width, False))
+    for width in range(1, P.MAX_WIDTH + 1, 37):
+        br, bc, warps = P.tile(width, False)
+        assert bc * triton.cdiv(width, bc) < width + bc and bc // (32 * warps) <= 8, width
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("R_,W", [(12608, 3072), (1028, 5120), (37, 8192), (300, 1536), (5, 1000),

@@ -101,8 +101,8 @@ declare_writes(_gelu_e4m3_kernel, lambda a: ("y_ptr", "q_ptr", "s_ptr", "m_ptr")
 
 def tile(width: int, interp: bool) -> tuple[int, int, int]:
     """(rows a program, columns a chunk, warps): one row a program, chunks of 2048 columns
-    past 6144, of 512 where 1024 would pad more (1536 wide), else up to 1024; 8 values a
-    thread a chunk (at most). Swept on the H200 (sixty-first stop, 13 tiles at 6 shapes,
+    past 6144, of 512 from 1025 to 1536 (where 1024 would pad more), else up to 1024; 8
+    values a thread a chunk (at most). Swept on the H200 (sixty-first stop, 13 tiles at 6 shapes,
     1536 to 8192 wide, ``gelu_e4m3_tiles_2026-12-03T0936_h200_s61``, every tile bit-equal):
     the fastest tile at each shape. Against the sixtieth stop's rule (1024 columns, 4
     warps, 8 past 4096): 8.6% faster at 8192 wide, 3.7% at 5120, 22% at 1536, the same
@@ -113,7 +113,7 @@ def tile(width: int, interp: bool) -> tuple[int, int, int]:
     if width > 6 * CHUNK:
         bc = 2 * CHUNK
     elif width > CHUNK:
-        bc = CHUNK // 2 if 0 < width % CHUNK <= CHUNK // 2 and width < 2 * CHUNK else CHUNK
+        bc = CHUNK // 2 if width <= 3 * CHUNK // 2 else CHUNK
     else:
         bc = max(64, triton.next_power_of_2(width))
     return 1, bc, max(1, bc // 256)
