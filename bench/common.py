@@ -592,15 +592,18 @@ class Llama(nn.Module):
 
 
 class LMLoss(nn.Module):
-    """Wraps a causal LM (a module or a transformers model) so forward returns the loss."""
+    """Wraps a causal LM (a module or a transformers model) so forward returns the loss; an
+    encoder's masked-LM head (BERT) is scored the same way, on every position (a benchmark's
+    loss: the step's work is the model's whatever the targets)."""
 
-    def __init__(self, model: nn.Module, hf: bool = False):
+    def __init__(self, model: nn.Module, hf: bool = False, cache: bool = True):
         super().__init__()
         self.model, self.hf = model, hf
+        self.kw = {"use_cache": False} if cache else {}    # an encoder (BERT) has no cache
 
     def forward(self, idx, targets):
         if self.hf:
-            logits = self.model(input_ids=idx, use_cache=False).logits
+            logits = self.model(input_ids=idx, **self.kw).logits
         else:
             logits = self.model(idx)
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())

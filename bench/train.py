@@ -146,6 +146,24 @@ def build_gpt2(batch: int = 16, seq: int = 1024, as_linear: bool = False, **conf
     return build
 
 
+def build_bert(d: int, layers: int, heads: int, hidden: int, batch: int, seq: int = 512):
+    """transformers' BertForMaskedLM (exact GELU, q/k/v three nn.Linear sharing x), dropout
+    off, SDPA attention, scored on every position."""
+    def build(device):
+        _need("transformers")
+        from transformers import BertConfig, BertForMaskedLM
+        cfg = BertConfig(hidden_size=d, num_hidden_layers=layers, num_attention_heads=heads,
+                         intermediate_size=hidden, max_position_embeddings=seq,
+                         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        _sdpa(cfg)
+        with torch.device(device):
+            m = BertForMaskedLM(cfg)
+        return Workload(C.LMLoss(m, hf=True, cache=False), _tokens(cfg.vocab_size, seq), batch,
+                        seq, {}, ("decoder", "lm_head"),
+                        f"transformers BertForMaskedLM d{d} x {layers} layers, {batch} x {seq}")
+    return build
+
+
 def build_llama(d: int, layers: int, heads: int, hidden: int, seq: int, batch: int,
                 vocab: int = 32000):
     def build(device):
@@ -194,10 +212,12 @@ MODELS: Dict[str, Callable] = {
     # larger ViT-B batches: where the cost gate's line for fc2 (3072 -> 768) lies
     "vit_b16_bs192": build_timm("vit_base_patch16_224", 192, 197, "timm vit_base_patch16_224"),
     "vit_b16_bs256": build_timm("vit_base_patch16_224", 256, 197, "timm vit_base_patch16_224"),
+    "vit_b16_bs512": build_timm("vit_base_patch16_224", 512, 197, "timm vit_base_patch16_224"),
     # wider ViTs, where the cost gate rewrites layers (by its arithmetic: ViT-H/14 bs64's qkv,
     # fc1 and fc2, ViT-L/16 bs128's fc1): whether the in-model step agrees
     "vit_h14_bs64": build_timm("vit_huge_patch14_224", 64, 257, "timm vit_huge_patch14_224"),
     "vit_l16_bs128": build_timm("vit_large_patch16_224", 128, 197, "timm vit_large_patch16_224"),
+    "vit_l16_bs64": build_timm("vit_large_patch16_224", 64, 197, "timm vit_large_patch16_224"),
     # ViT-H's blocks, 8 of its 32 (the gate decides per site: the same decisions, a quarter
     # of the compile time)
     "vit_h14_d8_bs64": build_timm("vit_huge_patch14_224", 64, 257,
@@ -209,6 +229,9 @@ MODELS: Dict[str, Callable] = {
         "efficientformer_l7", 64, 49,
         "timm efficientformer_l7; only its last stage (7x7=49 tokens) has nn.Linear layers; "
         "tokens/s counts those 49 tokens per image", exclude=("head", "head_dist", "lm_head")),
+    # text encoders: BERT-base and BERT-large (16384 tokens a step)
+    "bert_base": build_bert(768, 12, 12, 3072, 32),
+    "bert_large": build_bert(1024, 24, 16, 4096, 32),
     "gpt2": build_gpt2(),
     "gpt2_linear": build_gpt2(as_linear=True),
     "llama_d2048": build_llama(2048, 4, 16, 5632, 4096, 2),
@@ -254,9 +277,9 @@ def mode_unavailable(mode: str, device: torch.device) -> Optional[str]:
 
 def model_unavailable(model: str) -> Optional[str]:
     import importlib.util
-    if model.startswith(("vit_b16", "efficientformer")) and importlib.util.find_spec("timm") is None:
+    if model.startswith(("vit_", "efficientformer")) and importlib.util.find_spec("timm") is None:
         return "timm is not installed (pip install timm): model skipped"
-    if model.startswith("gpt2") and importlib.util.find_spec("transformers") is None:
+    if model.startswith(("gpt2", "bert")) and importlib.util.find_spec("transformers") is None:
         return "transformers is not installed (pip install transformers): model skipped"
     return None
 
