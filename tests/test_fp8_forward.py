@@ -290,6 +290,68 @@ def test_exact_sites_keep_their_forward():
     assert _count(graphs, aten._scaled_mm.default) == 0
 
 
+def _slow_hot_backward() -> cost.CostModel:
+    """A table where HOT's backward never pays (g's HLA kernel costs 1 ms) and FP8 forward
+    GEMMs and casts are nearly free."""
+    table = cost.CostModel(name="slow HOT backward, fast FP8", host_hot_ms=0.0,
+                           host_exact_ms=0.0, kernels={k: (0.0, 1e-9 if "bf16" in k else 1e-15)
+                                                       for k in cost.KERNELS})
+    table.kernels["hla_g"] = (1.0, 0.0)
+    return table
+
+
+class _FP8ForwardExactBackward(torch.autograd.Function):
+    """The eager twin of a site whose forward alone is rewritten: y = F8.fp8_linear(x, W^T,
+    b); the gradients autograd's own linear gives from x and W (exact)."""
+
+    @staticmethod
+    def forward(ctx, x, w, b):
+        ctx.save_for_backward(x, w)
+        return F8.fp8_linear(x, w.t(), b)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g @ w, g.t() @ x, g.sum(0)
+
+
+def test_a_site_the_backward_gate_keeps_exact_still_gets_an_fp8_forward(monkeypatch):
+    """The two gates are independent: a site whose HOT backward is predicted slower keeps
+    its exact backward (no HOT op, the partitioner's x and W) but takes the FP8 forward
+    where that is predicted faster (ViT-L/16 bs128's qkv: backward 0.83x, forward 1.26x by
+    the H200 table). Output and every gradient equal the eager twin: FP8 forward GEMMs,
+    autograd's exact backward of each linear."""
+    slow_hot = _slow_hot_backward()
+    monkeypatch.setattr(cost, "model_for", lambda device: slow_hot)
+    torch.manual_seed(11)
+    m, x = MLP(64, 96, 48), torch.randn(4, 8, 64)
+    be, y, graphs = _run(m, _cfg(), x)
+    for r in be.report.layers:
+        assert r.reason.startswith("cost gate: predicted backward"), r
+        assert r.gx_path in ("exact", "-") and r.gw_path == "exact", r
+        assert r.forward == "fp8" and r.forward_ms[0] > r.forward_ms[1], r
+    assert _count(graphs, aten._scaled_mm.default) == 2
+    assert not any(str(n.target).startswith("hot.") for g in graphs for n in g.nodes)
+    assert "0/2 linear layers rewritten" in str(be.report)
+    assert "2 more with an FP8 forward and an exact backward" in str(be.report)
+    twin = MLP(64, 96, 48)
+    twin.load_state_dict(m.state_dict())
+    xs = x.reshape(-1, 64)
+    h = _FP8ForwardExactBackward.apply(xs, twin.fc1.weight, twin.fc1.bias).relu()
+    want = _FP8ForwardExactBackward.apply(h, twin.fc2.weight, twin.fc2.bias)
+    want.float().sum().backward()
+    assert torch.equal(y.reshape(-1, 48).detach(), want.detach())
+    for (name, p), q in zip(m.named_parameters(), twin.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-5, msg=name)
+    # and where FP8 would not pay either, the site is left exactly as it was
+    slow_hot.kernels["fwd_cast_x"] = (1.0, 0.0)
+    be, y, graphs = _run(MLP(64, 96, 48), _cfg(), x)
+    assert [r.forward for r in be.report.layers] == ["bf16", "bf16"]
+    assert all(r.forward_reason.startswith("cost gate: predicted forward")
+               for r in be.report.layers)
+    assert _count(graphs, aten._scaled_mm.default) == 0
+
+
 def test_checkpointed_block_recomputes_the_fp8_forward():
     torch.manual_seed(6)
     m = MLP(64, 96, 48)
@@ -705,6 +767,22 @@ def test_gelu_cast_under_autocast(monkeypatch, case):
     assert _x_casts(be) == ["", "GELU"] + ["GELU"] * (case == "shared")
     ops = _nodes_of(graphs, GELU_CAST)
     assert len(ops) == 1 and ops[0].meta["partitioner_tag"] == "is_forward"
+
+
+def test_gelu_cast_at_a_site_whose_backward_stays_exact(monkeypatch):
+    """A GELU-fed site the backward's gate keeps exact and the forward's lets through (ViT-L
+    bs128's qkv is the same decision without GELU) still gets x from GELU's kernel: the op
+    is the graph's one HOT op, and the step is bit-equal to the one with GELU and the cast
+    left to the graph."""
+    monkeypatch.setattr(cost, "model_for", lambda device: _slow_hot_backward())
+    be, graphs, _ = _gelu_steps(monkeypatch, _seeded(_GeluMLP, 28),
+                                _cfg(forward="fp8_rowwise"), torch.randn(2, 8, 64),
+                                autocast=True)
+    assert all(r.reason.startswith("cost gate: predicted backward") for r in be.report.layers)
+    assert [r.forward for r in be.report.layers] == ["fp8_rowwise"] * 2
+    assert _x_casts(be) == ["", "GELU"]
+    hot = [n for g in graphs for n in g.nodes if str(n.target).startswith("hot.")]
+    assert [n.target for n in hot] == [GELU_CAST], hot
 
 
 @pytest.mark.parametrize("case", ["gelu", "tanh", "recompute_operands"])

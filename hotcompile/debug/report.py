@@ -247,6 +247,10 @@ class Report:
         lines.append(f"{len(self.rewritten)}/{len(self.training)} linear layers rewritten; "
                      f"linear inputs saved for backward: {_fmt_bytes(b)} -> {_fmt_bytes(a)}"
                      + (f" ({b / a:.1f}x smaller)" if a else ""))
+        forward_only = [r for r in self.exact if r.forward != "bf16"]
+        if forward_only:
+            lines.append(f"{len(forward_only)} more with an FP8 forward and an exact backward "
+                         f"(the cost gate kept HOT's backward, not the forward's FP8 GEMM)")
         lines += self._launch_lines()
         lines += self._saved_lines()
         ungated = sorted({r.cost_model for r in self.layers

@@ -111,9 +111,11 @@ def _precheck(site: LinearSite, config, fake_mode, rank: int, layered: bool) -> 
         site.reason = f"shape check failed: {type(e).__name__}: {e}"
 
 
-def _cost_gate(sites: List[LinearSite], groups, config) -> None:
+def _cost_gate(sites: List[LinearSite], groups, config) -> List[LinearSite]:
     """Predict each eligible site's backward both ways (``passes/cost.py``) and leave it
-    exact where HOT is not predicted to be ``config.min_speedup`` times faster."""
+    exact where HOT is not predicted to be ``config.min_speedup`` times faster. Returns the
+    sites it left exact: their forward is gated on its own (``gate_forward``), so an FP8
+    forward GEMM that pays is not lost with a backward that does not."""
     graphs = bool(torch._inductor.config.triton.cudagraphs)   # mode="reduce-overhead"
     size = {s.key: len(g) for g in groups.values() for s in g}
     # the g_W format is the group's (``abc.saved_format``: one saved x for all its sites, e4m3
@@ -122,6 +124,7 @@ def _cost_gate(sites: List[LinearSite], groups, config) -> None:
     # the exact backward reads W through the sites' g_x mms: where nothing else reads it,
     # a spliced HOT site will own autocast's cast (weight_cast.py), priced as the step runs it
     w_readers = {s.gx for s in sites if s.eligible and s.gx is not None}
+    gated: List[LinearSite] = []
     rebuilt = set()             # recompute_operands: sites whose x backward rebuilds
     if config.recompute_operands:
         order = {n: i for i, n in enumerate(sites[0].fwd.graph.nodes)} if sites else {}
@@ -177,6 +180,9 @@ def _cost_gate(sites: List[LinearSite], groups, config) -> None:
             s.reason = (f"cost gate: predicted backward {hot:.3f} ms with HOT vs {exact:.3f} ms "
                         f"exact ({exact / hot:.2f}x < min_speedup {config.min_speedup:g}; "
                         f"{mode})")
+            s.w_owned = False           # the exact backward reads autocast's W copy
+            gated.append(s)
+    return gated
 
 
 def rewrite_joint_graph(graph: Graph, config, params: Optional[Set[Node]] = None,
@@ -208,9 +214,9 @@ def rewrite_joint_graph(graph: Graph, config, params: Optional[Set[Node]] = None
         for s in sites:
             if s.eligible:
                 s.w_chain = parameter_weight_chain(s)
-    _cost_gate(sites, groups, config)
+    gated = _cost_gate(sites, groups, config)
     todo = [s for s in sites if s.eligible]
-    if not todo:
+    if not todo and not gated:
         return sites
     groups = {k: [s for s in g if s.eligible] for k, g in groups.items()}
     groups = {k: g for k, g in groups.items() if g}
@@ -275,7 +281,9 @@ def rewrite_joint_graph(graph: Graph, config, params: Optional[Set[Node]] = None
         s.rewritten_gx = gx
         _replace(graph, s.gx, gx, s.gx_t, fake_mode)
     _share_seeds(graph, todo, fake_mode)
-    gate_forward(todo, config)          # weight_cast needs each site's forward format
+    # weight_cast needs each site's forward format; a site the cost gate kept exact gets its
+    # forward gated alone (its backward reads x and autocast's W copy as before)
+    gate_forward(todo + gated, config)
     for s in todo:
         for old in (s.gx, s.gw, s.gx_exact if s.gx_e4m3 else None):
             if old is not None and not old.users:
@@ -284,9 +292,9 @@ def rewrite_joint_graph(graph: Graph, config, params: Optional[Set[Node]] = None
             s.gw_fp32 = fold_gw_cast(graph, s.rewritten_gw, fake_mode)
     casts = own_weight_casts(graph, todo, config.kernels, fake_mode,
                              lambda op: will_splice(op, config))
-    producers = rewrite_forward(graph, todo, config, fake_mode, buffers)
+    producers = rewrite_forward(graph, todo + gated, config, fake_mode, buffers)
     with dynamo_timed("hot.splice"):    # its own line in a compile's timed phases
-        _splice(graph, todo, buffers, config, fake_mode, casts + producers)
+        _splice(graph, todo, buffers, config, fake_mode, casts + producers, gated)
     graph.eliminate_dead_code()
     graph.lint()
     register_runtime(config, registrations(sites))
@@ -299,10 +307,12 @@ def will_splice(op: Node, config) -> bool:
 
 
 def _splice(graph: Graph, sites: List[LinearSite], buffers, config, fake_mode,
-            casts: List[Node]) -> None:
+            casts: List[Node], forward_only: List[LinearSite] = ()) -> None:
     """With ``config.splice``: every HOT op's fused body into the graph (``splice.py``), so
     Inductor launches the kernels; each site records how its backward launches, and its ABC
-    and W cast (``casts``: the forward's ``hot::weight_cast`` ops) where those differ."""
+    and W cast (``casts``: the forward's ``hot::weight_cast`` ops and producers' casts)
+    where those differ. ``forward_only``: sites with an exact backward, whose one HOT op
+    can be x's cast in its producer."""
     abc_ops = {k: v[0].args[0] for k, v in buffers.items()}
     w_casts = {id(s): s.w_cast for s in sites if s.w_cast is not None}
     nodes: List[Node] = list(casts)
@@ -320,6 +330,7 @@ def _splice(graph: Graph, sites: List[LinearSite], buffers, config, fake_mode,
         cast = w_casts.get(id(s))
         if cast is not None and how.get(cast) != s.launch.split(";")[0]:
             s.launch += f"; its W cast: {how.get(cast)}"
+    for s in (*sites, *forward_only):
         if s.x_cast is not None:
             s.x_cast_launch = how.get(s.x_cast, "")
 
