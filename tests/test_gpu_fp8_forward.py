@@ -84,6 +84,37 @@ def test_gpu_fp8_forward_under_autocast_trains_like_the_bf16_forward():
         assert rel(a, e) < 1.5 * rel(b, e) + 0.03, (rel(a, e), rel(b, e))
 
 
+def test_gpu_a_site_with_an_exact_backward_takes_the_fp8_forward_alone(monkeypatch):
+    """Under the default config, a table where HOT's backward never pays and FP8 forward
+    GEMMs do: each site keeps Inductor's exact backward (no HOT op in any graph) and runs
+    its forward on ``_scaled_mm``; gradients as close to fp64 as the all-bf16 step's."""
+    from hotcompile.passes import cost
+    table = cost.CostModel(name="slow HOT backward", host_hot_ms=0.0, host_exact_ms=0.0,
+                           kernels={k: (0.0, 1e-9 if "bf16" in k else 1e-15)
+                                    for k in cost.KERNELS})
+    table.kernels["hla_g"] = (1.0, 0.0)
+    monkeypatch.setattr(cost, "model_for", lambda device: table)
+    torch.manual_seed(0)
+    m = MLP(512, 2048, 512).cuda()
+    x = torch.randn(8, 256, 512, device="cuda")
+    hopper = torch.cuda.get_device_capability()[0] == 9 and not torch.version.hip
+    be, y, graphs, g_fp8 = _run(m, x, HOTConfig(min_features=0, exclude=()))
+    assert all(r.reason.startswith("cost gate: predicted backward") for r in be.report.layers)
+    assert [r.forward for r in be.report.layers] == ["fp8_rowwise" if hopper else "bf16"] * 2
+    assert not any(str(n.target).startswith("hot.") for g in graphs for n in g.nodes)
+    assert sum(n.target == torch.ops.aten._scaled_mm.default
+               for g in graphs for n in g.nodes) == (2 if hopper else 0)
+    _, y_bf16, _, g_bf16 = _run(m, x, HOTConfig(min_features=0, exclude=(), forward="bf16"))
+    m64 = MLP(512, 2048, 512).cuda().double()
+    m64.load_state_dict(m.state_dict())
+    y64 = m64(x.double())
+    assert rel(y.double(), y64) < 0.06
+    (y64 * torch.linspace(-1, 1, 512, device="cuda", dtype=torch.float64)).sum().backward()
+    for a, b, e in zip(g_fp8, g_bf16, [p.grad for p in m64.parameters() if p.dim() == 2]):
+        assert torch.isfinite(a).all()
+        assert rel(a, e) < 1.5 * rel(b, e) + 0.03, (rel(a, e), rel(b, e))
+
+
 def test_gpu_default_forward_is_rowwise_fp8_on_hopper():
     """The default ``forward="auto"``: the row-wise FP8 forward on a Hopper GPU under bf16
     autocast (a ``_scaled_mm`` per site), bf16 in an fp32 graph; elsewhere bf16."""
