@@ -48,7 +48,9 @@ class HOTConfig:
     stochastically rounded onto the e4m3 grid, x saved in e4m3), ``int8`` (``gw_bits``
     levels, the INT8 Triton GEMM), or ``auto`` (default): e4m3 on CUDA devices with FP8
     tensor cores, int8 elsewhere (``kernels.formats.gw_rule`` has the measurements).
-    forward: the forward GEMM of a rewritten site: ``auto`` (default: ``fp8_rowwise`` for a
+    forward: the forward GEMM of a site HOT rewrites, or whose backward the cost gate keeps
+    exact (the forward is gated on its own: ViT-L/16 bs128's qkv, backward predicted 0.83x,
+    forward 1.26x): ``auto`` (default: ``fp8_rowwise`` for a
     bf16 forward on a Hopper GPU, ``bf16`` elsewhere: CPU, fp32 or fp16 forwards, other
     chips), ``bf16`` (as Inductor compiles it), ``fp8`` (tensor-wise scaled e4m3 operands on
     ``torch._scaled_mm``, the casts Inductor-fused aten ops: ``kernels/fp8_forward.py``) or
@@ -56,9 +58,11 @@ class HOTConfig:
     the forward cost gate predicts it faster and the GPU has FP8 tensor cores; the report
     says per site. Why ``auto`` takes the row-wise FP8 forward on Hopper: Llama d4096 1.32x
     Inductor against 1.17x with a bf16 forward (H200), and the byte- and word-level GPT
-    gates passed pooled (+0.49%, s.e. 0.50, over 7 seeds; +0.27%, s.e. 0.26, over 6), while
-    the backward's cost gate leaves ViT-B's and GPT-2's layers exact, forward included
-    (docs/BENCHMARKS.md, 36th and 37th stops). ``min_speedup=0`` turns the forward's gate
+    gates passed pooled (+0.49%, s.e. 0.50, over 7 seeds; +0.27%, s.e. 0.26, over 6)
+    (docs/BENCHMARKS.md, 36th and 37th stops). A site with an exact backward and an FP8
+    forward since the sixty-second stop: ViT-B/16 bs128 1.052x Inductor against 1.025x
+    with such sites kept bf16 (its 24 qkv and fc1 sites), ViT-L/16 bs128 +0.9%, GPT-2's
+    12 c_fc sites level (H200, paired). ``min_speedup=0`` turns the forward's gate
     off too: under ``auto`` every aligned site on Hopper then takes the FP8 forward
     (``forward="bf16"`` keeps Inductor's).
     kernels: ``auto`` = fused Triton on CUDA, reference torch elsewhere.
@@ -92,12 +96,13 @@ class HOTConfig:
     over Inductor's across 6 seeds, against +0.49% (0.50) for the FP8 forward alone
     (docs/BENCHMARKS.md, 36th stop).
     min_features: a linear with in- or out-features below this stays exact (too small to win).
-    min_speedup: the cost gate (``passes/cost.py``): on a GPU, a site is rewritten only when
-    its predicted exact backward time is at least this multiple of HOT's (1.0: never
-    slower; 0: gate off, every eligible site rewritten for HOT's memory savings; the
-    forward's FP8 gate is off then too, so under the default ``forward="auto"`` every
-    aligned site on Hopper takes the FP8 forward). CPU runs the reference kernels and is
-    not gated.
+    min_speedup: the cost gate (``passes/cost.py``): on a GPU, a site's backward is rewritten
+    only when its predicted exact backward time is at least this multiple of HOT's, and its
+    forward GEMM put on FP8 only when bf16's predicted time is at least this multiple of
+    FP8's, each decided alone (1.0: never slower; 0: gate off, every eligible site
+    rewritten for HOT's memory savings; the forward's FP8 gate is off then too, so under
+    the default ``forward="auto"`` every aligned site on Hopper takes the FP8 forward). CPU
+    runs the reference kernels and is not gated.
     abc: save the compressed activation instead of x (False: compress in backward).
     recompute_operands: let backward rebuild, instead of keeping, the operands of HOT's
     backward that are pointwise functions of tensors it keeps anyway (``passes/

@@ -9,6 +9,7 @@ import torch
 import hotcompile
 from hotcompile import HOTConfig
 from hotcompile.passes import cost
+from helpers import rel
 
 RESULTS = os.path.join(os.path.dirname(__file__), "..", "bench", "results")
 RESULT = os.path.join(RESULTS, "layers_2026-11-24T200300_h100-80gb-hbm3.json")
@@ -526,3 +527,49 @@ def test_gelus_kernel_prices_the_cast_of_its_output():
     (e0, h0), (e1, h1) = price(True), price(False)
     assert e0 < h0 and e1 > 1.1 * h1
     assert cost.H100.predict_forward(*dims, gelu=True) == cost.H100.predict_forward(*dims)
+
+
+class _Scripted(cost.CostModel):
+    """A table giving the backward's verdicts in the order the gate asks (True: HOT pays)."""
+
+    def predict(self, *a, **k):
+        return (2.0, 1.0) if self.verdicts.pop(0) else (1.0, 2.0)
+
+
+class _SharedX(torch.nn.Module):
+    """Two linears reading one x: one ABC group, led by ``a``."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(64, 64)
+        self.b = torch.nn.Linear(64, 96)
+
+    def forward(self, x):
+        return self.a(x).sum(-1) + self.b(x).sum(-1)
+
+
+@pytest.mark.parametrize("verdicts", [[False, True], [True, False]])
+def test_a_group_whose_first_site_the_gate_leaves_exact(monkeypatch, verdicts):
+    """Sites sharing a saved x form a group named after its first site; where the gate
+    leaves that site exact and rewrites another, the group keeps its name (its buffers, its
+    rank plan): the pass had failed on the lookup (``KeyError``, the graph left to Inductor:
+    the GPU property suite's ``gated`` cases, sixty-second stop)."""
+    table = _Scripted(name="scripted", kernels=dict(cost.H200.kernels), host_hot_ms=0.0,
+                      host_exact_ms=0.0)
+    object.__setattr__(table, "verdicts", list(verdicts))
+    monkeypatch.setattr(cost, "model_for", lambda device: table)
+    torch.manual_seed(5)
+    m = _SharedX()
+    ref = _SharedX()
+    ref.load_state_dict(m.state_dict())
+    x = torch.randn(4, 16, 64)
+    be = hotcompile.backend(HOTConfig(min_features=0, exclude=(), kernels="reference"))
+    torch.compile(m, backend=be)(x).sum().backward()
+    ref(x).sum().backward()
+    assert not be.report.errors, be.report.errors
+    assert [r.reason is None for r in be.report.layers] == verdicts
+    kept = next(r for r in be.report.layers if r.reason is None)
+    assert kept.abc.startswith("backward (x is needed"), kept.abc   # the exact site's g_W
+    assert kept.rank_key.endswith("/a"), kept.rank_key               # the group's name
+    for p, q in zip(m.parameters(), ref.parameters()):
+        assert rel(p.grad, q.grad) < 0.05, rel(p.grad, q.grad)

@@ -89,6 +89,7 @@ from hypothesis import HealthCheck, Phase, given, reject, settings
 from hypothesis import strategies as st
 
 import hotcompile
+from hotcompile.passes import cost
 
 # ----------------------------------------------------------------------------- config
 
@@ -768,9 +769,42 @@ def check_fp8_forward(case: Case) -> Result:
     return r
 
 
+SUITES["gated"] = SUITES["fp8_forward"]
+
+
+class _CoinTable(cost.CostModel):
+    """A cost table whose backward verdicts are coin flips drawn in the order the gate asks
+    (one a site) and whose forward verdict is always FP8: sites rewritten whole beside
+    sites with an exact backward and the FP8 forward alone, sharing inputs, weights and
+    producers as the case's model does."""
+
+    def predict(self, *a, **k):
+        return (2.0, 1.0) if self.coin.random() < 0.5 else (1.0, 2.0)
+
+    def predict_forward(self, *a, **k):
+        return 2.0, 1.0
+
+
+def check_gated(case: Case) -> Result:
+    """The FP8 forward (row-wise under bf16 autocast, tensor-wise in fp32) under a cost gate
+    that keeps a random half of the sites' backward exact (``_CoinTable``): the two gates
+    decided apart (``rewrite._cost_gate`` returns the sites it kept exact, whose forward is
+    gated alone); properties 1-5 at ``FP8_TOL``."""
+    from unittest import mock
+    table = _CoinTable(name="coin", kernels=dict(cost.H200.kernels), host_hot_ms=0.0,
+                       host_exact_ms=0.0)
+    object.__setattr__(table, "coin", random.Random(case.seed))
+    fwd = "fp8_rowwise" if case.dtype == torch.bfloat16 else "fp8"
+    with mock.patch.object(cost, "model_for", lambda device: table):
+        r = run_case(case, forward=fwd)
+    check_properties(r, FP8_TOL)
+    return r
+
+
 CHECKS = {name: check_case for name in SUITES}
 CHECKS["recompute"] = lambda case: check_case(case, recompute_operands=True)
 CHECKS["fp8_forward"] = check_fp8_forward
+CHECKS["gated"] = check_gated
 
 
 def checked(suite: str, case: Case) -> None:
@@ -838,6 +872,16 @@ def test_fp8_forward_rewritten_into_every_spelling(case):
     it (24: stays bf16 with its reason). On the CPU ``_scaled_mm`` runs its reference
     kernel; the GPU suite (``test_gpu_properties.py``) runs cuBLAS's."""
     checked("fp8_forward", case)
+
+
+@pytest.mark.slow     # 10 examples of 1-4 compiles each
+@settings(max_examples=10, **SETTINGS)
+@given(case=cases(**SUITES["gated"]))
+def test_fp8_forward_beside_sites_whose_backward_the_gate_keeps_exact(case):
+    """The forward's FP8 gate decided apart from the backward's: a random half of the sites
+    keep autograd's backward and take the FP8 forward alone, beside sites rewritten whole,
+    on every spelling, layout and view of the FP8 forward suite."""
+    checked("gated", case)
 
 
 def test_discovery_run_records_a_pass_and_a_failure(monkeypatch, tmp_path):

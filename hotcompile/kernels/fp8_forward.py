@@ -201,9 +201,9 @@ def forward_rule(requested: str, device: torch.device, I, O,
     Why row-wise on Hopper: Llama d4096 1.32x Inductor against 1.17x with the bf16
     forward, the byte- and word-level GPT gates passed pooled over 7 and 6 seeds
     (docs/BENCHMARKS.md, 36th and 37th stops); the forward cost gate keeps bf16 where FP8
-    would not pay, and ViT-B's and GPT-2's layers stay exact altogether (the backward's
-    gate), forward included. With ``min_speedup=0`` both gates are off: every aligned site
-    takes it."""
+    would not pay, whatever the backward's gate decided for the site (ViT-B bs64's layers
+    stay bf16 both ways; from bs128 its qkv and fc1 take the FP8 forward with an exact
+    backward). With ``min_speedup=0`` both gates are off: every aligned site takes it."""
     if requested not in FORWARDS:
         raise ValueError(f"HOTConfig.forward must be one of {FORWARDS}, got {requested!r}")
     if requested == "auto":

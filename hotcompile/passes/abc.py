@@ -143,5 +143,5 @@ def compress_inputs(graph: Graph, groups: Dict[tuple, List[LinearSite]], config,
         for s in group:
             s.abc = first if s is group[0] else \
                 f"{first.split(' ')[0]} (shares {group[0].key}'s buffer)"
-        buffers[group[0].key] = (outs[0], outs[1])
+        buffers[group[0].group or group[0].key] = (outs[0], outs[1])   # the group's name
     return buffers

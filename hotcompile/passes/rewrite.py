@@ -198,12 +198,12 @@ def rewrite_joint_graph(graph: Graph, config, params: Optional[Set[Node]] = None
             s.reason = s.reason or "graph has no fake tensors to check shapes against"
         return sites
     groups = group_by_base([s for s in sites if s.eligible])
-    choice: Dict[str, tuple] = {}
+    choice: Dict[str, tuple] = {}       # by every member: the gate may leave the first exact
     for group in groups.values():
         lead = group[0]
         rank, layered, measure = plan.for_group(lead)
-        choice[lead.key] = (rank, layered, measure)
         for s in group:
+            choice[s.key] = (rank, layered, measure)
             s.layout = lead.layout
             _precheck(s, config, fake_mode, rank, layered)
             s.rank = rank
@@ -222,21 +222,23 @@ def rewrite_joint_graph(graph: Graph, config, params: Optional[Set[Node]] = None
     groups = {k: g for k, g in groups.items() if g}
     seq_args: Dict[str, tuple] = {}
 
+    # a group keeps the name its first site gave it (``site.group``: its buffers, its x's
+    # cast, its rank's key) when the cost gate leaves that site exact
     def layout_args(group, anchor, tag):
         rank, layered, _ = choice[group[0].key]
         lay = group[0].layout
         seq = _seq_len_arg(graph, lay, anchor, tag) if layered else 0
-        seq_args[group[0].key] = (rank, seq, bool(layered and lay.seq_first))
-        return seq_args[group[0].key]
+        seq_args[group[0].group] = (rank, seq, bool(layered and lay.seq_first))
+        return seq_args[group[0].group]
 
     buffers = compress_inputs(graph, groups, config, fake_mode, layout_args,
                               lambda s: _gx_on_fp8(s, config))
     order = {n: i for i, n in enumerate(graph.nodes)}   # the original mms keep their order
     for group in groups.values():
         lead = group[0]
-        rank, seq, seq_first = seq_args[lead.key]
+        rank, seq, seq_first = seq_args[lead.group]
         measure = choice[lead.key][2]
-        xq, xs = buffers[lead.key]
+        xq, xs = buffers[lead.group]
         for s in group:
             hla_args = (s.grad, xq, xs, rank, config.gw_bits, config.block, seq, seq_first,
                         measure, config.kernels)
