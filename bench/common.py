@@ -368,6 +368,8 @@ def hot_summary(be) -> dict:
             "hot_report_saved_x_after": after,
             "hot_forward": sorted({r.forward for r in rep.rewritten}),
             "hot_forward_fp8": sum(r.forward.startswith("fp8") for r in rep.rewritten),
+            # sites whose backward the cost gate kept exact, with the FP8 forward alone
+            "hot_forward_fp8_only": sum(r.forward.startswith("fp8") for r in rep.exact),
             "hot_forward_reasons": sorted({r.forward_reason for r in rep.rewritten
                                            if r.forward_reason}),
             # the g_x of rewritten exact_gx sites (the head: exact, or FP8 without HQ), by name

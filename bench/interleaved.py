@@ -102,10 +102,13 @@ def summarize(modes: List[str], times: List[List[float]]) -> List[dict]:
 
 
 def _sites(r: dict) -> str:
-    """HOT's sites rewritten of those found ("-" for a mode that is not HOT's)."""
+    """HOT's sites rewritten of those found ("-" for a mode that is not HOT's), and how many
+    more take the FP8 forward alone (their backward exact)."""
     if r.get("hot_sites_total") is None:
         return "-"
-    return f"{r.get('hot_sites_rewritten', 0)}/{r['hot_sites_total']}"
+    alone = r.get("hot_forward_fp8_only")
+    return (f"{r.get('hot_sites_rewritten', 0)}/{r['hot_sites_total']}"
+            + (f" (+{alone} FP8 forward alone)" if alone else ""))
 
 
 def table(model: str, rows: List[dict]) -> str:
@@ -177,7 +180,7 @@ def main(argv=None) -> int:
         row["first_step_s"] = first[row["mode"]]
         row["graphs_compiled"] = graphs[row["mode"]]
         row.update({k: v for k, v in C.hot_summary(runs[row["mode"]].be).items()
-                    if k in ("hot_sites_rewritten", "hot_sites_total")})
+                    if k in ("hot_sites_rewritten", "hot_sites_total", "hot_forward_fp8_only")})
     base = C.result_base(out, "interleaved", device, args.tag)
     C.write_json(base + ".json", {"env": C.environment(device), "options": vars(args),
                                   "model": args.model, "rows": rows})

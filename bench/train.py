@@ -663,7 +663,9 @@ def _progress(i, n, rec, wall) -> str:
     hot = ""
     if "hot_sites_total" in rec:
         hot = f", HOT {rec['hot_sites_rewritten']}/{rec['hot_sites_total']} sites" + (
-            f" ({rec['hot_forward_fp8']} FP8 forward)" if rec.get("hot_forward_fp8") else "")
+            f" ({rec['hot_forward_fp8']} FP8 forward)" if rec.get("hot_forward_fp8") else "") + (
+            f", {rec['hot_forward_fp8_only']} more FP8 forward alone"
+            if rec.get("hot_forward_fp8_only") else "")
     # the min beside the median: a host-bound step (ViT-B bs64: host time near GPU time)
     # moves its median by tens of percent between processes, its min much less
     low = f" (min {rec['step_ms_min']:.2f})" if rec.get("step_ms_min") is not None else ""
