@@ -84,3 +84,15 @@ def bench_common():
         sys.path.insert(0, repo)
     from bench import common
     return common
+
+
+def slow_hot_backward_table():
+    """A cost table where HOT's backward never pays (g's HLA kernel costs a second) and FP8
+    forward GEMMs and casts are nearly free: every site keeps its exact backward and takes
+    the FP8 forward alone."""
+    from hotcompile.passes import cost
+    table = cost.CostModel(name="slow HOT backward, fast FP8", host_hot_ms=0.0,
+                           host_exact_ms=0.0, kernels={k: (0.0, 1e-9 if "bf16" in k else 1e-15)
+                                                       for k in cost.KERNELS})
+    table.kernels["hla_g"] = (1e3, 0.0)
+    return table

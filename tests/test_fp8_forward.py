@@ -8,7 +8,7 @@ from hotcompile import HOTConfig
 from hotcompile.kernels import fp8_forward as F8
 from hotcompile.passes import cost
 
-from helpers import MLP, Block, capture_graphs
+from helpers import MLP, Block, capture_graphs, slow_hot_backward_table
 
 aten = torch.ops.aten
 
@@ -290,16 +290,6 @@ def test_exact_sites_keep_their_forward():
     assert _count(graphs, aten._scaled_mm.default) == 0
 
 
-def _slow_hot_backward() -> cost.CostModel:
-    """A table where HOT's backward never pays (g's HLA kernel costs a second) and FP8 forward
-    GEMMs and casts are nearly free."""
-    table = cost.CostModel(name="slow HOT backward, fast FP8", host_hot_ms=0.0,
-                           host_exact_ms=0.0, kernels={k: (0.0, 1e-9 if "bf16" in k else 1e-15)
-                                                       for k in cost.KERNELS})
-    table.kernels["hla_g"] = (1e3, 0.0)
-    return table
-
-
 class _FP8ForwardExactBackward(torch.autograd.Function):
     """The eager twin of a site whose forward alone is rewritten: y = F8.fp8_linear(x, W^T,
     b); the gradients autograd's own linear gives from x and W (exact)."""
@@ -321,7 +311,7 @@ def test_a_site_the_backward_gate_keeps_exact_still_gets_an_fp8_forward(monkeypa
     where that is predicted faster (ViT-L/16 bs128's qkv: backward 0.83x, forward 1.26x by
     the H200 table). Output and every gradient equal the eager twin: FP8 forward GEMMs,
     autograd's exact backward of each linear."""
-    slow_hot = _slow_hot_backward()
+    slow_hot = slow_hot_backward_table()
     monkeypatch.setattr(cost, "model_for", lambda device: slow_hot)
     torch.manual_seed(11)
     m, x = MLP(64, 96, 48), torch.randn(4, 8, 64)
@@ -774,7 +764,7 @@ def test_gelu_cast_at_a_site_whose_backward_stays_exact(monkeypatch):
     bs128's qkv is the same decision without GELU) still gets x from GELU's kernel: the op
     is the graph's one HOT op, and the step is bit-equal to the one with GELU and the cast
     left to the graph."""
-    monkeypatch.setattr(cost, "model_for", lambda device: _slow_hot_backward())
+    monkeypatch.setattr(cost, "model_for", lambda device: slow_hot_backward_table())
     be, graphs, _ = _gelu_steps(monkeypatch, _seeded(_GeluMLP, 28),
                                 _cfg(forward="fp8_rowwise"), torch.randn(2, 8, 64),
                                 autocast=True)

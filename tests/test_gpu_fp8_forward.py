@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import hotcompile
 from hotcompile import HOTConfig
 from hotcompile.kernels import fp8_forward as F8
-from helpers import MLP, capture_graphs, rel
+from helpers import MLP, capture_graphs, rel, slow_hot_backward_table
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available()
@@ -94,10 +94,7 @@ def test_gpu_a_site_with_an_exact_backward_takes_the_fp8_forward_alone(monkeypat
     from hotcompile.passes import cost
     if torch.cuda.get_device_capability()[0] != 9 or torch.version.hip:
         pytest.skip("the default FP8 forward is Hopper's")
-    table = cost.CostModel(name="slow HOT backward", host_hot_ms=0.0, host_exact_ms=0.0,
-                           kernels={k: (0.0, 1e-9 if "bf16" in k else 1e-15)
-                                    for k in cost.KERNELS})
-    table.kernels["hla_g"] = (1e3, 0.0)
+    table = slow_hot_backward_table()
     monkeypatch.setattr(cost, "model_for", lambda device: table)
     torch.manual_seed(0)
     m = MLP(512, 2048, 512).cuda()
