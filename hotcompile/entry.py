@@ -262,8 +262,9 @@ def _short(reason: str) -> str:
 
 
 def log_summary(graph_index: int, records: List[SiteRecord]) -> None:
-    """One line per compiled graph: INFO when layers were rewritten, WARNING when a graph
-    with linear layers got none (``backend="hot"`` would otherwise do nothing silently)."""
+    """One line per compiled graph: INFO when layers were rewritten (or took the FP8 forward
+    alone), WARNING when a graph with linear layers got nothing (``backend="hot"`` would
+    otherwise do nothing silently)."""
     if not records:
         return
     if all(r.inference for r in records):
@@ -271,11 +272,13 @@ def log_summary(graph_index: int, records: List[SiteRecord]) -> None:
                  "not rewritten: no backward", graph_index, len(records))
         return
     done = sum(r.rewritten for r in records)
+    alone = sum(not r.rewritten and r.forward != "bf16" for r in records)
     why = collections.Counter(_short(r.reason) for r in records if not r.rewritten)
     exact = ", ".join(f"{n} {w}" for w, n in why.most_common(3))
     msg = (f"hot: graph {graph_index}: {done}/{len(records)} linear layers rewritten"
-           + (f" ({len(records) - done} exact: {exact})" if why else ""))
-    log.log(logging.INFO if done else logging.WARNING, msg)
+           + (f" ({len(records) - done} exact: {exact})" if why else "")
+           + (f"; {alone} of the exact with the FP8 forward alone" if alone else ""))
+    log.log(logging.INFO if done or alone else logging.WARNING, msg)
 
 
 class HotBackend:

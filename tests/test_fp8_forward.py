@@ -305,12 +305,14 @@ class _FP8ForwardExactBackward(torch.autograd.Function):
         return g @ w, g.t() @ x, g.sum(0)
 
 
-def test_a_site_the_backward_gate_keeps_exact_still_gets_an_fp8_forward(monkeypatch):
+def test_a_site_the_backward_gate_keeps_exact_still_gets_an_fp8_forward(monkeypatch, caplog):
     """The two gates are independent: a site whose HOT backward is predicted slower keeps
     its exact backward (no HOT op, the partitioner's x and W) but takes the FP8 forward
     where that is predicted faster (ViT-L/16 bs128's qkv: backward 0.83x, forward 1.26x by
     the H200 table). Output and every gradient equal the eager twin: FP8 forward GEMMs,
     autograd's exact backward of each linear."""
+    import logging
+    caplog.set_level(logging.INFO, logger="hotcompile")
     slow_hot = slow_hot_backward_table()
     monkeypatch.setattr(cost, "model_for", lambda device: slow_hot)
     torch.manual_seed(11)
@@ -324,6 +326,9 @@ def test_a_site_the_backward_gate_keeps_exact_still_gets_an_fp8_forward(monkeypa
     assert not any(str(n.target).startswith("hot.") for g in graphs for n in g.nodes)
     assert "0/2 linear layers rewritten" in str(be.report)
     assert "2 more with an FP8 forward and an exact backward" in str(be.report)
+    line = [r for r in caplog.records if "linear layers rewritten" in r.getMessage()]
+    assert len(line) == 1 and line[0].levelno == logging.INFO, caplog.text   # not "nothing"
+    assert "2 of the exact with the FP8 forward alone" in line[0].getMessage()
     twin = MLP(64, 96, 48)
     twin.load_state_dict(m.state_dict())
     xs = x.reshape(-1, 64)
