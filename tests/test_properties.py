@@ -96,14 +96,14 @@ from hotcompile.passes import cost
 
 def near_exact_config(**extra) -> "hotcompile.HOTConfig":
     """rank=16/16, 8-bit everywhere, every size and name eligible, reference kernels
-    (and ``extra`` fields on top).
+    (and ``extra`` fields on top, overriding these).
 
     Fields the installed HOTConfig does not have (it is being reworked) are left out, so
     the suite runs against older and newer versions of the config alike."""
     want = dict(rank=16, block=16, gx_bits=8, gx_w_bits=8, gw_bits=8, min_features=0,
                 exclude=(), kernels="reference", gx_scale="token")
     have = {f.name for f in dataclasses.fields(hotcompile.HOTConfig)}
-    return hotcompile.HOTConfig(**{k: v for k, v in want.items() if k in have}, **extra)
+    return hotcompile.HOTConfig(**{**{k: v for k, v in want.items() if k in have}, **extra})
 
 
 TOL = {None: (0.10, 0.99), torch.bfloat16: (0.15, 0.985), torch.float16: (0.15, 0.985)}
@@ -801,10 +801,42 @@ def check_gated(case: Case) -> Result:
     return r
 
 
+SUITES["configs"] = SUITES["fp8_forward"]
+
+
+def config_draw(case: Case) -> dict:
+    """HOTConfig fields that change the graph's structure, not its numbers' size (8-bit,
+    full rank: ``near_exact_config``), drawn from the case's seed: the forward's format, the
+    g_x scale, the g_W format, ABC in the forward or not, operands rebuilt in backward, what
+    the partitioner keeps, and the cost gate off or tossing coins (``_CoinTable``)."""
+    rnd = random.Random(case.seed * 7 + 3)
+    forwards = ["bf16", "fp8"] + ["fp8_rowwise"] * (case.dtype == torch.bfloat16)
+    return dict(forward=rnd.choice(forwards), gx_scale=rnd.choice(["token", "tensor"]),
+                gw_format=rnd.choice(["auto", "int8", "e4m3"]), abc=rnd.random() < 0.8,
+                recompute_operands=rnd.random() < 0.3,
+                saved_activations=rnd.choice(["auto", "exact", "bf16"]),
+                min_speedup=rnd.choice([0, 1.0]))
+
+
+def check_configs(case: Case) -> Result:
+    """The case under ``config_draw``'s fields; properties 1-5 at ``FP8_TOL`` where the
+    forward is FP8, else ``TOL``."""
+    from unittest import mock
+    cfg = config_draw(case)
+    table = _CoinTable(name="coin", kernels=dict(cost.H200.kernels), host_hot_ms=0.0,
+                       host_exact_ms=0.0)
+    object.__setattr__(table, "coin", random.Random(case.seed))
+    with mock.patch.object(cost, "model_for", lambda device: table):
+        r = run_case(case, **cfg)
+    check_properties(r, FP8_TOL if cfg["forward"] != "bf16" else None)
+    return r
+
+
 CHECKS = {name: check_case for name in SUITES}
 CHECKS["recompute"] = lambda case: check_case(case, recompute_operands=True)
 CHECKS["fp8_forward"] = check_fp8_forward
 CHECKS["gated"] = check_gated
+CHECKS["configs"] = check_configs
 
 
 def checked(suite: str, case: Case) -> None:
@@ -882,6 +914,16 @@ def test_fp8_forward_beside_sites_whose_backward_the_gate_keeps_exact(case):
     keep autograd's backward and take the FP8 forward alone, beside sites rewritten whole,
     on every spelling, layout and view of the FP8 forward suite."""
     checked("gated", case)
+
+
+@pytest.mark.slow     # 10 examples of 1-4 compiles each
+@settings(max_examples=10, **SETTINGS)
+@given(case=cases(**SUITES["configs"]))
+def test_structural_config_fields_drawn_per_case(case):
+    """The FP8 forward suite's models under config fields drawn per case (``config_draw``):
+    the forward's format, the g_x scale, the g_W format, ABC's place, operands rebuilt in
+    backward, the partitioner's kept tensors, the cost gate off or tossing coins."""
+    checked("configs", case)
 
 
 def test_discovery_run_records_a_pass_and_a_failure(monkeypatch, tmp_path):
