@@ -150,8 +150,11 @@ def grad_verdict(gc, ge, largest: float, tol_rel: float, tol_cos: float):
 # where operands are e4m3 (the FP8 forward; on a GPU also g_W's operands): 3 mantissa bits,
 # ~2-4% RMS relative noise per operand instead of 8-bit levels' ~1%, compounding through
 # stacked layers; still far below a structural error (a wrong pairing or role: ~1, cosine
-# ~0; a dropped term of a shared weight's two: ~0.5)
-FP8_TOL = {None: (0.20, 0.98), torch.bfloat16: (0.25, 0.97), torch.float16: (0.25, 0.97)}
+# ~0; a dropped term of a shared weight's two: ~0.5). fp32 as bf16 since the sixty-second
+# stop's discovery: 2 of 376 `gated` cases (seeds 9425, 9448: 9 and 15 tokens through tanh
+# and ReLU) read 0.216 and 0.243 (cosine 0.977, 0.970), the same cases with every site's
+# forward FP8 (the older path) 0.218 and 0.243, and 0.013 and 0.010 with bf16 forwards
+FP8_TOL = {None: (0.25, 0.97), torch.bfloat16: (0.25, 0.97), torch.float16: (0.25, 0.97)}
 
 # feature sizes of parameter linears; activation products get widths and token counts
 # outside this set, so their (I, O) signature can never be a parameter linear's
