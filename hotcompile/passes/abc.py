@@ -85,7 +85,8 @@ def saved_format(config, x: Node, sites) -> str:
 
 def compress_inputs(graph: Graph, groups: Dict[tuple, List[LinearSite]], config, fake_mode,
                     layout_args, gx_on_fp8=lambda s: False) -> Dict[str, Tuple[Node, Node]]:
-    """Insert one abc_compress per group; group key -> (levels, scale).
+    """Insert one abc_compress per group (``group_by_base``'s); group name (``site.group``) ->
+    (levels, scale).
 
     ``layout_args(group, anchor, tag)`` gives the op's (rank, seq_len, seq_first) for the group.
     ``gx_on_fp8(site)``: whether an exact_gx site's g_x mm becomes part of its backward op
@@ -143,5 +144,5 @@ def compress_inputs(graph: Graph, groups: Dict[tuple, List[LinearSite]], config,
         for s in group:
             s.abc = first if s is group[0] else \
                 f"{first.split(' ')[0]} (shares {group[0].key}'s buffer)"
-        buffers[group[0].group or group[0].key] = (outs[0], outs[1])   # the group's name
+        buffers[group[0].group] = (outs[0], outs[1])   # by the group's name (``group_by_base``)
     return buffers
