@@ -788,18 +788,24 @@ class _CoinTable(cost.CostModel):
         return 2.0, 1.0
 
 
+def run_coin_gated(case: Case, **config) -> Result:
+    """``run_case`` with every cost-gate question answered by a ``_CoinTable`` seeded by the
+    case (the gate asks only where ``min_speedup`` > 0)."""
+    from unittest import mock
+    table = _CoinTable(name="coin", kernels=dict(cost.H200.kernels), host_hot_ms=0.0,
+                       host_exact_ms=0.0)
+    object.__setattr__(table, "coin", random.Random(case.seed))
+    with mock.patch.object(cost, "model_for", lambda device: table):
+        return run_case(case, **config)
+
+
 def check_gated(case: Case) -> Result:
     """The FP8 forward (row-wise under bf16 autocast, tensor-wise in fp32) under a cost gate
     that keeps a random half of the sites' backward exact (``_CoinTable``): the two gates
     decided apart (``rewrite._cost_gate`` returns the sites it kept exact, whose forward is
     gated alone); properties 1-5 at ``FP8_TOL``."""
-    from unittest import mock
-    table = _CoinTable(name="coin", kernels=dict(cost.H200.kernels), host_hot_ms=0.0,
-                       host_exact_ms=0.0)
-    object.__setattr__(table, "coin", random.Random(case.seed))
     fwd = "fp8_rowwise" if case.dtype == torch.bfloat16 else "fp8"
-    with mock.patch.object(cost, "model_for", lambda device: table):
-        r = run_case(case, forward=fwd)
+    r = run_coin_gated(case, forward=fwd)
     check_properties(r, FP8_TOL)
     return r
 
@@ -824,13 +830,8 @@ def config_draw(case: Case) -> dict:
 def check_configs(case: Case) -> Result:
     """The case under ``config_draw``'s fields; properties 1-5 at ``FP8_TOL`` where the
     forward is FP8, else ``TOL``."""
-    from unittest import mock
     cfg = config_draw(case)
-    table = _CoinTable(name="coin", kernels=dict(cost.H200.kernels), host_hot_ms=0.0,
-                       host_exact_ms=0.0)
-    object.__setattr__(table, "coin", random.Random(case.seed))
-    with mock.patch.object(cost, "model_for", lambda device: table):
-        r = run_case(case, **cfg)
+    r = run_coin_gated(case, **cfg)
     check_properties(r, FP8_TOL if cfg["forward"] != "bf16" else None)
     return r
 
