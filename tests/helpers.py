@@ -1,5 +1,6 @@
 """Shared test models and graph-capture helpers."""
 import contextlib
+import math
 import pathlib
 import sys
 
@@ -33,12 +34,22 @@ class Cross(torch.nn.Module):
         return self.attn(x, mem, mem)[0]
 
 
-class Block(torch.nn.Module):
-    """Pre-norm transformer block: attention + MLP, 3-D input, biases, LayerNorm."""
+def gelu_new(x, root=math.sqrt(2.0 / math.pi), fp32_pow=False):
+    """Hugging Face's ``gelu_new`` (GPT-2's activation) as transformers writes it: tanh's
+    GELU in the input's dtype, op by op (``root`` other than sqrt(2/pi): another function).
+    ``fp32_pow``: as CUDA autocast runs it, its ``pow`` on an fp32 copy of x (so the ops
+    after it in fp32), the result cast back to x's dtype."""
+    cube = torch.pow(x.float() if fp32_pow else x, 3.0)
+    return (0.5 * x * (1.0 + torch.tanh(root * (x + 0.044715 * cube)))).to(x.dtype)
 
-    def __init__(self, d=64, heads=4):
+
+class Block(torch.nn.Module):
+    """Pre-norm transformer block: attention + MLP, 3-D input, biases, LayerNorm. ``gelu``:
+    F.gelu's ``approximate`` ("none", "tanh") or "gelu_new" (GPT-2's)."""
+
+    def __init__(self, d=64, heads=4, gelu="none"):
         super().__init__()
-        self.heads = heads
+        self.heads, self.gelu = heads, gelu
         self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
         self.qkv = torch.nn.Linear(d, 3 * d)
         self.proj = torch.nn.Linear(d, d)
@@ -50,7 +61,9 @@ class Block(torch.nn.Module):
         q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
         a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+        h = self.fc1(self.ln2(x))
+        h = gelu_new(h) if self.gelu == "gelu_new" else F.gelu(h, approximate=self.gelu)
+        return x + self.fc2(h)
 
 
 @contextlib.contextmanager

@@ -8,7 +8,7 @@ from hotcompile import HOTConfig
 from hotcompile.kernels import fp8_forward as F8
 from hotcompile.passes import cost
 
-from helpers import MLP, Block, capture_graphs, slow_hot_backward_table
+from helpers import MLP, Block, capture_graphs, gelu_new, slow_hot_backward_table
 
 aten = torch.ops.aten
 
@@ -632,8 +632,10 @@ GELU_CAST = torch.ops.hot.gelu_e4m3.default
 
 
 class _GeluMLP(torch.nn.Module):
-    """fc1 -> GELU (exact, or tanh's) -> Dropout(p=0) -> fc2, as timm's Mlp: fc2's x is
-    GELU's output (through the clone the dropout leaves in a training graph)."""
+    """fc1 -> GELU -> Dropout(p=0) -> fc2, as timm's Mlp: fc2's x is GELU's output (through
+    the clone the dropout leaves in a training graph). GELU: F.gelu's ``approximate``
+    ("none", "tanh"), or "gelu_new" (``helpers.gelu_new``), "gelu_new_fp32_pow" (as CUDA
+    autocast runs it), or "root0.8" (``gelu_new`` with 0.8 for sqrt(2/pi))."""
 
     def __init__(self, approximate="none", d=64):
         super().__init__()
@@ -642,7 +644,13 @@ class _GeluMLP(torch.nn.Module):
         self.approximate = approximate
 
     def forward(self, x):
-        h = torch.nn.functional.gelu(self.fc1(x), approximate=self.approximate)
+        h = self.fc1(x)
+        if self.approximate.startswith("gelu_new"):
+            h = gelu_new(h, fp32_pow=self.approximate.endswith("fp32_pow"))
+        elif self.approximate == "root0.8":
+            h = gelu_new(h, 0.8)
+        else:
+            h = torch.nn.functional.gelu(h, approximate=self.approximate)
         return self.fc2(self.drop(h))
 
 
@@ -728,22 +736,51 @@ def test_gelu_output_and_its_fp8_cast_in_one_op(monkeypatch):
     assert total.target is aten.amax.default and total.args[0].args == (ops[0], 3)
 
 
-@pytest.mark.parametrize("case", ["tanh", "tensorwise", "fp32", "dynamic",
-                                  "recompute_operands"])
+@pytest.mark.parametrize("form,autocast", [
+    ("tanh", False), ("tanh", True), ("gelu_new", False), ("gelu_new", True),
+    ("gelu_new_fp32_pow", False), ("gelu_new_fp32_pow", True)])
+def test_tanh_gelu_output_and_its_fp8_cast_in_one_op(monkeypatch, form, autocast):
+    """tanh's GELU, as ``F.gelu(approximate="tanh")`` (fp32 ops between two casts) or as
+    Hugging Face's ``gelu_new`` writes it (GPT-2: bf16 ops, a ``pow``; or as CUDA autocast
+    runs it, the ops from ``pow`` on in fp32, the result cast down), in a bf16 model or
+    under autocast: GELU and the row-wise cast of fc2's x become one ``hot::gelu_e4m3``
+    asked for tanh's formula, no tanh is left in the forward graph, and the step's output
+    and gradients are bit-equal to the step with GELU and the cast left to the graph."""
+    torch.manual_seed(29)
+    build = _seeded(_GeluMLP, 30, form)
+    x = torch.randn(2, 8, 64)
+    be, graphs, graphs0 = _gelu_steps(monkeypatch, build if autocast else
+                                      lambda: build().bfloat16(), _cfg(forward="fp8_rowwise"),
+                                      x if autocast else x.bfloat16(), autocast=autocast)
+    assert _x_casts(be) == ["", "GELU"]
+    ops = _nodes_of(graphs, GELU_CAST)
+    assert len(ops) == 1 and ops[0].args[1:] == ("reference", "tanh")
+    fwd = next(g for g in graphs if any(n in ops for n in g.nodes))
+    assert not any(n.target == aten.tanh.default for n in fwd.nodes)
+    assert any(n.target == aten.tanh.default for n in graphs0[0].nodes)
+
+
+@pytest.mark.parametrize("case", ["root0.8", "emulate_precision_casts", "tensorwise", "fp32",
+                                  "dynamic", "recompute_operands"])
 def test_gelu_cast_stays_in_the_graph_where_the_op_does_not_apply(monkeypatch, case):
-    """tanh's GELU (another formula), a tensor-wise FP8 forward (one scale: a whole-tensor
-    max first), an fp32 GELU, dynamic sizes and a GELU output the backward rebuilds
-    (``recompute_operands``: the op would run whole again there, a copy of it in the
-    backward graph) keep GELU and the cast in aten ops; the step is the same either way."""
+    """A formula like tanh's GELU with another constant (not GELU), ``gelu_new`` in bf16 ops
+    where Inductor emulates eager's rounding after every op (the op rounds once), a
+    tensor-wise FP8 forward (one scale: a whole-tensor max first), an fp32 GELU, dynamic
+    sizes and a GELU output the backward rebuilds (``recompute_operands``: the op would
+    run whole again there, a copy of it in the backward graph) keep GELU and the cast in
+    aten ops; the step is the same either way."""
+    from torch._inductor import config as inductor_config
     torch.manual_seed(23)
     x = torch.randn(2, 8, 64)
     forward = "fp8" if case in ("tensorwise", "fp32") else "fp8_rowwise"
     x = x if case == "fp32" else x.bfloat16()
-    build = _seeded(_GeluMLP, 24, "tanh" if case == "tanh" else "none")
+    form = {"root0.8": "root0.8", "emulate_precision_casts": "gelu_new"}.get(case, "none")
+    build = _seeded(_GeluMLP, 24, form)
     cfg = _cfg(forward=forward, recompute_operands=case == "recompute_operands")
-    be, graphs, _ = _gelu_steps(monkeypatch, build if case == "fp32" else
-                                lambda: build().bfloat16(), cfg, x,
-                                dynamic=case == "dynamic" or None)
+    with inductor_config.patch(emulate_precision_casts=case == "emulate_precision_casts"):
+        be, graphs, _ = _gelu_steps(monkeypatch, build if case == "fp32" else
+                                    lambda: build().bfloat16(), cfg, x,
+                                    dynamic=case == "dynamic" or None)
     assert [r.forward for r in be.report.layers] == [forward] * 2
     assert not _nodes_of(graphs, GELU_CAST)
 
@@ -780,12 +817,13 @@ def test_gelu_cast_at_a_site_whose_backward_stays_exact(monkeypatch):
     assert [n.target for n in hot] == [GELU_CAST], hot
 
 
-@pytest.mark.parametrize("case", ["gelu", "tanh", "recompute_operands"])
+@pytest.mark.parametrize("case", ["gelu", "tanh", "root0.8", "recompute_operands"])
 def test_gate_prices_the_cast_of_x_where_gelus_kernel_writes_it(monkeypatch, case):
     """The forward's gate prices a GELU-fed site's cast of x as ``hot::gelu_e4m3`` writes it
     (``cost.predict_forward(gelu=True)``) exactly where the rewrite then uses the op (the
-    report's ``x_cast``), in both of its asks (the backward's gate and the forward's); tanh's
-    GELU and ``recompute_operands`` keep the op out, and the price of a cast reading x."""
+    report's ``x_cast``), in both of its asks (the backward's gate and the forward's), for
+    exact and tanh's GELU; a formula that is not GELU's and ``recompute_operands`` keep the
+    op out, and the price of a cast reading x."""
     seen = {}
     real = cost.CostModel.predict_forward
 
@@ -797,16 +835,16 @@ def test_gate_prices_the_cast_of_x_where_gelus_kernel_writes_it(monkeypatch, cas
         return real(self, L, I, O, *a, **k)
     monkeypatch.setattr(cost.CostModel, "predict_forward", spy)
     monkeypatch.setattr(cost, "model_for", lambda device: cost.H200)
-    build = _seeded(_GeluMLP, 27, "tanh" if case == "tanh" else "none")
+    build = _seeded(_GeluMLP, 27, "none" if case in ("gelu", "recompute_operands") else case)
     cfg = _cfg(forward="fp8_rowwise", min_speedup=0,
                recompute_operands=case == "recompute_operands")
     with torch.autocast("cpu", dtype=torch.bfloat16):
         be, y, graphs = _run(build(), cfg, torch.randn(2, 8, 64))
-    assert _x_casts(be) == ["", "GELU" if case == "gelu" else ""]
-    assert seen == {64: {False}, 256: {case == "gelu"}}, seen
+    fused = case in ("gelu", "tanh")
+    assert _x_casts(be) == ["", "GELU" if fused else ""]
+    assert seen == {64: {False}, 256: {fused}}, seen
     fc2 = be.report.layers[1]
     assert fc2.forward_ms == pytest.approx(
-        list(real(cost.H200, 16, 256, 64, 1.0, w_owned=owned[256], gelu=case == "gelu")),
-        abs=6e-5)
-    if case == "gelu":      # the op's line: below the price of a cast reading x
+        list(real(cost.H200, 16, 256, 64, 1.0, w_owned=owned[256], gelu=fused)), abs=6e-5)
+    if fused:               # the op's line: below the price of a cast reading x
         assert fc2.forward_ms[1] < real(cost.H200, 16, 256, 64, 1.0, w_owned=owned[256])[1]

@@ -184,11 +184,13 @@ def test_gpu_saved_x_bound_from_the_cast_changes_no_bit(monkeypatch, forward):
     assert n_ours <= n_theirs, (n_ours, n_theirs)
 
 
-def test_gpu_gelu_and_its_cast_in_one_spliced_kernel_change_no_bit(monkeypatch):
-    """Where a row-wise FP8 site's x is GELU's output (the block's fc2), the compiled forward
-    launches ``hot::gelu_e4m3``'s kernel (spliced) and no Inductor kernel computing GELU,
-    and the step's output and every gradient are bit-equal to the step with GELU and the
-    cast left to Inductor (which fuses them into one looped reduction)."""
+@pytest.mark.parametrize("gelu", ["none", "gelu_new"])
+def test_gpu_gelu_and_its_cast_in_one_spliced_kernel_change_no_bit(monkeypatch, gelu):
+    """Where a row-wise FP8 site's x is GELU's output (the block's fc2; exact GELU, or
+    GPT-2's ``gelu_new``: tanh's in bf16 ops), the compiled forward launches
+    ``hot::gelu_e4m3``'s kernel (spliced) and no Inductor kernel computing GELU, and the
+    step's output and every gradient are bit-equal to the step with GELU and the cast left
+    to Inductor (which fuses them into one looped reduction)."""
     import re
     from torch._inductor.utils import run_and_get_code
     from hotcompile.passes import forward as FW
@@ -197,7 +199,7 @@ def test_gpu_gelu_and_its_cast_in_one_spliced_kernel_change_no_bit(monkeypatch):
     def run():
         torch._dynamo.reset()
         torch.manual_seed(0)
-        model = Block(d=256, heads=4).cuda()
+        model = Block(d=256, heads=4, gelu=gelu).cuda()
         x = torch.randn(8, 256, 256, device="cuda")
         be = hotcompile.backend(HOTConfig(forward="fp8_rowwise", **CFG))
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -208,7 +210,7 @@ def test_gpu_gelu_and_its_cast_in_one_spliced_kernel_change_no_bit(monkeypatch):
     (y, ours, be), codes = run_and_get_code(run)
     assert [r.x_cast for r in be.report.layers] == \
         ["GELU (Inductor)" if r.name.endswith("fc2") else "" for r in be.report.layers]
-    gelu_kernels = lambda code: re.findall(r"def (triton_\w*gelu\w*)\(", code)  # noqa: E731
+    gelu_kernels = lambda code: re.findall(r"def (triton_\w*(?:gelu|tanh)\w*)\(", code)  # noqa: E731
     assert "_gelu_e4m3_kernel" in codes[0] and not gelu_kernels(codes[0])
     monkeypatch.setattr(FW, "_gelu_producer", lambda x: None)
     (y0, theirs, _), codes = run_and_get_code(run)

@@ -946,16 +946,17 @@ def _gelu_rows(R_, W, device="cpu"):
     return h
 
 
-def _check_gelu_e4m3(h):
-    """``producer_cast.gelu_e4m3`` against ``reference.gelu_e4m3``: GELU's output within one
-    bf16 step, or 1e-6 in the far negative tail (x < -4, where erf(x) + 1 cancels: the
-    interpreter's erf is numpy's, and on the GPU the compiled kernel contracts that sum
-    differently from eager torch's ops, as Inductor's own GELU does); the levels, scales and
-    row maxima bit for bit those ``fp8_forward.e4m3_cast`` makes of the kernel's own
-    output, NaN rows included; every output written, row-major."""
+def _check_gelu_e4m3(h, approximate="none"):
+    """``producer_cast.gelu_e4m3`` against ``reference.gelu_e4m3`` (exact or tanh's GELU):
+    GELU's output within one bf16 step, or 1e-6 in the far negative tail (x < -4, where
+    erf(x) + 1 or tanh + 1 cancels: the interpreter's erf is numpy's and its tanh made from
+    exp, and on the GPU the compiled kernel contracts that sum differently from eager
+    torch's ops, as Inductor's own GELU does); the levels, scales and row maxima bit for
+    bit those ``fp8_forward.e4m3_cast`` makes of the kernel's own output, NaN rows
+    included; every output written, row-major."""
     from hotcompile.kernels import fp8_forward as F8, producer_cast as P
-    y, q, s, m = P.gelu_e4m3(h)
-    yr, _, _, _ = R.gelu_e4m3(h)
+    y, q, s, m = P.gelu_e4m3(h, approximate)
+    yr, _, _, _ = R.gelu_e4m3(h, approximate)
     R_, W = h.shape
     assert (y.dtype, q.dtype, s.dtype, m.dtype) == (torch.bfloat16, torch.float8_e4m3fn,
                                                     torch.float32, torch.float32)
@@ -972,12 +973,13 @@ def _check_gelu_e4m3(h):
 
 
 @cpu
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
 @pytest.mark.parametrize("R_,W", [(5, 300), (4, 64), (7, 1)])
-def test_gelu_e4m3_is_its_twin(poison, R_, W):
+def test_gelu_e4m3_is_its_twin(poison, R_, W, approximate):
     """One pass (interpreter tile: 2 rows, 64-column chunks): partial programs, a partial
-    last chunk, one column."""
+    last chunk, one column; exact and tanh's GELU."""
     torch.manual_seed(R_ * W)
-    _check_gelu_e4m3(_gelu_rows(R_, W))
+    _check_gelu_e4m3(_gelu_rows(R_, W), approximate)
 
 
 @cpu
@@ -989,6 +991,10 @@ def test_gelu_e4m3_refuses_what_it_cannot_take():
         with pytest.raises(ValueError, match="gelu_e4m3: needs 2-D contiguous bf16"):
             P.gelu_e4m3(bad)
     assert P.fusable(h)
+    with pytest.raises(ValueError, match="gelu_e4m3: approximate must be one of"):
+        P.gelu_e4m3(h, "sigmoid")
+    with pytest.raises(ValueError, match="gelu: approximate must be 'none' or 'tanh'"):
+        R.gelu_e4m3(h, "sigmoid")
 
 
 @cpu
@@ -1823,24 +1829,33 @@ def test_gelu_e4m3_tile_is_the_sweeps_fastest():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("form", ["none", "tanh", "gelu_new"])
 @pytest.mark.parametrize("R_,W", [(12608, 3072), (1028, 5120), (37, 8192), (300, 1536), (5, 1000),
                                   (9, 200)])
-def test_gpu_gelu_e4m3_is_its_twin(R_, W):
+def test_gpu_gelu_e4m3_is_its_twin(R_, W, form):
     """On the GPU at ViT-B's and ViT-H's fc2 inputs, the widest row, each chunk width of
     ``producer_cast.tile`` (2048, 1024, 512, 256) and odd widths: the twin's numerics
     (``_check_gelu_e4m3``), and GELU's output, levels and scales bit for bit those of the
     graph the op replaces: Inductor's compiled GELU with ``e4m3_cast`` fused into it (H200,
-    sixtieth stop: equal at 3072 to 8192 wide)."""
+    sixtieth stop: equal at 3072 to 8192 wide), for exact GELU, tanh's as ``F.gelu`` gives
+    it (fp32 ops between two casts) and as Hugging Face's ``gelu_new`` writes it (bf16 ops,
+    a ``pow``: GPT-2's), both the op's tanh formula."""
+    import math
     from hotcompile.kernels import fp8_forward as F8, producer_cast as P
 
     def inductor(h):
-        y = torch.nn.functional.gelu(h)
+        if form == "gelu_new":
+            y = 0.5 * h * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi)
+                                            * (h + 0.044715 * torch.pow(h, 3.0))))
+        else:
+            y = torch.nn.functional.gelu(h, approximate=form)
         return (y, *F8.e4m3_cast(y, rowwise=True, contiguous=True))
 
+    approximate = "none" if form == "none" else "tanh"
     torch.manual_seed(11)
     h = _gelu_rows(R_, W, device="cuda")
-    _check_gelu_e4m3(h)
-    y, q, s, _ = P.gelu_e4m3(h)
+    _check_gelu_e4m3(h, approximate)
+    y, q, s, _ = P.gelu_e4m3(h, approximate)
     yi, qi, si = torch.compile(inductor, dynamic=False)(h)
     torch.testing.assert_close(y, yi, rtol=0, atol=0, equal_nan=True)
     torch.testing.assert_close(q.float(), qi.float(), rtol=0, atol=0, equal_nan=True)

@@ -178,8 +178,10 @@ def _(x, rank, bits, block, seq_len, seq_first, kernels, fmt, amax=None):
 
 
 # ----------------------------------------------------------------------- GELU + FP8 cast (forward)
-def gelu_e4m3_body(h: Tensor, kernels: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """GELU of h (R, W) and the row-wise e4m3 copy of its output (``reference.gelu_e4m3``):
+def gelu_e4m3_body(h: Tensor, kernels: str,
+                   approximate: str = "none") -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """GELU of h (R, W) (exact, or tanh's: ``approximate``) and the row-wise e4m3 copy of
+    its output (``reference.gelu_e4m3``):
     put in place of a GELU whose output is a rewritten site's x under the row-wise FP8
     forward (``passes/forward.py``), where Inductor's fusion of GELU and the cast loops
     over each row twice. One pass on the GPU (``producer_cast``). Every output is
@@ -188,15 +190,15 @@ def gelu_e4m3_body(h: Tensor, kernels: str) -> tuple[Tensor, Tensor, Tensor, Ten
     if triton_usable(h, kernels):
         from . import producer_cast
         if producer_cast.fusable(h):
-            return producer_cast.gelu_e4m3(h)
-    return ref.gelu_e4m3(h)
+            return producer_cast.gelu_e4m3(h, approximate)
+    return ref.gelu_e4m3(h, approximate)
 
 
 gelu_e4m3 = torch.library.custom_op("hot::gelu_e4m3", mutates_args=())(gelu_e4m3_body)
 
 
 @gelu_e4m3.register_fake
-def _(h, kernels):
+def _(h, kernels, approximate="none"):
     R = h.shape[0]
     return (torch.empty_like(h, memory_format=torch.contiguous_format),
             h.new_empty(h.shape, dtype=torch.float8_e4m3fn),

@@ -32,6 +32,10 @@ from .launch import declare_writes, launch
 
 CHUNK = 1024                  # columns a program holds per chunk (a power of two; ``tile``)
 MAX_WIDTH = 8 * CHUNK         # wider rows would spill the held chunks out of registers
+APPROXIMATIONS = ("none", "tanh")   # F.gelu's ``approximate``: the two formulas made here
+SQRT_HALF = tl.constexpr(0.7071067811865476)
+SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
+TANH_CUBIC = tl.constexpr(0.044715)
 
 
 def fusable(h: torch.Tensor) -> bool:
@@ -42,33 +46,46 @@ def fusable(h: torch.Tensor) -> bool:
 
 @triton.jit
 def _gelu_chunk(h_ptr, y_ptr, rows, i: tl.constexpr, R, W, BC: tl.constexpr,
-                INTERPRET: tl.constexpr):
-    """Columns [i*BC, (i+1)*BC) of the program's rows: GELU in fp32, (x * 0.5) * (erf(x *
-    sqrt(1/2)) + 1) as Inductor compiles it, rounded to bf16 and stored; returned as fp32
-    (the interpreter has no libdevice: numpy's erf there)."""
+                TANH: tl.constexpr, INTERPRET: tl.constexpr):
+    """Columns [i*BC, (i+1)*BC) of the program's rows: GELU in fp32 as Inductor compiles it,
+    rounded to bf16 and stored; returned as fp32. Exact GELU: (x * 0.5) * (erf(x *
+    sqrt(1/2)) + 1); tanh's (``TANH``): (x * 0.5) * (tanh((x + x * x * x * 0.044715) *
+    sqrt(2/pi)) + 1), its cube as two products, (x * x) * x (Inductor's ``pow(x, 3)`` too).
+    The interpreter has no libdevice: numpy's erf, and tanh from exp."""
     cols = i * BC + tl.arange(0, BC)
     mask = (rows < R)[:, None] & (cols < W)[None, :]
     offs = rows.to(tl.int64)[:, None] * W + cols[None, :]
     x = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if INTERPRET:       # its fp32 -> bf16 cast truncates: rounded in integer ops first
-        y = round_to_bf16((x * 0.5) * (tl.erf(x * 0.7071067811865476) + 1.0)).to(tl.bfloat16)
+    if TANH:
+        z = (x + x * x * x * TANH_CUBIC) * SQRT_2_OVER_PI
+        if INTERPRET:
+            t = 1.0 - 2.0 / (tl.exp(2.0 * z) + 1.0)
+        else:
+            t = libdevice.tanh(z)
+    elif INTERPRET:
+        t = tl.erf(x * SQRT_HALF)
     else:
-        y = ((x * 0.5) * (libdevice.erf(x * 0.7071067811865476) + 1.0)).to(tl.bfloat16)
+        t = libdevice.erf(x * SQRT_HALF)
+    y = (x * 0.5) * (t + 1.0)
+    if INTERPRET:       # its fp32 -> bf16 cast truncates: rounded in integer ops first
+        y = round_to_bf16(y)
+    y = y.to(tl.bfloat16)
     tl.store(y_ptr + offs, y, mask=mask)
     return y.to(tl.float32)
 
 
 @triton.jit
 def _gelu_e4m3_kernel(h_ptr, y_ptr, q_ptr, s_ptr, m_ptr, R, W, BR: tl.constexpr,
-                      BC: tl.constexpr, CHUNKS: tl.constexpr, INTERPRET: tl.constexpr):
+                      BC: tl.constexpr, CHUNKS: tl.constexpr, TANH: tl.constexpr,
+                      INTERPRET: tl.constexpr):
     """BR rows a program, CHUNKS chunks of BC columns each held in registers: y = GELU(h)
-    (bf16), then per row m = max |y| (an integer max of the bits: NaN propagates), the
+    (bf16; tanh's with ``TANH``), then per row m = max |y| (an integer max of the bits: NaN propagates), the
     scale s = max(m, 1e-12) / 448 and the levels e4m3(clamp(y * (1 / s), +-448))."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     amax = tl.zeros((BR, BC), dtype=tl.int32)
     held = ()
     for i in tl.static_range(CHUNKS):
-        y = _gelu_chunk(h_ptr, y_ptr, rows, i, R, W, BC, INTERPRET)
+        y = _gelu_chunk(h_ptr, y_ptr, rows, i, R, W, BC, TANH, INTERPRET)
         amax = tl.maximum(amax, abs_bits(y))
         held = held + (y,)
     m = cast_held_rows(held, amax, rows, R, W, q_ptr, s_ptr, BC, CHUNKS, INTERPRET)
@@ -119,9 +136,13 @@ def tile(width: int, interp: bool) -> tuple[int, int, int]:
     return 1, bc, max(1, bc // 256)
 
 
-def gelu_e4m3(h: torch.Tensor):
+def gelu_e4m3(h: torch.Tensor, approximate: str = "none"):
     """``reference.gelu_e4m3`` on one kernel: (GELU(h) bf16 (R, W), its row-wise e4m3 levels
-    (R, W) row-major, scales (R,) fp32, row maxima max |y| (R,) fp32). h: ``fusable``."""
+    (R, W) row-major, scales (R,) fp32, row maxima max |y| (R,) fp32). h: ``fusable``;
+    ``approximate``: F.gelu's ("none": erf's formula, "tanh")."""
+    if approximate not in APPROXIMATIONS:
+        raise ValueError(f"gelu_e4m3: approximate must be one of {APPROXIMATIONS}, "
+                         f"got {approximate!r}")
     if not fusable(h):
         raise ValueError(f"gelu_e4m3: needs 2-D contiguous bf16 rows of at most {MAX_WIDTH} "
                          f"columns, got {tuple(h.shape)} {h.dtype}")
@@ -134,5 +155,6 @@ def gelu_e4m3(h: torch.Tensor):
     br, bc, warps = tile(W, interp)
     if R:
         launch(_gelu_e4m3_kernel, (triton.cdiv(R, br),), h, y, q, s, m, R, W, BR=br, BC=bc,
-               CHUNKS=triton.cdiv(W, bc), INTERPRET=interp, num_warps=warps)
+               CHUNKS=triton.cdiv(W, bc), TANH=approximate == "tanh", INTERPRET=interp,
+               num_warps=warps)
     return y, q, s, m

@@ -508,20 +508,33 @@ def weight_operands(w: torch.Tensor, col_max: torch.Tensor, fwd_max, forward: st
                                              max_bits=fwd_max))
 
 
-def gelu_e4m3(h: torch.Tensor):
-    """GELU (exact) of h (R, W) with the row-wise e4m3 copy of its output, the FP8
-    forward's x operand of a linear fed by GELU: (y = GELU(h) in h's dtype, levels (R, W),
-    scales (R,) fp32, row maxima max |y| (R,) fp32). Levels and scales are
-    ``fp8_forward.e4m3_cast(y, rowwise=True)``'s; the maxima give the saved x's bound
-    (``fp8_forward.max_bits``). ``producer_cast.gelu_e4m3`` is the one-pass kernel.
+def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """GELU of fp32 x, op by op in the order Inductor compiles ``F.gelu`` in: exact,
+    (x * 0.5) * (erf(x * sqrt(1/2)) + 1); ``approximate="tanh"``, (x * 0.5) * (tanh((x +
+    x * x * x * 0.044715) * sqrt(2/pi)) + 1), which is also Hugging Face's ``gelu_new``
+    (its ``pow(x, 3)`` compiled as (x * x) * x)."""
+    if approximate not in ("none", "tanh"):
+        raise ValueError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
+    if approximate == "tanh":
+        t = torch.tanh((x + x * x * x * 0.044715) * 0.7978845608028654)
+    else:
+        t = torch.erf(x * 0.7071067811865476)
+    return (x * 0.5) * (t + 1.0)
 
-    GELU is (x * 0.5) * (erf(x * sqrt(1/2)) + 1) in fp32, op by op in the order Inductor
-    compiles ``F.gelu`` in, rounded once to h's dtype: the graph's GELU, which this
-    replaces. In the far negative tail (x < -4, where erf(x) + 1 cancels) compiled code
-    (Inductor's, the kernel's) and eager CPU ``F.gelu`` differ from it by up to 1e-6."""
+
+def gelu_e4m3(h: torch.Tensor, approximate: str = "none"):
+    """GELU (exact, or tanh's: ``approximate``) of h (R, W) with the row-wise e4m3 copy of
+    its output, the FP8 forward's x operand of a linear fed by GELU: (y = GELU(h) in h's
+    dtype, levels (R, W), scales (R,) fp32, row maxima max |y| (R,) fp32). Levels and
+    scales are ``fp8_forward.e4m3_cast(y, rowwise=True)``'s; the maxima give the saved x's
+    bound (``fp8_forward.max_bits``). ``producer_cast.gelu_e4m3`` is the one-pass kernel.
+
+    GELU is ``gelu`` in fp32, rounded once to h's dtype: the graph's GELU, which this
+    replaces. In the far negative tail (x < -4, where erf(x) + 1 or tanh + 1 cancels)
+    compiled code (Inductor's, the kernel's) and eager CPU ``F.gelu`` differ from it by up
+    to 1e-6."""
     from . import fp8_forward
-    x = h.float()
-    y = ((x * 0.5) * (torch.erf(x * 0.7071067811865476) + 1.0)).to(h.dtype)
+    y = gelu(h.float(), approximate).to(h.dtype)
     y32 = y.float()
     m = torch.linalg.vector_norm(y32, float("inf"), dim=1)
     s = fp8_forward.scale_from_amax(m)

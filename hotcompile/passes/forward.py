@@ -160,70 +160,142 @@ PASS_THROUGH = (aten.view.default, aten._unsafe_view.default, aten.reshape.defau
                 aten.clone.default)
 CAST = torch.ops.prims.convert_element_type.default
 SQRT_HALF = 0.7071067811865476
+SQRT_2_OVER_PI = 0.7978845608028654
+TANH_CUBIC = 0.044715
 
 
-def _gelu_producer(x: Node) -> Optional[Tuple[Node, Node]]:
-    """(GELU's bf16 output node, its bf16 input h) where ``x`` is that output through views
-    (or a clone: ``PASS_THROUGH``) and ``hot::gelu_e4m3`` can make x and its row-wise cast
-    in one pass: exact GELU (tanh's differs) in the forward, on row-major bf16 of static
+def _gelu_producer(x: Node) -> Optional[Tuple[Node, Node, str]]:
+    """(GELU's bf16 output node, its bf16 input h, F.gelu's ``approximate``) where ``x`` is
+    that output through views (or a clone: ``PASS_THROUGH``) and ``hot::gelu_e4m3`` can make
+    x and its row-wise cast in one pass: GELU in the forward, on row-major bf16 of static
     shape whose rows are x's (``producer_cast.fusable``). The joint graph holds GELU
-    decomposed (Inductor's decomposition, under autocast): cast(mul(mul(c, 0.5),
-    add(erf(mul(c, sqrt(1/2))), 1)), bf16), c = cast(h, fp32). Not where the backward
-    rebuilds GELU's output (a recompute policy on it: ``recompute_operands``, ABC compressing
-    in backward, activation checkpointing): the partitioner would run the whole op again
-    there, levels and all, where the aten chain rebuilds GELU alone. Anything else keeps
-    the cast in aten ops, which Inductor fuses as it can."""
+    decomposed (``_gelu_formula``), in fp32 ops, bf16 ops or a mix, h read as itself or
+    cast to fp32: ``F.gelu`` (exact or tanh's) as fp32 ops between cast(h, fp32) and a
+    cast to bf16; Hugging Face's ``gelu_new`` (GPT-2) written out in bf16 ops, or under CUDA
+    autocast partly in fp32 (its ``pow`` runs in fp32 there) with autocast's cast to bf16
+    for the next linear. Inductor computes all of these in fp32 and rounds once at the
+    output, as the op does, unless ``emulate_precision_casts`` asks it to round after every
+    bf16 op (then such a chain is left to it). Not where the backward rebuilds GELU's
+    output (a recompute policy on it: ``recompute_operands``, ABC compressing in backward,
+    activation checkpointing): the partitioner would run the whole op again there, levels
+    and all, where the aten chain rebuilds GELU alone. Anything else keeps the cast in aten
+    ops, which Inductor fuses as it can."""
     y = x
     while y.target in PASS_THROUGH:
         y = y.args[0]
-    if not _cast(y, torch.bfloat16) or y.meta.get("partitioner_tag") != "is_forward":
+    if not isinstance(y, Node) or y.meta.get("partitioner_tag") != "is_forward":
         return None
     if y.meta.get("recompute") not in (None, CheckpointPolicy.MUST_SAVE):
         return None
-    c = _gelu_input(y.args[0])
-    if c is None or not _cast(c, torch.float32):
+    root = y
+    if _cast(root, torch.bfloat16):               # the formula's fp32 result cast down
+        root = root.args[0]
+        while isinstance(root, Node) and root.target in PASS_THROUGH:
+            root = root.args[0]
+    found = _gelu_formula(root)
+    if found is None:
         return None
-    h, hv, xv = c.args[0], c.args[0].meta.get("val"), x.meta.get("val")
-    if not isinstance(hv, torch.Tensor) or not isinstance(xv, torch.Tensor) or xv.dim() != 2:
+    c, approximate = found
+    h = _uncast(c)
+    from torch._inductor import config as inductor_config
+    if inductor_config.emulate_precision_casts and _has_bf16_op(root, h):
+        return None
+    hv, xv, yv = h.meta.get("val"), x.meta.get("val"), y.meta.get("val")
+    if not all(isinstance(v, torch.Tensor) for v in (hv, xv, yv)) or xv.dim() != 2:
         return None
     if any(not isinstance(d, int) for d in (*hv.shape, *xv.shape)):
         return None                     # sizes the kernel's grid would have to follow
     from ..kernels.producer_cast import MAX_WIDTH
-    ok = (hv.dtype == torch.bfloat16 and hv.dim() >= 1 and hv.is_contiguous()
+    ok = (hv.dtype == yv.dtype == torch.bfloat16 and hv.dim() >= 1 and hv.is_contiguous()
           and xv.is_contiguous() and hv.shape[-1] == xv.shape[1] and 0 < xv.shape[1] <= MAX_WIDTH)
-    return (y, h) if ok else None
+    return (y, h, approximate) if ok else None
+
+
+def _uncast(n):
+    """a where n is cast(a, fp32) (how an op reads bf16 a in fp32), else n."""
+    return n.args[0] if _cast(n, torch.float32) else n
+
+
+def _has_bf16_op(n, h: Node) -> bool:
+    """Whether an op of the formula from ``n`` down to h (or its fp32 cast) computes in
+    bf16."""
+    if not isinstance(n, Node) or _uncast(n) is h:
+        return False
+    v = n.meta.get("val")
+    return (getattr(v, "dtype", None) == torch.bfloat16
+            or any(_has_bf16_op(a, h) for a in n.args))
 
 
 def _cast(n: Node, dtype: torch.dtype) -> bool:
     return isinstance(n, Node) and n.target is CAST and n.args[1] == dtype
 
 
-def _gelu_input(g) -> Optional[Node]:
-    """c where ``g`` is mul(mul(c, 0.5), add(erf(mul(c, sqrt(1/2))), 1)) (either order of
-    each mul's and the add's operands), else None."""
-    def pair(n, target):
-        if not isinstance(n, Node) or n.target is not target or len(n.args) != 2:
-            return None
-        return n.args
+def _operands(n, target) -> Optional[tuple]:
+    """n's two operands where n is a ``target`` node of two, else None."""
+    if not isinstance(n, Node) or n.target is not target or len(n.args) != 2:
+        return None
+    return n.args
 
-    args = pair(g, aten.mul.Tensor)
-    for half, one in (args, args[::-1]) if args else ():
-        a, f = pair(half, aten.mul.Tensor), pair(one, aten.add.Tensor)
-        if not a or not f or 0.5 not in a:
-            continue
-        c = a[0] if a[1] == 0.5 else a[1]
-        erf = f[0] if f[1] == 1 else f[1] if f[0] == 1 else None
-        if not isinstance(erf, Node) or erf.target is not aten.erf.default:
-            continue
-        b = pair(erf.args[0], aten.mul.Tensor)
-        if b and c in b and SQRT_HALF in b and isinstance(c, Node):
-            return c
+
+def _times(n, const) -> Optional[Node]:
+    """a where n is mul(a, const) or mul(const, a), else None."""
+    args = _operands(n, aten.mul.Tensor)
+    if args and const in args:
+        a = args[0] if args[1] == const else args[1]
+        return a if isinstance(a, Node) else None
     return None
 
 
-def _cast_in_gelu(graph: Graph, gelu: Node, h: Node, x: Node, kernels: str, fake_mode):
+def _plus_one(n) -> Optional[Node]:
+    """a where n is add(a, 1) or add(1, a), else None."""
+    args = _operands(n, aten.add.Tensor)
+    if args and 1 in args:
+        a = args[0] if args[1] == 1 else args[1]
+        return a if isinstance(a, Node) else None
+    return None
+
+
+def _is_cube(n, c: Node) -> bool:
+    """Whether n is c ** 3 (c as itself or cast to fp32: ``_uncast``): mul(mul(c, c), c) in
+    either order (tanh's decomposition), or pow(c, 3) (Hugging Face's ``gelu_new``), which
+    Inductor lowers to the same products."""
+    same = lambda a: isinstance(a, Node) and _uncast(a) is c  # noqa: E731
+    if isinstance(n, Node) and n.target is aten.pow.Tensor_Scalar:
+        return same(n.args[0]) and n.args[1] == 3
+    args = _operands(n, aten.mul.Tensor)
+    for sq, one in (args, args[::-1]) if args else ():
+        pair = _operands(sq, aten.mul.Tensor)
+        if same(one) and pair and all(same(a) for a in pair):
+            return True
+    return False
+
+
+def _gelu_formula(g) -> Optional[Tuple[Node, str]]:
+    """(c, approximate) where ``g`` is GELU of c as ``reference.gelu`` computes it, each
+    product's and sum's operands in either order and every other read of c as c or its
+    fp32 cast (``_uncast``): mul(mul(c, 0.5), add(t, 1)) with t = erf(mul(c, sqrt(1/2)))
+    ("none") or tanh(mul(add(c, mul(c**3, 0.044715)), sqrt(2/pi))) ("tanh"), else None."""
+    args = _operands(g, aten.mul.Tensor)
+    for half, one in (args, args[::-1]) if args else ():
+        c, t = _times(half, 0.5), _plus_one(one)
+        if c is None or t is None:
+            continue
+        base = _uncast(c)
+        same = lambda a: isinstance(a, Node) and _uncast(a) is base  # noqa: E731
+        if t.target is aten.erf.default and same(_times(t.args[0], SQRT_HALF)):
+            return c, "none"
+        if t.target is aten.tanh.default:
+            inner = _operands(_times(t.args[0], SQRT_2_OVER_PI), aten.add.Tensor)
+            for a, b in (inner, inner[::-1]) if inner else ():
+                if same(a) and _is_cube(_times(b, TANH_CUBIC), base):
+                    return c, "tanh"
+    return None
+
+
+def _cast_in_gelu(graph: Graph, gelu: Node, h: Node, approximate: str, x: Node,
+                  kernels: str, fake_mode):
     """Replace GELU's output node ``gelu`` by ``hot::gelu_e4m3`` on the rows of its input
-    ``h``: (that op, GELU's output in its shape, x's e4m3 levels, their (L, 1) scale view
+    ``h`` (``approximate``: which GELU): (that op, GELU's output in its shape, x's e4m3 levels, their (L, 1) scale view
     as ``e4m3_cast`` gives it, max |x| as ``max_bits``'s word for the saved x's bound).
     GELU's users (x's view among them) read the op's output: the same values
     (``reference.gelu_e4m3``); its decomposed ops go with dead-code elimination, unless
@@ -232,7 +304,8 @@ def _cast_in_gelu(graph: Graph, gelu: Node, h: Node, x: Node, kernels: str, fake
     rows, width = x.meta["val"].shape
 
     def body(h):
-        out = torch.ops.hot.gelu_e4m3.default(aten.view.default(h, [rows, width]), kernels)
+        out = torch.ops.hot.gelu_e4m3.default(aten.view.default(h, [rows, width]), kernels,
+                                               approximate)
         y, q, s, m = (out[i] for i in range(4))
         return (y, aten.view.default(y, shape), q,
                 aten.as_strided.default(s, [rows, 1], [1, 1]), F8.max_bits(m, True))
