@@ -50,10 +50,11 @@ DEFAULTS_TOL = {d: (0.6, 0.8) for d in (None, torch.bfloat16, torch.float16)}
 
 
 def gpu_near_exact(**extra) -> "hotcompile.HOTConfig":
-    """The CPU suite's near-exact settings on the GPU's own kernels and formats."""
-    return hotcompile.HOTConfig(**dict(rank=16, block=16, gx_bits=8, gx_w_bits=8, gw_bits=8,
-                                       min_features=0, min_speedup=0, exclude=(),
-                                       gx_scale="token"), **extra)
+    """The CPU suite's near-exact settings on the GPU's own kernels and formats (``extra``
+    fields override)."""
+    return hotcompile.HOTConfig(**{**dict(rank=16, block=16, gx_bits=8, gx_w_bits=8, gw_bits=8,
+                                          min_features=0, min_speedup=0, exclude=(),
+                                          gx_scale="token"), **extra})
 
 
 def shipped_defaults(**extra) -> "hotcompile.HOTConfig":
@@ -138,3 +139,19 @@ def test_gpu_shipped_defaults_forced(case):
     are, property 2 at a bound only a structural error crosses (``DEFAULTS_TOL``)."""
     check_on_gpu(case, "defaults", config_fn=shipped_defaults, tol=DEFAULTS_TOL)
 
+
+@pytest.mark.slow
+@settings(max_examples=15, **SETTINGS)
+@given(case=P.cases(**{**P.SUITES["gated"], "feats": GPU_FEATS}))
+def test_gpu_fp8_forward_beside_sites_whose_backward_stays_exact(case):
+    """The forward's FP8 gate decided apart from the backward's on the GPU path: a cost
+    table tossing a coin for each site's backward (``test_properties.run_coin_gated``) and
+    letting every forward take FP8 (row-wise under bf16 autocast, tensor-wise in fp32), so
+    sites rewritten whole (spliced kernels) sit beside sites that keep autograd's backward
+    with the FP8 forward alone, GELU's kernel making x for either (exact and tanh's GELU,
+    ``gelu_new`` among the activations)."""
+    fwd = "fp8_rowwise" if case.dtype == torch.bfloat16 else "fp8"
+    r = P.run_coin_gated(case, device="cuda", config_fn=gpu_near_exact, forward=fwd,
+                         min_speedup=1.0)
+    _log(r, "gated")
+    P.check_properties(r, GPU_TOL)

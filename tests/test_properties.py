@@ -36,7 +36,8 @@ batch-first (B, S, D), sequence-first (S, B, D), 4-D (B, H, W, D); contiguous,
 transposed, sliced and token-strided input views; mid-model ``transpose(0, -2)`` and
 ``[..., ::2, :]``. Dtypes: fp32, and CPU autocast in bf16 and in fp16 (both work on CPU
 with torch 2.13 for every op used here: mm/addmm/bmm, softmax, embedding, cat,
-tanh/relu/gelu). With and without bias; shared weights (one D x D parameter in two
+tanh/relu/gelu, GELU's tanh form as ``F.gelu`` gives it and as Hugging Face's ``gelu_new``
+writes it). With and without bias; shared weights (one D x D parameter in two
 layers, in sequence or both reading the same h, possibly spelled differently); tied
 weights (one (V, D) parameter used as a positional embedding and as the head); frozen
 weights; a frozen layer reading the same x as a trainable one; graph breaks between
@@ -90,6 +91,8 @@ from hypothesis import strategies as st
 
 import hotcompile
 from hotcompile.passes import cost
+
+from helpers import gelu_new
 
 # ----------------------------------------------------------------------------- config
 
@@ -159,6 +162,7 @@ FP8_TOL = {None: (0.25, 0.97), torch.bfloat16: (0.25, 0.97), torch.float16: (0.2
 # feature sizes of parameter linears; activation products get widths and token counts
 # outside this set, so their (I, O) signature can never be a parameter linear's
 FEATS = (16, 8, 24, 32, 40, 48, 12, 20)
+ACTS = (None, "tanh", "relu", "gelu", "gelu_tanh", "gelu_new")  # after a linear (``act_src``)
 PROD_W = (28, 36, 44)                      # widths only h @ b (b a model input) produces
 GRAM_R = (10, 14)                          # inner size of a parameter x parameter product
 GRAM_W = (52, 60)                          # width h @ (W1^T W2) produces
@@ -287,7 +291,8 @@ def linear_src(spell, h, w, b, i, o, two_d):
 
 def act_src(e, act):
     return {None: e, "tanh": f"torch.tanh({e})", "relu": f"torch.relu({e})",
-            "gelu": f"F.gelu({e})"}[act]
+            "gelu": f"F.gelu({e})", "gelu_tanh": f"F.gelu({e}, approximate='tanh')",
+            "gelu_new": f"gelu_new({e})"}[act]
 
 
 class Net(torch.nn.Module):
@@ -400,7 +405,7 @@ class Net(torch.nn.Module):
         filename = f"<test_properties Net {id(self):x}>"
         linecache.cache[filename] = (len(self.source), None, self.source.splitlines(True),
                                      filename)
-        scope = {"torch": torch, "F": F}
+        scope = {"torch": torch, "F": F, "gelu_new": gelu_new}
         exec(compile(self.source, filename, "exec"), scope)
         self._fwd = scope["forward"]
         sigs = {s for s, _ in self.linears}
@@ -468,7 +473,7 @@ def build_case(rnd, kinds, dtypes=(None,), max_blocks=3, layouts=LAYOUTS, x_grad
         if kind == "linear":
             o = feat()
             blocks.append(Linear(spell(), d, o, coin(), frozen(),
-                                 rnd.choice((None, "tanh", "relu", "gelu")), coin()))
+                                 rnd.choice(ACTS), coin()))
         elif kind == "shared":
             blocks.append(Shared((spell(False), spell(False)), d, coin(), frozen(), coin()))
         elif kind == "tied":
