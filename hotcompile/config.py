@@ -61,8 +61,10 @@ class HOTConfig:
     gates passed pooled (+0.49%, s.e. 0.50, over 7 seeds; +0.27%, s.e. 0.26, over 6)
     (docs/BENCHMARKS.md, 36th and 37th stops). A site with an exact backward and an FP8
     forward since the sixty-second stop: ViT-B/16 bs128 1.052x Inductor against 1.025x
-    with such sites kept bf16 (its 24 qkv and fc1 sites), ViT-L/16 bs128 +0.9%, GPT-2's
-    12 c_fc sites level (H200, paired). ``min_speedup=0`` turns the forward's gate
+    with such sites kept bf16 (its 24 qkv and fc1 sites), ViT-L/16 bs128 +0.9%, BERT-base
+    1.021x Inductor (24 sites, no backward rewritten), GPT-2's 24 c_fc and c_proj sites
+    +0.4% (c_proj's x from GELU's kernel, tanh's GELU since the sixty-third stop; H200,
+    paired). ``min_speedup=0`` turns the forward's gate
     off too: under ``auto`` every aligned site on Hopper then takes the FP8 forward
     (``forward="bf16"`` keeps Inductor's).
     kernels: ``auto`` = fused Triton on CUDA, reference torch elsewhere.
