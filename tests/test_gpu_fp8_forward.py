@@ -210,7 +210,9 @@ def test_gpu_gelu_and_its_cast_in_one_spliced_kernel_change_no_bit(monkeypatch, 
     (y, ours, be), codes = run_and_get_code(run)
     assert [r.x_cast for r in be.report.layers] == \
         ["GELU (Inductor)" if r.name.endswith("fc2") else "" for r in be.report.layers]
-    gelu_kernels = lambda code: re.findall(r"def (triton_\w*(?:gelu|tanh)\w*)\(", code)  # noqa: E731
+    def gelu_kernels(code):
+        return re.findall(r"def (triton_\w*(?:gelu|tanh)\w*)\(", code)
+
     assert "_gelu_e4m3_kernel" in codes[0] and not gelu_kernels(codes[0])
     monkeypatch.setattr(FW, "_gelu_producer", lambda x: None)
     (y0, theirs, _), codes = run_and_get_code(run)

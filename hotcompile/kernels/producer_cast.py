@@ -79,8 +79,9 @@ def _gelu_e4m3_kernel(h_ptr, y_ptr, q_ptr, s_ptr, m_ptr, R, W, BR: tl.constexpr,
                       BC: tl.constexpr, CHUNKS: tl.constexpr, TANH: tl.constexpr,
                       INTERPRET: tl.constexpr):
     """BR rows a program, CHUNKS chunks of BC columns each held in registers: y = GELU(h)
-    (bf16; tanh's with ``TANH``), then per row m = max |y| (an integer max of the bits: NaN propagates), the
-    scale s = max(m, 1e-12) / 448 and the levels e4m3(clamp(y * (1 / s), +-448))."""
+    (bf16; tanh's with ``TANH``), then per row m = max |y| (an integer max of the bits:
+    NaN propagates), the scale s = max(m, 1e-12) / 448 and the levels e4m3(clamp(y * (1 /
+    s), +-448))."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     amax = tl.zeros((BR, BC), dtype=tl.int32)
     held = ()

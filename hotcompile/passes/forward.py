@@ -295,11 +295,11 @@ def _gelu_formula(g) -> Optional[Tuple[Node, str]]:
 def _cast_in_gelu(graph: Graph, gelu: Node, h: Node, approximate: str, x: Node,
                   kernels: str, fake_mode):
     """Replace GELU's output node ``gelu`` by ``hot::gelu_e4m3`` on the rows of its input
-    ``h`` (``approximate``: which GELU): (that op, GELU's output in its shape, x's e4m3 levels, their (L, 1) scale view
-    as ``e4m3_cast`` gives it, max |x| as ``max_bits``'s word for the saved x's bound).
-    GELU's users (x's view among them) read the op's output: the same values
-    (``reference.gelu_e4m3``); its decomposed ops go with dead-code elimination, unless
-    something else reads them."""
+    ``h`` (``approximate``: which GELU): (that op, GELU's output in its shape, x's e4m3
+    levels, their (L, 1) scale view as ``e4m3_cast`` gives it, max |x| as ``max_bits``'s
+    word for the saved x's bound). GELU's users (x's view among them) read the op's
+    output: the same values (``reference.gelu_e4m3``); its decomposed ops go with
+    dead-code elimination, unless something else reads them."""
     shape = list(gelu.meta["val"].shape)
     rows, width = x.meta["val"].shape
 
