@@ -1,5 +1,7 @@
 """FP8 forward (issue 12): HOTConfig(forward="fp8") puts a rewritten site's forward GEMM on
 tensor-wise e4m3 operands (kernels/fp8_forward.py), recorded into the graph op for op."""
+import math
+
 import pytest
 import torch
 
@@ -737,13 +739,12 @@ def test_gelu_output_and_its_fp8_cast_in_one_op(monkeypatch):
 
 
 @pytest.mark.parametrize("form,autocast", [
-    ("tanh", False), ("tanh", True), ("gelu_new", False), ("gelu_new", True),
-    ("gelu_new_fp32_pow", False), ("gelu_new_fp32_pow", True)])
+    ("tanh", False), ("tanh", True), ("gelu_new_fp32_pow", False), ("gelu_new_fp32_pow", True)])
 def test_tanh_gelu_output_and_its_fp8_cast_in_one_op(monkeypatch, form, autocast):
     """tanh's GELU, as ``F.gelu(approximate="tanh")`` (fp32 ops between two casts) or as
-    Hugging Face's ``gelu_new`` writes it (GPT-2: bf16 ops, a ``pow``; or as CUDA autocast
-    runs it, the ops from ``pow`` on in fp32, the result cast down), in a bf16 model or
-    under autocast: GELU and the row-wise cast of fc2's x become one ``hot::gelu_e4m3``
+    Hugging Face's ``gelu_new`` runs under CUDA autocast (GPT-2: its ``pow`` in fp32, so
+    the ops after it, the result cast down), in a bf16 model or under autocast: GELU and
+    the row-wise cast of fc2's x become one ``hot::gelu_e4m3``
     asked for tanh's formula, no tanh is left in the forward graph, and the step's output
     and gradients are bit-equal to the step with GELU and the cast left to the graph."""
     torch.manual_seed(29)
@@ -760,12 +761,49 @@ def test_tanh_gelu_output_and_its_fp8_cast_in_one_op(monkeypatch, form, autocast
     assert any(n.target == aten.tanh.default for n in graphs0[0].nodes)
 
 
-@pytest.mark.parametrize("case", ["root0.8", "emulate_precision_casts", "tensorwise", "fp32",
-                                  "dynamic", "recompute_operands"])
+class _GeluNewSharedTanh(torch.nn.Module):
+    """``gelu_new`` with its tanh also read by the model's output: an op inside GELU's
+    formula with a forward reader of its own, which Inductor stores. ``fp32_pow``: as CUDA
+    autocast runs it (the tanh in fp32), else in bf16 ops (the tanh stored in bf16,
+    rounded: where Inductor computes GELU's output from the stored value, it differs from
+    the one-pass op's)."""
+
+    def __init__(self, fp32_pow, d=64):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+        self.fp32_pow = fp32_pow
+
+    def forward(self, x):
+        h = self.fc1(x)
+        cube = torch.pow(h.float() if self.fp32_pow else h, 3.0)
+        t = torch.tanh(math.sqrt(2.0 / math.pi) * (h + 0.044715 * cube))
+        y = (0.5 * h * (1.0 + t)).to(h.dtype)
+        return self.fc2(y) + t[..., : x.shape[-1]].to(h.dtype)
+
+
+@pytest.mark.parametrize("fp32_pow", [False, True], ids=["bf16_ops", "fp32_pow"])
+def test_gelu_kernel_left_out_where_an_op_of_the_formula_has_another_reader(monkeypatch,
+                                                                            fp32_pow):
+    """An op inside GELU's formula (its tanh) read in the forward outside it: GELU and the
+    cast stay Inductor's (``_rounds_inside``), and the step is the same either way. In bf16
+    ops the sixty-third stop's first matcher took this case and the step's output differed
+    from Inductor's (the tanh Inductor stores is rounded to bf16, the op's is not); in fp32
+    the stored value is exact, and the case is left out all the same: what Inductor fuses
+    around a stored value is its choice, not proven here."""
+    torch.manual_seed(31)
+    be, graphs, _ = _gelu_steps(monkeypatch,
+                                lambda: _seeded(_GeluNewSharedTanh, 32, fp32_pow)().bfloat16(),
+                                _cfg(forward="fp8_rowwise"), torch.randn(2, 8, 64).bfloat16())
+    assert [r.forward for r in be.report.layers] == ["fp8_rowwise"] * 2
+    assert _x_casts(be) == ["", ""] and not _nodes_of(graphs, GELU_CAST)
+
+
+@pytest.mark.parametrize("case", ["root0.8", "gelu_new_bf16", "emulate_precision_casts",
+                                  "tensorwise", "fp32", "dynamic", "recompute_operands"])
 def test_gelu_cast_stays_in_the_graph_where_the_op_does_not_apply(monkeypatch, case):
     """A formula like tanh's GELU with another constant (not GELU), ``gelu_new`` in bf16 ops
-    where Inductor emulates eager's rounding after every op (the op rounds once), a
-    tensor-wise FP8 forward (one scale: a whole-tensor max first), an fp32 GELU, dynamic
+    (a bf16 model: Inductor's bits would hang on which ops it stores and rounds), the same
+    where Inductor emulates eager's rounding after every op, a tensor-wise FP8 forward (one scale: a whole-tensor max first), an fp32 GELU, dynamic
     sizes and a GELU output the backward rebuilds (``recompute_operands``: the op would
     run whole again there, a copy of it in the backward graph) keep GELU and the cast in
     aten ops; the step is the same either way."""
@@ -774,7 +812,8 @@ def test_gelu_cast_stays_in_the_graph_where_the_op_does_not_apply(monkeypatch, c
     x = torch.randn(2, 8, 64)
     forward = "fp8" if case in ("tensorwise", "fp32") else "fp8_rowwise"
     x = x if case == "fp32" else x.bfloat16()
-    form = {"root0.8": "root0.8", "emulate_precision_casts": "gelu_new"}.get(case, "none")
+    form = {"root0.8": "root0.8", "gelu_new_bf16": "gelu_new",
+            "emulate_precision_casts": "gelu_new"}.get(case, "none")
     build = _seeded(_GeluMLP, 24, form)
     cfg = _cfg(forward=forward, recompute_operands=case == "recompute_operands")
     with inductor_config.patch(emulate_precision_casts=case == "emulate_precision_casts"):

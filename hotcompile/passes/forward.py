@@ -158,6 +158,7 @@ def rewrite_forward(graph: Graph, sites: List[LinearSite], config, fake_mode,
 # a training graph (timm's Mlp: fc1, GELU, dropout, fc2)
 PASS_THROUGH = (aten.view.default, aten._unsafe_view.default, aten.reshape.default,
                 aten.clone.default)
+ALIASES = (aten.alias.default, *PASS_THROUGH[:3])   # views that only hold a value
 CAST = torch.ops.prims.convert_element_type.default
 SQRT_HALF = 0.7071067811865476
 SQRT_2_OVER_PI = 0.7978845608028654
@@ -167,19 +168,22 @@ TANH_CUBIC = 0.044715
 def _gelu_producer(x: Node) -> Optional[Tuple[Node, Node, str]]:
     """(GELU's bf16 output node, its bf16 input h, F.gelu's ``approximate``) where ``x`` is
     that output through views (or a clone: ``PASS_THROUGH``) and ``hot::gelu_e4m3`` can make
-    x and its row-wise cast in one pass: GELU in the forward, on row-major bf16 of static
-    shape whose rows are x's (``producer_cast.fusable``). The joint graph holds GELU
-    decomposed (``_gelu_formula``), in fp32 ops, bf16 ops or a mix, h read as itself or
-    cast to fp32: ``F.gelu`` (exact or tanh's) as fp32 ops between cast(h, fp32) and a
-    cast to bf16; Hugging Face's ``gelu_new`` (GPT-2) written out in bf16 ops, or under CUDA
-    autocast partly in fp32 (its ``pow`` runs in fp32 there) with autocast's cast to bf16
-    for the next linear. Inductor computes all of these in fp32 and rounds once at the
-    output, as the op does, unless ``emulate_precision_casts`` asks it to round after every
-    bf16 op (then such a chain is left to it). Not where the backward rebuilds GELU's
-    output (a recompute policy on it: ``recompute_operands``, ABC compressing in backward,
-    activation checkpointing): the partitioner would run the whole op again there, levels
-    and all, where the aten chain rebuilds GELU alone. Anything else keeps the cast in aten
-    ops, which Inductor fuses as it can."""
+    x and its row-wise cast in one pass, bit for bit as Inductor computes them: GELU in the
+    forward, on row-major bf16 of static shape whose rows are x's
+    (``producer_cast.fusable``). The joint graph holds GELU decomposed (``_gelu_formula``),
+    h read as itself or cast to fp32: ``F.gelu`` (exact or tanh's) as fp32 ops between
+    cast(h, fp32) and a cast to bf16; Hugging Face's ``gelu_new`` (GPT-2) as CUDA autocast
+    runs it, its ``pow`` in fp32 and so the ops after it, then autocast's cast to bf16 for
+    the next linear. Those Inductor computes in fp32 and rounds once, as the op does. Left
+    to Inductor (``_rounds_inside``): a formula with an op computing in bf16 (``gelu_new``
+    in a bf16 model: Inductor's bits then depend on which of those ops it stores, which
+    the partitioner decides later, and torch 2.13 rounds one it saves for backward), and
+    one whose ops have a reader outside it in the forward (Inductor would store that op's
+    value and compute GELU's output from it in another kernel). Not where the backward
+    rebuilds GELU's output (a recompute policy on it: ``recompute_operands``, ABC
+    compressing in backward, activation checkpointing): the partitioner would run the
+    whole op again there, levels and all, where the aten chain rebuilds GELU alone.
+    Anything else keeps the cast in aten ops, which Inductor fuses as it can."""
     y = x
     while y.target in PASS_THROUGH:
         y = y.args[0]
@@ -197,8 +201,7 @@ def _gelu_producer(x: Node) -> Optional[Tuple[Node, Node, str]]:
         return None
     c, approximate = found
     h = _uncast(c)
-    from torch._inductor import config as inductor_config
-    if inductor_config.emulate_precision_casts and _has_bf16_op(root, h):
+    if _rounds_inside(root, y, h):
         return None
     hv, xv, yv = h.meta.get("val"), x.meta.get("val"), y.meta.get("val")
     if not all(isinstance(v, torch.Tensor) for v in (hv, xv, yv)) or xv.dim() != 2:
@@ -216,14 +219,46 @@ def _uncast(n):
     return n.args[0] if _cast(n, torch.float32) else n
 
 
-def _has_bf16_op(n, h: Node) -> bool:
-    """Whether an op of the formula from ``n`` down to h (or its fp32 cast) computes in
-    bf16."""
-    if not isinstance(n, Node) or _uncast(n) is h:
-        return False
-    v = n.meta.get("val")
-    return (getattr(v, "dtype", None) == torch.bfloat16
-            or any(_has_bf16_op(a, h) for a in n.args))
+def _formula_ops(n, h: Node, ops: Dict[Node, None]) -> Dict[Node, None]:
+    """The ops of the formula from ``n`` down to h (h and its fp32 casts excluded)."""
+    if isinstance(n, Node) and _uncast(n) is not h and n not in ops:
+        ops[n] = None
+        for a in n.args:
+            _formula_ops(a, h, ops)
+    return ops
+
+
+def _rounds_inside(root: Node, y: Node, h: Node) -> bool:
+    """Whether Inductor may round inside the formula rooted at ``root`` (GELU's output
+    ``y`` being root or its cast through views) where ``hot::gelu_e4m3`` does not, or
+    fuse it otherwise than in one kernel: an op computing in bf16 other than the halving
+    of h (exact), or an op read in the forward by a node outside the formula (Inductor
+    stores that value and may compute GELU's output from it in another kernel: rounded
+    if bf16; exact if fp32, but that fusion is Inductor's choice, left to it). Backward
+    readers are the partitioner's: an fp32 value it keeps or rebuilds is exact."""
+    ops = _formula_ops(root, h, {})
+    n = y
+    while n is not root:                           # the cast and views down to the root
+        ops[n] = None
+        n = n.args[0]
+    for n in ops:
+        v = n.meta.get("val")
+        if getattr(v, "dtype", torch.float32) != torch.float32 and n is not y:
+            half = _times(n, 0.5)
+            if half is None or _uncast(half) is not h:
+                return True
+        if n is not y and any(u not in ops and not _backward_only(u) for u in n.users):
+            return True
+    return False
+
+
+def _backward_only(n: Node) -> bool:
+    """Whether n is a backward node, or an alias or view (autograd's hold on a value it
+    saves: ``alias(tanh)`` for tanh's backward) read by backward nodes alone."""
+    if n.meta.get("partitioner_tag") == "is_backward":
+        return True
+    return (n.target in ALIASES and bool(n.users)
+            and all(_backward_only(u) for u in n.users))
 
 
 def _cast(n: Node, dtype: torch.dtype) -> bool:
