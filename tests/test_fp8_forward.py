@@ -803,10 +803,11 @@ def test_gelu_kernel_left_out_where_an_op_of_the_formula_has_another_reader(monk
 def test_gelu_cast_stays_in_the_graph_where_the_op_does_not_apply(monkeypatch, case):
     """A formula like tanh's GELU with another constant (not GELU), ``gelu_new`` in bf16 ops
     (a bf16 model: Inductor's bits would hang on which ops it stores and rounds), the same
-    where Inductor emulates eager's rounding after every op, a tensor-wise FP8 forward (one scale: a whole-tensor max first), an fp32 GELU, dynamic
-    sizes and a GELU output the backward rebuilds (``recompute_operands``: the op would
-    run whole again there, a copy of it in the backward graph) keep GELU and the cast in
-    aten ops; the step is the same either way."""
+    where Inductor emulates eager's rounding after every op, a tensor-wise FP8 forward (one
+    scale: a whole-tensor max first), an fp32 GELU, dynamic sizes and a GELU output the
+    backward rebuilds (``recompute_operands``: the op would run whole again there, a copy
+    of it in the backward graph) keep GELU and the cast in aten ops; the step is the same
+    either way."""
     from torch._inductor import config as inductor_config
     torch.manual_seed(23)
     x = torch.randn(2, 8, 64)

@@ -29,13 +29,13 @@ from triton.language.extra.cuda import libdevice
 from .hadamard import (E4M3_AMAX_FLOOR, E4M3_INV_MAX, abs_bits, e4m3_from_clamped,
                        interpreting, round_to_bf16)
 from .launch import declare_writes, launch
+from . import reference as ref
 
 CHUNK = 1024                  # columns a program holds per chunk (a power of two; ``tile``)
 MAX_WIDTH = 8 * CHUNK         # wider rows would spill the held chunks out of registers
-APPROXIMATIONS = ("none", "tanh")   # F.gelu's ``approximate``: the two formulas made here
-SQRT_HALF = tl.constexpr(0.7071067811865476)
-SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
-TANH_CUBIC = tl.constexpr(0.044715)
+SQRT_HALF = tl.constexpr(ref.SQRT_HALF)             # GELU's constants, as the twin's
+SQRT_2_OVER_PI = tl.constexpr(ref.SQRT_2_OVER_PI)
+TANH_CUBIC = tl.constexpr(ref.TANH_CUBIC)
 
 
 def fusable(h: torch.Tensor) -> bool:
@@ -141,8 +141,8 @@ def gelu_e4m3(h: torch.Tensor, approximate: str = "none"):
     """``reference.gelu_e4m3`` on one kernel: (GELU(h) bf16 (R, W), its row-wise e4m3 levels
     (R, W) row-major, scales (R,) fp32, row maxima max |y| (R,) fp32). h: ``fusable``;
     ``approximate``: F.gelu's ("none": erf's formula, "tanh")."""
-    if approximate not in APPROXIMATIONS:
-        raise ValueError(f"gelu_e4m3: approximate must be one of {APPROXIMATIONS}, "
+    if approximate not in ref.GELU_APPROXIMATIONS:
+        raise ValueError(f"gelu_e4m3: approximate must be one of {ref.GELU_APPROXIMATIONS}, "
                          f"got {approximate!r}")
     if not fusable(h):
         raise ValueError(f"gelu_e4m3: needs 2-D contiguous bf16 rows of at most {MAX_WIDTH} "

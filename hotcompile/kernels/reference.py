@@ -508,17 +508,25 @@ def weight_operands(w: torch.Tensor, col_max: torch.Tensor, fwd_max, forward: st
                                              max_bits=fwd_max))
 
 
+# GELU's formulas (``gelu``), shared by the one-pass kernel (``producer_cast``) and the pass
+# that finds them in a graph (``passes/forward._gelu_formula``): F.gelu's ``approximate``
+GELU_APPROXIMATIONS = ("none", "tanh")
+SQRT_HALF = 0.7071067811865476             # exact GELU: erf(x * sqrt(1/2))
+SQRT_2_OVER_PI = 0.7978845608028654        # tanh's: tanh((x + x**3 * 0.044715) * sqrt(2/pi))
+TANH_CUBIC = 0.044715
+
+
 def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     """GELU of fp32 x, op by op in the order Inductor compiles ``F.gelu`` in: exact,
     (x * 0.5) * (erf(x * sqrt(1/2)) + 1); ``approximate="tanh"``, (x * 0.5) * (tanh((x +
     x * x * x * 0.044715) * sqrt(2/pi)) + 1), which is also Hugging Face's ``gelu_new``
     (its ``pow(x, 3)`` compiled as (x * x) * x)."""
-    if approximate not in ("none", "tanh"):
+    if approximate not in GELU_APPROXIMATIONS:
         raise ValueError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
     if approximate == "tanh":
-        t = torch.tanh((x + x * x * x * 0.044715) * 0.7978845608028654)
+        t = torch.tanh((x + x * x * x * TANH_CUBIC) * SQRT_2_OVER_PI)
     else:
-        t = torch.erf(x * 0.7071067811865476)
+        t = torch.erf(x * SQRT_HALF)
     return (x * 0.5) * (t + 1.0)
 
 

@@ -23,6 +23,7 @@ from torch.fx import Graph, Node
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ..kernels import fp8_forward as F8
+from ..kernels.reference import SQRT_2_OVER_PI, SQRT_HALF, TANH_CUBIC
 from . import cost
 from .abc import ABC_OP
 from .find import LinearSite
@@ -158,11 +159,10 @@ def rewrite_forward(graph: Graph, sites: List[LinearSite], config, fake_mode,
 # a training graph (timm's Mlp: fc1, GELU, dropout, fc2)
 PASS_THROUGH = (aten.view.default, aten._unsafe_view.default, aten.reshape.default,
                 aten.clone.default)
-ALIASES = (aten.alias.default, *PASS_THROUGH[:3])   # views that only hold a value
+# what autograd holds a saved value by (``alias(tanh)`` for tanh's backward): no copy
+ALIASES = (aten.alias.default, aten.view.default, aten._unsafe_view.default,
+           aten.reshape.default)
 CAST = torch.ops.prims.convert_element_type.default
-SQRT_HALF = 0.7071067811865476
-SQRT_2_OVER_PI = 0.7978845608028654
-TANH_CUBIC = 0.044715
 
 
 def _gelu_producer(x: Node) -> Optional[Tuple[Node, Node, str]]:
