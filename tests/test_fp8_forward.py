@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import hotcompile
 from hotcompile import HOTConfig
@@ -888,3 +889,152 @@ def test_gate_prices_the_cast_of_x_where_gelus_kernel_writes_it(monkeypatch, cas
         list(real(cost.H200, 16, 256, 64, 1.0, w_owned=owned[256], gelu=fused)), abs=6e-5)
     if fused:               # the op's line: below the price of a cast reading x
         assert fc2.forward_ms[1] < real(cost.H200, 16, 256, 64, 1.0, w_owned=owned[256])[1]
+
+
+# ------------------------------------------------ out-features not a multiple of 16 (heads)
+@torch.library.custom_op("hot_test::row_sums", mutates_args=())
+def _row_sums(y: torch.Tensor) -> torch.Tensor:
+    return y.sum(-1)
+
+
+@_row_sums.register_fake
+def _(y):
+    return y.new_empty(y.shape[:-1])
+
+
+class _Head(torch.nn.Module):
+    """A layer, then an LM head of 77 out-features (GPT-2's 50257, BERT's 30522: cuBLAS's FP8
+    GEMM takes multiples of 16) whose logits meet the loss inside the graph, returned with a
+    copy of the logits; ``tail`` what else reads them: "returned" the caller (the logits
+    themselves), "flat" a flattening view (which the padded GEMM's strided output cannot
+    give), "custom_op" an op outside aten (which may assume its input contiguous)."""
+
+    def __init__(self, tail="", bias=True):
+        super().__init__()
+        self.tail = tail
+        self.fc, self.head = torch.nn.Linear(64, 64), torch.nn.Linear(64, 77, bias=bias)
+
+    def forward(self, x, t):
+        y = self.head(torch.relu(self.fc(x)))
+        if self.tail == "flat":
+            y = y.reshape(-1).view(y.shape)
+        loss = F.cross_entropy(y.flatten(0, 1).float(), t.flatten())
+        if self.tail == "custom_op":
+            loss = loss + 0 * _row_sums(y.detach()).sum()
+        return loss, (y if self.tail == "returned" else y.clone())
+
+
+@pytest.mark.parametrize("forward,autocast,bias", [("fp8", None, True),
+                                                   ("fp8_rowwise", torch.bfloat16, True),
+                                                   ("fp8_rowwise", torch.bfloat16, False)])
+def test_head_with_unaligned_out_features_takes_the_fp8_forward_on_padded_w(
+        monkeypatch, forward, autocast, bias):
+    """A head of 77 out-features whose backward stays exact takes the FP8 forward on W padded
+    with 3 zero rows (and its bias with 3 zeros), its output the first 77 columns of the
+    GEMM's: the logits are the eager twin's (``F8.fp8_linear`` pads the same way) bit for
+    bit, every gradient the exact backward's of that forward; the report says the padding."""
+    monkeypatch.setattr(cost, "model_for", lambda device: slow_hot_backward_table())
+    torch.manual_seed(31)
+    m, x, t = _Head(bias=bias), torch.randn(2, 8, 64), torch.randint(0, 77, (2, 8))
+    twin = _Head(bias=bias)
+    twin.load_state_dict(m.state_dict())
+    ctx = (torch.autocast("cpu", dtype=autocast) if autocast
+           else torch.autocast("cpu", enabled=False))
+    with ctx:
+        be = hotcompile.backend(_cfg(forward=forward))
+        with capture_graphs() as graphs:
+            loss, logits = torch.compile(m, backend=be)(x, t)
+        loss.backward()
+    head = {r.name: r for r in be.report.layers}["head"]
+    assert (head.forward, head.forward_pad, head.forward_reason) == (forward, 3, ""), head
+    assert "fwd" in str(be.report) and f"{forward} (W padded to 80 rows)" in str(be.report)
+    gemms = [n for g in graphs for n in g.nodes if n.target == aten._scaled_mm.default]
+    assert sorted(n.meta["val"].shape[1] for n in gemms) == [64, 80]
+    # the eager twin: the same FP8 forward on the operands' dtype, autograd's exact backward
+    dt = autocast or torch.float32
+    xs = x.reshape(-1, 64).to(dt)
+    b = lambda lin: lin.bias.to(dt) if lin.bias is not None else None  # noqa: E731
+    h = _FP8ForwardExactBackwardAny.apply(xs, twin.fc.weight, b(twin.fc), forward).relu()
+    y = _FP8ForwardExactBackwardAny.apply(h, twin.head.weight, b(twin.head), forward)
+    want = F.cross_entropy(y.float(), t.flatten())
+    want.backward()
+    assert torch.equal(logits.reshape(-1, 77).detach(), y.detach())
+    # the loss's sum: Inductor's order under autocast is not eager's (1 ulp seen)
+    torch.testing.assert_close(loss, want, rtol=1e-6, atol=0)
+    for (name, p), q in zip(m.named_parameters(), twin.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=2e-2 if autocast else 1e-5,
+                                   atol=1e-4 if autocast else 1e-6, msg=name)
+
+
+class _FP8ForwardExactBackwardAny(torch.autograd.Function):
+    """As ``_FP8ForwardExactBackward`` with the format (tensor-wise or row-wise) and the
+    operands' dtype (W cast to x's, as autocast does)."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, forward):
+        w = w.to(x.dtype)
+        ctx.save_for_backward(x, w)
+        ctx.bias = b is not None
+        return F8.fp8_linear(x, w.t(), b, rowwise=forward == "fp8_rowwise")
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g @ w, (g.t() @ x).float(), g.sum(0).float() if ctx.bias else None, None
+
+
+@pytest.mark.parametrize("tail,why", [
+    ("returned", "the GEMM's output is returned from the graph"),
+    ("flat", "a view of the GEMM's output fails on its strides"),
+    ("custom_op", "the GEMM's output is read by hot_test.row_sums.default, not an aten op")])
+def test_unaligned_head_keeps_bf16_where_a_strided_output_is_not_proven_safe(
+        monkeypatch, tail, why):
+    """Where the padded GEMM's output (a strided view) would reach the caller, a view that
+    cannot be taken of it, or an op outside aten, the head keeps Inductor's bf16 forward
+    and the report says which; the logits are those of the model's exact head on the FP8
+    forward of the layer below."""
+    monkeypatch.setattr(cost, "model_for", lambda device: slow_hot_backward_table())
+    torch.manual_seed(32)
+    m, x, t = _Head(tail), torch.randn(2, 8, 64), torch.randint(0, 77, (2, 8))
+    be = hotcompile.backend(_cfg())
+    with capture_graphs() as graphs:
+        loss, logits = torch.compile(m, backend=be)(x, t)
+    loss.backward()
+    head = {r.name: r for r in be.report.layers}["head"]
+    assert (head.forward, head.forward_pad) == ("bf16", 0)
+    assert head.forward_reason.startswith(
+        "FP8 forward needs out-features a multiple of 16 (got 77); W not padded: " + why), head
+    assert [n.meta["val"].shape[1] for g in graphs for n in g.nodes
+            if n.target == aten._scaled_mm.default] == [64]
+    assert logits.is_contiguous() and logits.shape == (2, 8, 77)
+    h = F8.fp8_linear(x.reshape(-1, 64), m.fc.weight.t(), m.fc.bias).relu()
+    torch.testing.assert_close(logits.reshape(-1, 77), m.head(h), rtol=1e-5, atol=1e-6)
+
+
+def test_unaligned_rewritten_site_is_not_padded():
+    """A site HOT rewrites keeps the bf16 forward at 72 out-features: its W operand can come
+    from HOT's weight kernels, which write O rows."""
+    be, y, graphs = _run(MLP(64, 72, 48), _cfg(), torch.randn(2, 8, 64))
+    fc1 = {r.name: r for r in be.report.layers}["fc1"]
+    assert fc1.rewritten and fc1.forward == "bf16"
+    assert fc1.forward_reason == ("FP8 forward needs out-features a multiple of 16 (got 72); "
+                                  "W not padded: only where the backward stays exact")
+
+
+def test_padded_head_under_dynamic_token_counts(monkeypatch):
+    """Token counts as symbols: the padded GEMM's view and the views after it are re-run on
+    symbolic sizes; three lengths, each one's logits the twin's."""
+    monkeypatch.setattr(cost, "model_for", lambda device: slow_hot_backward_table())
+    torch.manual_seed(33)
+    m = _Head()
+    be = hotcompile.backend(_cfg())
+    f = torch.compile(m, backend=be, dynamic=True)
+    for n in (8, 12, 20):
+        x, t = torch.randn(2, n, 64), torch.randint(0, 77, (2, n))
+        loss, logits = f(x, t)
+        loss.backward()
+        h = F8.fp8_linear(x.reshape(-1, 64), m.fc.weight.t(), m.fc.bias).relu()
+        want = F8.fp8_linear(h, m.head.weight.t(), m.head.bias)
+        assert torch.equal(logits.reshape(-1, 77).detach(), want.detach()), n
+        torch.testing.assert_close(loss, F.cross_entropy(want, t.flatten()), rtol=1e-6, atol=0)
+    assert {r.forward_pad for r in be.report.layers if r.name == "head"} == {3}

@@ -55,6 +55,7 @@ class SiteRecord:
     forward: str = "bf16"                  # forward GEMM: "bf16", "fp8" or "fp8_rowwise"
     forward_reason: str = ""               # why it stayed bf16 although FP8 was asked for
     forward_ms: Optional[list] = None      # forward cost gate: [bf16, FP8] ms (GPU only)
+    forward_pad: int = 0                   # zero rows padding W's FP8 operand (O % 16 != 0)
     w_operand: str = ""                    # "fp32 parameter": g_x reads it (recompute_operands);
     #                                        "hot::weight_cast copy": W and its column maxima
     #                                        from one forward kernel (passes/weight_cast.py)
@@ -124,6 +125,7 @@ def record_site(site: "LinearSite", graph_index: int, config, plan=None) -> Site
                      saved_after=after, reason=site.reason,
                      rank="auto (calibrating)" if measuring else rank,
                      forward=site.forward, forward_reason=site.forward_reason,
+                     forward_pad=site.forward_pad,
                      w_operand="fp32 parameter" if site.eligible and site.w_chain else
                      "hot::weight_cast copy" if site.eligible and site.w_cast is not None else "",
                      launch=site.launch if site.eligible else "",
@@ -235,7 +237,9 @@ class Report:
             if r.lqs_err_token is not None:
                 lqs += f" (e_tok {r.lqs_err_token:.3f}, e_ten {r.lqs_err_tensor:.3f})"
             rows.append((str(r.graph), r.key, str(r.L), str(r.I), str(r.O), r.dtype,
-                         r.forward + (" (x from GELU's kernel)" if r.x_cast else ""),
+                         r.forward + (" (x from GELU's kernel)" if r.x_cast else "")
+                         + (f" (W padded to {r.O + r.forward_pad} rows)" if r.forward_pad
+                            else ""),
                          r.gx_path, r.gw_path, r.abc.split(" (")[0], saved, lqs,
                          "-" if not r.predicted_ms else
                          f"{r.predicted_ms[0]:.3f}/{r.predicted_ms[1]:.3f}",

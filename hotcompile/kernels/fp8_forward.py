@@ -156,28 +156,61 @@ def gemm_layouts(xq, wtq):
 
 
 def weight_operand(wt, rowwise: bool = False, dtype: torch.dtype | None = None,
-                   max_bits=None):
-    """The (I, O) forward operand ``wt`` -> (column-major e4m3 (I, O), scale: 0-d, or (1, O)
-    row-wise): quantize W = wt^T as a row-major (O, I) buffer, then view it transposed.
-    ``dtype``: ``wt``'s, when it is a graph proxy. ``max_bits``: W's maxima as int32 bits
-    of |W| (``reference.weight_cast``'s): per row (O,) row-wise, per column (I,) tensor-wise
-    (their max is W's): W's amax without a reduction over W."""
+                   max_bits=None, pad: int = 0):
+    """The (I, O) forward operand ``wt`` -> (column-major e4m3 (I, O + pad), scale: 0-d, or
+    (1, O + pad) row-wise): quantize W = wt^T as a row-major (O, I) buffer, then view it
+    transposed. ``dtype``: ``wt``'s, when it is a graph proxy. ``max_bits``: W's maxima as
+    int32 bits of |W| (``reference.weight_cast``'s): per row (O,) row-wise, per column (I,)
+    tensor-wise (their max is W's): W's amax without a reduction over W. ``pad``: zero rows
+    appended to W (``out_padding``), whose levels are 0 (their row-wise scale the floor's):
+    Inductor fuses the padding into the cast's one read of W."""
     amax = None
     if max_bits is not None:
         if not rowwise:         # int32 order is float order for |W| (NaN above inf)
             max_bits = aten.amax.default(max_bits, [0])
+        elif pad:               # the zero rows' maxima: 0.0, whose bits are 0
+            max_bits = aten.constant_pad_nd.default(max_bits, [0, pad], 0)
         amax = aten.view.dtype(max_bits, torch.float32)
-    q, s = e4m3_cast(aten.permute.default(wt, [1, 0]), rowwise, True, scale_as_row=True,
-                     dtype=dtype, amax=amax)
+    w = aten.permute.default(wt, [1, 0])
+    if pad:
+        w = aten.constant_pad_nd.default(w, [0, 0, 0, pad], 0.0)
+    q, s = e4m3_cast(w, rowwise, True, scale_as_row=True, dtype=dtype, amax=amax)
     return aten.permute.default(q, [1, 0]), s
+
+
+def out_padding(O: int) -> int:
+    """Zero rows that bring W's out-features O to a multiple of 16, cuBLAS's FP8 layout rule
+    (GPT-2's head: 50257 -> 50272, BERT's: 30522 -> 30528). Why pad and not keep bf16: at
+    such a head the padded FP8 GEMM and its slice made GPT-2's head (16384 x 768 -> 50257,
+    the loss after it) 0.57 ms a step faster than Inductor's bf16 (9.07 -> 8.50 ms, forward
+    3.32 -> 2.59 ms; H200, ``bench/padded_head.py``, docs/BENCHMARKS.md, sixty-fourth stop).
+    In-features are not padded: x would need a copy of its own."""
+    return -O % 16
+
+
+def padded_linear(xq, sx, wq, sw, bias, dtype: torch.dtype, O: int, pad: int):
+    """``scaled_linear`` on a W operand padded by ``pad`` columns (``weight_operand``), the
+    bias padded to match, and the output sliced back to its O features: a strided view (row
+    stride O + pad) of the GEMM's output, which ``passes/forward.py`` gives only to readers
+    it proved take any strides."""
+    if not pad:
+        return scaled_linear(xq, sx, wq, sw, bias, dtype)
+    if bias is not None:
+        bias = aten.constant_pad_nd.default(bias, [0, pad], 0.0)
+    y = scaled_linear(xq, sx, wq, sw, bias, dtype)
+    return aten.slice.Tensor(y, 1, 0, O)
 
 
 def fp8_linear(x, wt, bias=None, dtype: torch.dtype | None = None, rowwise: bool = False):
     """The reference twin of a rewritten forward site: x (L, I) @ wt (I, O) (+ bias) on e4m3
-    operands, tensor-wise or (``rowwise``) with a scale per token and per output feature."""
+    operands, tensor-wise or (``rowwise``) with a scale per token and per output feature; an
+    O that is not a multiple of 16 on W padded with zero rows, the output a view of the
+    GEMM's first O columns (``out_padding``)."""
+    O = wt.shape[1]
+    pad = out_padding(O)
     xq, sx = e4m3_cast(x, rowwise, contiguous=True)
-    wq, sw = weight_operand(wt, rowwise)
-    return scaled_linear(xq, sx, wq, sw, bias, dtype or x.dtype)
+    wq, sw = weight_operand(wt, rowwise, pad=pad)
+    return padded_linear(xq, sx, wq, sw, bias, dtype or x.dtype, O, pad)
 
 
 FORWARDS = ("auto", "bf16", "fp8", "fp8_rowwise")
@@ -187,12 +220,13 @@ AUTO_CAPABILITY = 9
 
 
 def forward_rule(requested: str, device: torch.device, I, O,
-                 dtype: torch.dtype = torch.bfloat16) -> tuple[str, str]:
+                 dtype: torch.dtype = torch.bfloat16, pad_out: bool = False) -> tuple[str, str]:
     """(format, reason) of a site's forward GEMM: ``requested`` ("fp8": tensor-wise scales,
     "fp8_rowwise") where possible, else "bf16" with the reason. Needs FP8 tensor cores on
     CUDA (compute capability >= 8.9; CPU runs ``_scaled_mm``'s reference kernel, for tests),
-    in/out features that are multiples of 16 (cuBLAS's FP8 layout rule), and for row-wise
-    scales a bf16 forward (the only output the row-wise GEMM has).
+    in/out features that are multiples of 16 (cuBLAS's FP8 layout rule; with ``pad_out``
+    any static out-features, W padded: ``out_padding``), and for row-wise scales a bf16
+    forward (the only output the row-wise GEMM has).
 
     "auto" (the default) is "fp8_rowwise" for a bf16 forward on an NVIDIA GPU of compute
     capability 9.x, and "bf16" with no reason elsewhere (CPU, an fp32 or fp16 forward,
@@ -220,6 +254,6 @@ def forward_rule(requested: str, device: torch.device, I, O,
     if device.type not in ("cuda", "cpu"):
         return "bf16", f"no FP8 GEMM on {device.type}"
     for name, n in (("in", I), ("out", O)):
-        if not isinstance(n, int) or n % 16:
+        if not isinstance(n, int) or (n % 16 and not (name == "out" and pad_out)):
             return "bf16", f"FP8 forward needs {name}-features a multiple of 16 (got {n})"
     return requested, ""

@@ -69,6 +69,7 @@ class LinearSite:
     forward: str = "bf16"         # the forward GEMM's format ("bf16" | "fp8"), passes/forward.py
     forward_reason: str = ""      # why a site asked for FP8 keeps a bf16 forward
     forward_ms: Optional[tuple] = None  # forward cost gate: (bf16 ms, FP8 ms) predicted
+    forward_pad: int = 0          # zero rows padding W's FP8 operand (fp8_forward.out_padding)
     w_max: Optional[Node] = None  # W's maxima for its FP8 scale (int32 bits; rows if row-wise,
     #                               else columns), from hot::weight_cast (weight_cast.py)
     w_fp8: Optional[tuple] = None  # (W's FP8 forward operand, its scale) from

@@ -24,7 +24,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from ..kernels import fp8_forward as F8
 from ..kernels.reference import SQRT_2_OVER_PI, SQRT_HALF, TANH_CUBIC
-from . import cost
+from . import cost, strided_output
 from .abc import ABC_OP
 from .find import LinearSite
 from .graph_utils import emit
@@ -68,20 +68,37 @@ def forward_plan(s: LinearSite, config, x_share: float = 1.0):
         # "auto" asked nothing it could resolve: no reason
         return "bf16", ("" if config.forward == "auto" else
                         "no fake tensor to check the FP8 GEMM against"), None
-    fmt, why = F8.forward_rule(config.forward, x.device, s.I, s.O, y.dtype)
+    pad = F8.out_padding(s.O) if isinstance(s.O, int) else 0
+    no_pad = _padding_refusal(s, pad) if pad else None
+    fmt, why = F8.forward_rule(config.forward, x.device, s.I, s.O, y.dtype,
+                               pad_out=bool(pad) and no_pad is None)
+    if no_pad and why.startswith("FP8 forward needs out-features"):
+        why = f"{why}; W not padded: {no_pad}"
     ms = None
     if fmt != "bf16":
         model = cost.model_for(x.device)
         if model is not None and isinstance(s.L, int):
             gelu = (fmt == "fp8_rowwise" and not config.recompute_operands
                     and _gelu_producer(s.x) is not None)
-            exact, fp8 = ms = model.predict_forward(s.L, s.I, s.O, x_share, w_owned=s.w_owned,
-                                                    gelu=gelu)
+            # priced at the padded width (Inductor pads an unaligned bf16 GEMM too)
+            exact, fp8 = ms = model.predict_forward(s.L, s.I, s.O + pad, x_share,
+                                                    w_owned=s.w_owned, gelu=gelu)
             if config.min_speedup > 0 and exact < config.min_speedup * fp8:
                 fmt, why = "bf16", (f"cost gate: predicted forward {fp8:.3f} ms in FP8 vs "
                                     f"{exact:.3f} ms bf16 ({exact / fp8:.2f}x < min_speedup "
                                     f"{config.min_speedup:g})")
+    s.forward_pad = pad if fmt != "bf16" else 0
     return fmt, why, ms
+
+
+def _padding_refusal(s: LinearSite, pad: int) -> Optional[str]:
+    """Why site s's FP8 forward cannot pad W by ``pad`` rows (None where it can): only a
+    site whose backward stays exact (a rewritten site's W operand and maxima can come from
+    HOT's weight kernels, written at O rows), and only where the output may be a strided
+    view (``strided_output.refusal``)."""
+    if s.eligible:
+        return "only where the backward stays exact"
+    return strided_output.refusal(s.fwd, pad)
 
 
 def _bound_reader(s: LinearSite, buffers: Dict[str, Tuple[Node, Node]]) -> Optional[Node]:
@@ -112,6 +129,10 @@ def rewrite_forward(graph: Graph, sites: List[LinearSite], config, fake_mode,
     casts: Dict[object, tuple] = {}
     producers: List[Node] = []
     for s in todo:
+        pad = s.forward_pad
+        if pad and (why := strided_output.refusal(s.fwd, pad)):    # a reader came since
+            s.forward, s.forward_reason, s.forward_pad = "bf16", f"W not padded: {why}", 0
+            continue
         meta = {k: s.fwd.meta[k] for k in ("recompute", "ac_graph_id") if k in s.fwd.meta}
         rowwise = s.forward == "fp8_rowwise"
         key = (s.group or s.key, rowwise)
@@ -138,9 +159,10 @@ def rewrite_forward(graph: Graph, sites: List[LinearSite], config, fake_mode,
         dtype = s.fwd.meta["val"].dtype
         w_dtype = s.wt.meta["val"].dtype
 
-        def site_gemm(wt, xq, sx, bias, w_max, dtype=dtype, rowwise=rowwise, w_dtype=w_dtype):
-            wq, sw = F8.weight_operand(wt, rowwise, w_dtype, w_max)
-            return F8.scaled_linear(xq, sx, wq, sw, bias, dtype)
+        def site_gemm(wt, xq, sx, bias, w_max, dtype=dtype, rowwise=rowwise, w_dtype=w_dtype,
+                      O=s.O, pad=pad):
+            wq, sw = F8.weight_operand(wt, rowwise, w_dtype, w_max, pad)
+            return F8.padded_linear(xq, sx, wq, sw, bias, dtype, O, pad)
 
         if s.w_fp8 is not None:     # hot::weight_operands wrote W's operand
             y = emit(graph, lambda xq, sx, wq, sw, bias: F8.scaled_linear(xq, sx, wq, sw, bias,
@@ -152,6 +174,8 @@ def rewrite_forward(graph: Graph, sites: List[LinearSite], config, fake_mode,
         s.fwd.replace_all_uses_with(y)
         graph.erase_node(s.fwd)
         _repoint(sites, s.fwd, y)
+        if pad:     # y is the padded GEMM's strided view: its views' values say so
+            strided_output.restride(y)
     return producers
 
 
