@@ -947,6 +947,8 @@ def test_head_with_unaligned_out_features_takes_the_fp8_forward_on_padded_w(
         loss.backward()
     head = {r.name: r for r in be.report.layers}["head"]
     assert (head.forward, head.forward_pad, head.forward_reason) == (forward, 3, ""), head
+    # its g_x is exact (exact_gx names it) and computed: the report said "-" (no g_x) before
+    assert (head.gx_path, head.gw_path) == ("exact", "exact"), head
     assert "fwd" in str(be.report) and f"{forward} (W padded to 80 rows)" in str(be.report)
     gemms = [n for g in graphs for n in g.nodes if n.target == aten._scaled_mm.default]
     assert sorted(n.meta["val"].shape[1] for n in gemms) == [64, 80]

@@ -265,3 +265,44 @@ def test_gpu_compiled_scale_reciprocal_is_ieee():
     s = ((1 + torch.rand(1 << 20, generator=g)) * torch.exp2(e)).cuda()
     got = torch.compile(F8.scale_reciprocal, backend="inductor", fullgraph=True)(s)
     assert torch.equal(got, torch.reciprocal(s))
+
+
+@pytest.mark.parametrize("O", [1001, 50257])
+def test_gpu_unaligned_head_takes_the_fp8_forward_on_padded_w(monkeypatch, O):
+    """A head whose out-features are not a multiple of 16 (GPT-2's 50257), its backward kept
+    exact: the row-wise FP8 forward on cuBLAS with W padded to the next multiple of 16, the
+    logits the first O columns of the GEMM's output. Against the eager twin
+    (``F8.fp8_linear`` pads the same way) on the same bf16 operands: the logits bit for
+    bit; the gradients the exact backward's of that forward."""
+    from hotcompile.passes import cost
+    table = slow_hot_backward_table()
+    monkeypatch.setattr(cost, "model_for", lambda device: table)
+    torch.manual_seed(0)
+    head = torch.nn.Linear(256, O, bias=O == 1001).cuda()
+    x = torch.randn(4, 128, 256, device="cuda", requires_grad=True)
+    t = torch.randint(0, O, (4, 128), device="cuda")
+
+    def loss_and_logits(x, t):
+        y = head(x)
+        return F.cross_entropy(y.flatten(0, 1).float(), t.flatten()), y.clone()
+
+    be = hotcompile.backend(HOTConfig(min_features=0, exclude=(), forward="fp8_rowwise"))
+    with capture_graphs() as graphs, torch.autocast("cuda", dtype=torch.bfloat16):
+        loss, logits = torch.compile(loss_and_logits, backend=be)(x, t)
+    loss.backward()
+    rec = be.report.layers[0]
+    pad = -O % 16
+    assert (rec.forward, rec.forward_pad, rec.reason is not None) == ("fp8_rowwise", pad, True)
+    assert [n.meta["val"].shape[1] for g in graphs for n in g.nodes
+            if n.target == torch.ops.aten._scaled_mm.default] == [O + pad]
+    bf = lambda v: v.detach().to(torch.bfloat16)  # noqa: E731
+    xs, w = bf(x).reshape(-1, 256), bf(head.weight)
+    b = bf(head.bias) if head.bias is not None else None
+    want = F8.fp8_linear(xs, w.t(), b, torch.bfloat16, rowwise=True)
+    assert torch.equal(logits.reshape(-1, O), want)
+    # the exact backward of that forward: g_y from the loss on the twin's logits
+    y = want.float().requires_grad_()
+    F.cross_entropy(y, t.flatten()).backward()
+    g = y.grad.to(torch.bfloat16).double()
+    assert rel(x.grad.reshape(-1, 256).double(), g @ w.double()) < 1e-2
+    assert rel(head.weight.grad.double(), g.t() @ xs.double()) < 1e-2

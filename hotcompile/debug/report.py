@@ -115,8 +115,8 @@ def record_site(site: "LinearSite", graph_index: int, config, plan=None) -> Site
         gw = f"HLA r={rank}/{config.block} {fmt}" if site.gw is not None else "- (frozen weight)"
         if site.gw_fp32:        # the GEMM writes the fp32 parameter's gradient (grad_cast.py)
             gw += " -> fp32"
-    else:
-        gx = "exact" if site.gx is not None else "-"
+    else:       # exact_gx moved a kept site's g_x mm to ``gx_exact``: still computed
+        gx = "exact" if site.gx is not None or site.gx_exact is not None else "-"
         gw = "exact" if site.gw is not None else "-"
     prefix = plan.prefix if plan is not None else ""
     rec = SiteRecord(graph=graph_index, name=site.name, key=site.key, L=site.L, I=site.I,
