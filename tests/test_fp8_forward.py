@@ -1040,3 +1040,21 @@ def test_padded_head_under_dynamic_token_counts(monkeypatch):
         assert torch.equal(logits.reshape(-1, 77).detach(), want.detach()), n
         torch.testing.assert_close(loss, F.cross_entropy(want, t.flatten()), rtol=1e-6, atol=0)
     assert {r.forward_pad for r in be.report.layers if r.name == "head"} == {3}
+
+
+@pytest.mark.parametrize("rowwise", [False, True])
+def test_padding_w_leaves_the_first_columns_as_an_fp8_gemm_of_any_wider_w(rowwise):
+    """The twin at O = 77 (W padded with 3 zero rows inside) gives the first 77 columns of
+    the FP8 GEMM of W with 3 more rows: zero rows with tensor-wise scales (W's amax is
+    unchanged), any rows row-wise (each output feature has its own scale; x's is per token).
+    So padding changes no logit: the numerics are the unpadded FP8 forward's, which the
+    word-level LM gate passed on a 32000-token head (37th stop)."""
+    torch.manual_seed(41)
+    x, wt, b = torch.randn(24, 64), torch.randn(64, 77), torch.randn(77)
+    got = F8.fp8_linear(x, wt, b, rowwise=rowwise)
+    extra = torch.randn(64, 3) if rowwise else torch.zeros(64, 3)
+    wide = F8.fp8_linear(x, torch.cat([wt, extra], 1), torch.cat([b, torch.randn(3)]),
+                         rowwise=rowwise)
+    assert got.shape == (24, 77) and got.stride() == (80, 1)
+    assert torch.equal(got, wide[:, :77])
+    assert torch.isfinite(got).all()
