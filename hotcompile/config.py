@@ -64,7 +64,12 @@ class HOTConfig:
     with such sites kept bf16 (its 24 qkv and fc1 sites), ViT-L/16 bs128 +0.9%, BERT-base
     1.021x Inductor (24 sites, no backward rewritten), GPT-2's 24 c_fc and c_proj sites
     +0.4% (c_proj's x from GELU's kernel, tanh's GELU since the sixty-third stop; H200,
-    paired). ``min_speedup=0`` turns the forward's gate
+    paired). In-features must be multiples of 16 (cuBLAS's FP8 layout); out-features
+    need not where the site's backward stays exact (an LM head's vocabulary: GPT-2's
+    50257): W is padded with zero rows and the output is a strided view of the GEMM's
+    first O columns, where the pass proves every reader takes it (not where the compiled
+    function returns it: ``passes/strided_output.py``); GPT-2 1.031x Inductor with its
+    head so, 1.015x without (64th stop). ``min_speedup=0`` turns the forward's gate
     off too: under ``auto`` every aligned site on Hopper then takes the FP8 forward
     (``forward="bf16"`` keeps Inductor's).
     kernels: ``auto`` = fused Triton on CUDA, reference torch elsewhere.
