@@ -806,11 +806,13 @@ def test_digits_says_what_an_fp32_model_did_not_apply():
     assert "NOT APPLIED" in A._digits_line(r32, cfg)
     rbf = A.train_digits(mode, dict(cfg, amp="bf16"), data, dev, {}, 0)
     assert rbf["status"] == "ok" and rbf["amp"] == "bf16", rbf
-    # every site but the 10-class head (cuBLAS's FP8 layout needs multiples of 16)
+    # every site but the 10-class head (cuBLAS's FP8 layout needs multiples of 16; W is
+    # padded only where the backward stays exact, and HOT rewrites this head's)
     n = rbf["hot_sites_rewritten"]
     assert rbf["hot_forward_fp8"] == n - 1 >= 1, rbf["hot_forward_reasons"]
     assert A.unapplied(rbf) == (f"FP8 forward on {n - 1}/{n} sites (FP8 forward needs "
-                                "out-features a multiple of 16 (got 10))"), A.unapplied(rbf)
+                                "out-features a multiple of 16 (got 10); W not padded: only "
+                                "where the backward stays exact)"), A.unapplied(rbf)
     # a run that asked for neither has nothing to say, nor one on the default "auto"
     # forward, which asks for FP8 only where it applies (an fp32 model: nowhere)
     for forward in ("bf16", "auto"):
