@@ -68,8 +68,8 @@ class HOTConfig:
     need not where the site's backward stays exact (an LM head's vocabulary: GPT-2's
     50257): W is padded with zero rows and the output is a strided view of the GEMM's
     first O columns, where the pass proves every reader takes it (not where the compiled
-    function returns it: ``passes/strided_output.py``); GPT-2 1.031x Inductor with its
-    head so, 1.015x without (64th stop). ``min_speedup=0`` turns the forward's gate
+    function returns it: ``passes/strided_output.py``); GPT-2 1.030x Inductor with its
+    head so, 1.015x without, in one process (64th stop). ``min_speedup=0`` turns the forward's gate
     off too: under ``auto`` every aligned site on Hopper then takes the FP8 forward
     (``forward="bf16"`` keeps Inductor's).
     kernels: ``auto`` = fused Triton on CUDA, reference torch elsewhere.

@@ -182,8 +182,8 @@ def out_padding(O: int) -> int:
     """Zero rows that bring W's out-features O to a multiple of 16, cuBLAS's FP8 layout rule
     (GPT-2's head: 50257 -> 50272, BERT's: 30522 -> 30528). Why pad and not keep bf16: the
     padded FP8 forward made GPT-2's head with its loss (16384 x 768 -> 50257, forward and
-    backward) 1.076x Inductor's bf16 (8.99 -> 8.36 ms), GPT-2's step 1.031x against 1.015x
-    with the head left bf16 (H200, ``bench/padded_head.py``, docs/BENCHMARKS.md,
+    backward) 1.076x Inductor's bf16 (8.99 -> 8.36 ms), GPT-2's step 1.030x against 1.015x
+    with the head left bf16 in the same process (H200, ``bench/padded_head.py``, docs/BENCHMARKS.md,
     sixty-fourth stop). In-features are not padded: x would need a copy of its own."""
     return -O % 16
 
